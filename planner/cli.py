@@ -1,0 +1,53 @@
+"""`python -m planner` / `pipeplan`: one sub-command per module in `planner.commands`.
+
+Each command module exposes `register(subparsers) -> None`, which adds its parser and sets
+`func` (a callable taking the parsed namespace and returning an exit status). Commands that need
+torch (profile) import it inside their function, so `import planner.cli` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from planner.errors import PipeplanError
+
+COMMANDS = ["profile", "import_pipedream", "plan", "simulate", "serve"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeplan",
+        description="Profile a PyTorch model, plan its pipeline-parallel training, run the plan.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module_name = f"planner.commands.{name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:  # a command not built yet
+            if exc.name == module_name:
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except PipeplanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

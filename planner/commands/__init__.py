@@ -1,0 +1,1 @@
+"""Sub-commands of `python -m planner`; each module has `register(subparsers)`."""

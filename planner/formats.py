@@ -1,0 +1,349 @@
+"""The file formats (DESIGN.md): profile.json, cluster.json, plan.json, report.json.
+
+Pydantic v2 models, one per file, plus the options a plan is made with. Extra fields are kept
+in profiles, plans and reports (newer writers may add some); a cluster rejects unknown keys
+because a misspelt bandwidth would silently fall back to a default.
+
+Units: times in milliseconds (`_ms`), sizes in bytes (`_bytes`), memory in gigabytes and
+bandwidth in gigabytes per second where 1 GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    model_validator,
+)
+
+SCHEMA_VERSION = 1
+GB = 1e9
+INPUT_NODE = "<input>"  # edge source for tensors that are model inputs (available before layer 0)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- profile.json
+
+
+class ModelRef(_Open):
+    path: str
+    sha256: str
+
+
+class DeviceInfo(_Open):
+    type: str  # "cpu" | "cuda" | "gpu" (imported)
+    name: str
+
+
+class LayerProfile(_Open):
+    name: str
+    fwd_ms: NonNegativeFloat
+    bwd_ms: NonNegativeFloat
+    param_bytes: NonNegativeInt
+    activation_bytes: NonNegativeInt  # bytes autograd keeps for backward, per profiled batch
+    output_bytes: NonNegativeInt  # bytes of this layer's outputs, per profiled batch
+    kind: str | None = None  # module class or description, for people
+
+
+class Edge(_Open):
+    src: str  # a layer name or INPUT_NODE
+    dst: str
+    bytes: NonNegativeInt
+    tensor: str | None = None  # the value carried; None means "the output of src"
+
+
+class Measured(_Open):
+    fwd_ms: NonNegativeFloat
+    bwd_ms: NonNegativeFloat
+    peak_memory_bytes: NonNegativeInt | None = None
+
+
+class Profile(_Open):
+    schema_version: int = SCHEMA_VERSION
+    model: ModelRef
+    device: DeviceInfo
+    batch_size: PositiveInt
+    dtype: str = "float32"
+    layers: list[LayerProfile] = Field(min_length=1)
+    edges: list[Edge] = Field(default_factory=list)
+    measured: Measured | None = None
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> Profile:
+        index = {layer.name: i for i, layer in enumerate(self.layers)}
+        if len(index) != len(self.layers):
+            seen: set[str] = set()
+            dup = next(x.name for x in self.layers if x.name in seen or seen.add(x.name))
+            raise ValueError(f"layer name {dup!r} appears twice; layer names must be unique")
+        for e in self.edges:
+            if e.src != INPUT_NODE and e.src not in index:
+                raise ValueError(f"edge {e.src!r} -> {e.dst!r}: unknown source layer {e.src!r}")
+            if e.dst not in index:
+                raise ValueError(f"edge {e.src!r} -> {e.dst!r}: unknown destination layer {e.dst!r}")
+            if e.src != INPUT_NODE and index[e.src] >= index[e.dst]:
+                raise ValueError(
+                    f"edge {e.src!r} -> {e.dst!r} goes backwards: layers must be in topological order"
+                )
+        return self
+
+    def layer_index(self) -> dict[str, int]:
+        return {layer.name: i for i, layer in enumerate(self.layers)}
+
+    def cut_bytes(self) -> list[int]:
+        """`result[i]` = bytes of every tensor produced at or before layer i and used after it
+        (the traffic of a stage boundary between layer i and i+1), for i in 0..L-2. A tensor used
+        by several later layers counts once; model inputs count as produced before layer 0."""
+        index = self.layer_index()
+        n = len(self.layers)
+        # per tensor: producer index and last consumer index, bytes
+        spans: dict[tuple[str, str], list[int]] = {}
+        for e in self.edges:
+            key = (e.src, e.tensor or e.src)
+            p = -1 if e.src == INPUT_NODE else index[e.src]
+            span = spans.setdefault(key, [p, p, 0])
+            span[1] = max(span[1], index[e.dst])
+            span[2] = max(span[2], e.bytes)
+        diff = [0] * (n + 1)
+        for p, last, nbytes in spans.values():
+            lo = max(p, 0)
+            if last > lo:
+                diff[lo] += nbytes
+                diff[last] -= nbytes
+        out, acc = [], 0
+        for i in range(n - 1):
+            acc += diff[i]
+            out.append(acc)
+        return out
+
+
+def digest(model: BaseModel) -> str:
+    """sha256 of a model's canonical JSON (sorted keys, no whitespace)."""
+    data = json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- cluster.json
+
+
+class NodeSpec(_Closed):
+    name: str
+    devices: PositiveInt
+    device_memory_gb: float = Field(gt=0)
+    speed: float = Field(default=1.0, gt=0)  # relative to the profiled device
+
+
+@dataclass(frozen=True)
+class Device:
+    rank: int  # global rank, node-major
+    node: int  # index of its node
+    node_name: str
+    speed: float
+    memory_bytes: float
+
+
+class Cluster(_Closed):
+    """Uniform form (`nodes` an int with `devices_per_node`, `device_memory_gb`) or the list form
+    (`nodes` a list of NodeSpec) for mixed hardware. Ranks are numbered node by node."""
+
+    nodes: PositiveInt | list[NodeSpec]
+    devices_per_node: PositiveInt | None = None
+    device_memory_gb: float | None = Field(default=None, gt=0)
+    speed: float = Field(default=1.0, gt=0)
+    intra_node_gb_per_s: float = Field(gt=0)
+    inter_node_gb_per_s: float = Field(gt=0)
+    latency_us: NonNegativeFloat = 0.0
+
+    @model_validator(mode="after")
+    def _check_form(self) -> Cluster:
+        if isinstance(self.nodes, int):
+            missing = [k for k in ("devices_per_node", "device_memory_gb") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"the uniform form (nodes: int) needs {', '.join(missing)}")
+        else:
+            if not self.nodes:
+                raise ValueError("nodes: the list form needs at least one node")
+            given = [k for k in ("devices_per_node", "device_memory_gb") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: not allowed with the list form; give each node its own"
+                )
+        return self
+
+    def node_specs(self) -> list[NodeSpec]:
+        if isinstance(self.nodes, int):
+            assert self.devices_per_node is not None and self.device_memory_gb is not None
+            return [
+                NodeSpec(name=f"node{i}", devices=self.devices_per_node,
+                         device_memory_gb=self.device_memory_gb, speed=self.speed)
+                for i in range(self.nodes)
+            ]
+        return list(self.nodes)
+
+    def devices(self) -> list[Device]:
+        out: list[Device] = []
+        for n, spec in enumerate(self.node_specs()):
+            for _ in range(spec.devices):
+                out.append(Device(len(out), n, spec.name, spec.speed, spec.device_memory_gb * GB))
+        return out
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.devices for s in self.node_specs())
+
+
+# ---------------------------------------------------------------- plan options and plan.json
+
+ScheduleName = Literal["1f1b", "gpipe"]
+OptimizerName = Literal["sgd", "momentum", "adam"]
+ObjectiveName = Literal["iteration", "throughput"]
+
+
+class PlanOptions(_Closed):
+    global_batch: PositiveInt = 64
+    microbatch_size: PositiveInt | None = None  # None: the profile's batch size
+    microbatch_sizes: list[PositiveInt] | None = None  # cpsat may choose among these
+    schedule: ScheduleName = "1f1b"
+    method: str = "cpsat"
+    objective: ObjectiveName = "iteration"
+    optimizer: OptimizerName = "adam"
+    time_limit_s: float = Field(default=10.0, gt=0)
+    powers_of_two: bool = False
+    seed: int = 0
+    split: list[PositiveInt] | None = None  # method "manual": layers per stage
+    replicas: list[PositiveInt] | None = None  # method "manual": replicas per stage
+
+    @model_validator(mode="after")
+    def _check(self) -> PlanOptions:
+        sizes = ([self.microbatch_size] if self.microbatch_size else []) + (self.microbatch_sizes or [])
+        for mbs in sizes:
+            if self.global_batch % mbs:
+                raise ValueError(
+                    f"global_batch {self.global_batch} is not a multiple of microbatch size {mbs}"
+                )
+        if self.replicas is not None and self.split is not None and len(self.replicas) != len(self.split):
+            raise ValueError("replicas: give one count per stage of split")
+        return self
+
+
+class StagePredicted(_Open):
+    fwd_ms: float  # per microbatch, on this stage's devices
+    bwd_ms: float
+    compute_ms: float  # fwd_ms + bwd_ms
+    memory_bytes: int  # peak per device
+    memory_limit_bytes: int
+    allreduce_ms: float = 0.0
+
+
+class PlanStage(_Open):
+    index: NonNegativeInt
+    layers: list[str] = Field(min_length=1)
+    replicas: PositiveInt
+    devices: list[NonNegativeInt]
+    predicted: StagePredicted
+
+    @model_validator(mode="after")
+    def _check(self) -> PlanStage:
+        if len(self.devices) != self.replicas:
+            raise ValueError(
+                f"stage {self.index}: {self.replicas} replicas but {len(self.devices)} devices"
+            )
+        return self
+
+
+class Predicted(_Open):
+    iteration_ms: float
+    throughput_samples_per_s: float
+    lower_bound_ms: float
+    bubble_fraction: float
+    ratio_to_lower_bound: float
+
+
+class SolverInfo(_Open):
+    name: str
+    status: str  # OPTIMAL | FEASIBLE | HEURISTIC | FALLBACK | ...
+    objective: float | None = None
+    bound: float | None = None
+    gap: float | None = None
+    wall_s: float = 0.0
+
+
+class ScheduleGenerator(_Open):
+    name: ScheduleName
+    params: dict[str, int | list[int]] = Field(default_factory=dict)
+
+
+class Plan(_Open):
+    schema_version: int = SCHEMA_VERSION
+    profile_sha256: str
+    model: ModelRef
+    cluster: Cluster
+    options: PlanOptions
+    schedule: ScheduleName
+    global_batch: PositiveInt
+    microbatch_size: PositiveInt
+    num_microbatches: PositiveInt
+    stages: list[PlanStage] = Field(min_length=1)
+    predicted: Predicted
+    solver: SolverInfo
+    # the schedule each rank executes: explicit action strings per rank ("1F3" = stage 1
+    # forward of microbatch 3), keyed by global rank as a string; or, for large plans, the
+    # generator from which every rank derives exactly the same lists.
+    rank_actions: dict[str, list[str]] | None = None
+    generator: ScheduleGenerator | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        ranks = [d for s in self.stages for d in s.devices]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError("a device appears in two stages")
+        if self.microbatch_size * self.num_microbatches != self.global_batch:
+            raise ValueError("microbatch_size x num_microbatches must equal global_batch")
+        if self.rank_actions is None and self.generator is None:
+            raise ValueError("a plan needs rank_actions or a schedule generator")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return sum(s.replicas for s in self.stages)
+
+
+# ---------------------------------------------------------------- report.json (runtime)
+
+
+class RankReport(_Open):
+    rank: int
+    stage: int
+    replica: int
+    fwd_ms_per_microbatch: float
+    bwd_ms_per_microbatch: float
+    comm_ms: float  # per iteration
+    idle_ms: float  # per iteration
+    peak_memory_bytes: int
+    peak_inflight_microbatches: int
+
+
+class Report(_Open):
+    schema_version: int = SCHEMA_VERSION
+    plan_profile_sha256: str
+    steps: int
+    iteration_ms: float  # median over measured steps
+    samples_per_s: float
+    predicted_iteration_ms: float
+    losses: list[float]
+    ranks: list[RankReport]

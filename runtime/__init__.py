@@ -1,0 +1,1 @@
+"""pipeplan's runtime: execute a plan.json's schedule over torch.distributed."""

@@ -1,0 +1,61 @@
+import pytest
+from pydantic import ValidationError
+
+from planner.formats import INPUT_NODE, Cluster, Profile
+
+
+def _profile(edges: list[dict]) -> Profile:
+    layers = [
+        {"name": f"l{i}", "fwd_ms": 1, "bwd_ms": 2, "param_bytes": 0, "activation_bytes": 0,
+         "output_bytes": 10}
+        for i in range(5)
+    ]
+    return Profile.model_validate({
+        "model": {"path": "m.py", "sha256": "x"}, "device": {"type": "cpu", "name": "cpu"},
+        "batch_size": 1, "layers": layers, "edges": edges,
+    })
+
+
+def test_cut_bytes_counts_each_crossing_tensor_once() -> None:
+    edges = [
+        {"src": INPUT_NODE, "dst": "l0", "bytes": 4},
+        {"src": INPUT_NODE, "dst": "l3", "bytes": 4},  # input reused late: crosses cuts 0..2
+        {"src": "l0", "dst": "l1", "bytes": 10},
+        {"src": "l0", "dst": "l4", "bytes": 10},  # skip: same tensor as l0->l1
+        {"src": "l1", "dst": "l2", "bytes": 7},
+        {"src": "l2", "dst": "l3", "bytes": 5},
+        {"src": "l3", "dst": "l4", "bytes": 3},
+    ]
+    # brute force: for every cut, the distinct (src, tensor) with src <= i < some dst
+    p = _profile(edges)
+    idx = p.layer_index()
+    for i in range(4):
+        crossing = {}
+        for e in p.edges:
+            s = -1 if e.src == INPUT_NODE else idx[e.src]
+            if s <= i < idx[e.dst]:
+                crossing[(e.src, e.tensor or e.src)] = e.bytes
+        assert p.cut_bytes()[i] == sum(crossing.values())
+    assert p.cut_bytes() == [4 + 10, 4 + 10 + 7, 4 + 10 + 5, 10 + 3]
+
+
+def test_profile_rejects_backward_edge() -> None:
+    with pytest.raises(ValidationError, match="backwards"):
+        _profile([{"src": "l3", "dst": "l1", "bytes": 1}])
+
+
+def test_cluster_forms() -> None:
+    c = Cluster.model_validate({"nodes": 2, "devices_per_node": 4, "device_memory_gb": 16,
+                                "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10})
+    assert c.num_devices == 8 and c.devices()[5].node == 1
+    mixed = Cluster.model_validate({
+        "nodes": [{"name": "a", "devices": 2, "device_memory_gb": 80, "speed": 1.0},
+                  {"name": "b", "devices": 3, "device_memory_gb": 40, "speed": 0.5}],
+        "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10})
+    assert [d.speed for d in mixed.devices()] == [1.0, 1.0, 0.5, 0.5, 0.5]
+    with pytest.raises(ValidationError, match="inter_node_gb_per_s"):
+        Cluster.model_validate({"nodes": 1, "devices_per_node": 4, "device_memory_gb": 16,
+                                "intra_node_gb_per_s": 100, "inter_node_gb_per_s": -1})
+    with pytest.raises(ValidationError, match="bogus"):
+        Cluster.model_validate({"nodes": 1, "devices_per_node": 4, "device_memory_gb": 16,
+                                "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 1, "bogus": 1})
