@@ -1,0 +1,296 @@
+"""The cost model of ARCHITECTURE.md as pure functions: stage compute, traffic between stages
+(skip tensors included), transfer and all-reduce time, memory per device, the lower bound.
+
+Everything a partitioner, the simulator or the CP-SAT model needs is computed here, once, so
+every package predicts the same numbers. Microbatch scaling: with `b` the microbatch size and
+`B0` the profile's batch size, `scale = b / B0`; layer times and per-sample bytes (activations,
+outputs, edges) scale linearly with it, parameter bytes do not.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.formats import GB, INPUT_NODE, Cluster, Device, Profile
+from planner.partition import Candidate
+
+LinkKind = Literal["intra", "inter"]
+OPTIMIZER_EXTRA_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+# ---------------------------------------------------------------- per-layer tables
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A value produced by layer `producer` (-1: a model input) and used by `consumers`."""
+
+    producer: int
+    consumers: tuple[int, ...]  # sorted layer indices
+    nbytes: int  # at the profile's batch size
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Prefix sums over the profile's layers (index i = sum of layers 0..i-1) and its tensors,
+    so a stage's totals are O(1). Values are at the profile's batch size and speed 1."""
+
+    batch_size: int
+    names: tuple[str, ...]
+    fwd_prefix_ms: tuple[float, ...]
+    bwd_prefix_ms: tuple[float, ...]
+    param_prefix_bytes: tuple[int, ...]
+    activation_prefix_bytes: tuple[int, ...]
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+    def fwd_ms(self, start: int, stop: int) -> float:
+        return self.fwd_prefix_ms[stop] - self.fwd_prefix_ms[start]
+
+    def bwd_ms(self, start: int, stop: int) -> float:
+        return self.bwd_prefix_ms[stop] - self.bwd_prefix_ms[start]
+
+    def compute_ms(self, start: int, stop: int) -> float:
+        return self.fwd_ms(start, stop) + self.bwd_ms(start, stop)
+
+    def param_bytes(self, start: int, stop: int) -> int:
+        return self.param_prefix_bytes[stop] - self.param_prefix_bytes[start]
+
+    def activation_bytes(self, start: int, stop: int) -> int:
+        return self.activation_prefix_bytes[stop] - self.activation_prefix_bytes[start]
+
+    def cut_bytes(self) -> list[int]:
+        """`result[i]` = bytes of every non-input tensor produced at or before layer i and used
+        after it (a chain cut between layers i and i+1; what PipeDream's DP uses), i < L-1."""
+        n = self.num_layers
+        diff = [0] * (n + 1)
+        for t in self.tensors:
+            if t.producer >= 0 and t.consumers[-1] > t.producer:
+                diff[t.producer] += t.nbytes
+                diff[t.consumers[-1]] -= t.nbytes
+        out, acc = [], 0
+        for i in range(n - 1):
+            acc += diff[i]
+            out.append(acc)
+        return out
+
+
+def _prefix(values: Sequence[float]) -> tuple:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return tuple(out)
+
+
+def profile_tensors(profile: Profile) -> list[Tensor]:
+    """Tensors of the profile's graph, each once (an edge's value is `edge.tensor or edge.src`).
+    A profile without edges is read as a chain: layer i's output feeds layer i+1."""
+    index = profile.layer_index()
+    if not profile.edges:
+        return [Tensor(i, (i + 1,), layer.output_bytes) for i, layer in enumerate(profile.layers[:-1])]
+    acc: dict[tuple[str, str], tuple[int, set[int], int]] = {}
+    for e in profile.edges:
+        key = (e.src, e.tensor or e.src)
+        producer = -1 if e.src == INPUT_NODE else index[e.src]
+        _, consumers, nbytes = acc.setdefault(key, (producer, set(), 0))
+        consumers.add(index[e.dst])
+        acc[key] = (producer, consumers, max(nbytes, e.bytes))
+    return [Tensor(p, tuple(sorted(c)), b) for p, c, b in acc.values()]
+
+
+def layer_table(profile: Profile) -> LayerTable:
+    layers = profile.layers
+    return LayerTable(
+        batch_size=profile.batch_size,
+        names=tuple(x.name for x in layers),
+        fwd_prefix_ms=_prefix([x.fwd_ms for x in layers]),
+        bwd_prefix_ms=_prefix([x.bwd_ms for x in layers]),
+        param_prefix_bytes=_prefix([x.param_bytes for x in layers]),
+        activation_prefix_bytes=_prefix([x.activation_bytes for x in layers]),
+        tensors=tuple(profile_tensors(profile)),
+    )
+
+
+# ---------------------------------------------------------------- scalar formulas
+
+
+def microbatch_scale(profile_batch_size: int, microbatch_size: int) -> float:
+    """Times and per-sample bytes scale linearly with the microbatch size."""
+    return microbatch_size / profile_batch_size
+
+
+def stage_fwd_ms(table: LayerTable, start: int, stop: int, scale: float, speed: float) -> float:
+    return scale * table.fwd_ms(start, stop) / speed
+
+
+def stage_bwd_ms(table: LayerTable, start: int, stop: int, scale: float, speed: float) -> float:
+    return scale * table.bwd_ms(start, stop) / speed
+
+
+def link_kind(devices: Sequence[Device], a: Sequence[int], b: Sequence[int] = ()) -> LinkKind:
+    """`intra` if every device of both sets is on one node, else `inter`."""
+    nodes = {devices[d].node for d in a} | {devices[d].node for d in b}
+    return "intra" if len(nodes) <= 1 else "inter"
+
+
+def link_gb_per_s(cluster: Cluster, kind: LinkKind) -> float:
+    return cluster.intra_node_gb_per_s if kind == "intra" else cluster.inter_node_gb_per_s
+
+
+def transfer_ms(nbytes: float, gb_per_s: float, latency_us: float = 0.0) -> float:
+    """One point-to-point transfer; zero bytes take zero time."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / (gb_per_s * GB) * 1e3 + latency_us / 1e3
+
+
+def allreduce_ms(param_bytes: float, replicas: int, gb_per_s: float, latency_us: float = 0.0) -> float:
+    """Ring all-reduce of the gradients: `2 (r-1)/r * bytes / bw + 2 (r-1) * latency`."""
+    if replicas <= 1 or param_bytes <= 0:
+        return 0.0
+    r = replicas
+    return 2 * (r - 1) / r * param_bytes / (gb_per_s * GB) * 1e3 + 2 * (r - 1) * latency_us / 1e3
+
+
+def static_memory_bytes(param_bytes: float, optimizer: str) -> float:
+    """Parameters, gradients and `0 | 1 | 2` optimizer copies for `sgd | momentum | adam`."""
+    return param_bytes * (2 + OPTIMIZER_EXTRA_COPIES[optimizer])
+
+
+def stage_memory_bytes(param_bytes: float, activation_bytes: float, scale: float,
+                       inflight: int, optimizer: str) -> float:
+    """Peak memory of one device of a stage: `param * (2 + k) + scale * act * inflight`."""
+    return static_memory_bytes(param_bytes, optimizer) + scale * activation_bytes * inflight
+
+
+def replica_microbatches(num_microbatches: int, replicas: int, replica: int) -> int:
+    """How many of the iteration's microbatches replica `replica` runs (`j % r == replica`)."""
+    return len(range(replica, num_microbatches, replicas))
+
+
+def warmup_1f1b(num_microbatches: int, stage_replicas: Sequence[int], stage: int, replica: int = 0) -> int:
+    """1F1B warm-up forwards of one replica of stage s: `min(m_k, ceil(sum(r_t, t >= s) / r_s))`.
+
+    Without replication this is PipeDream-Flush's `min(m, S - s)`. With replication it keeps as
+    many microbatches in flight as the downstream replicas can work on at once (a balanced
+    pipeline has sum(r_t) microbatches between stage s and the end, spread over r_s replicas)."""
+    r = stage_replicas[stage]
+    m_k = replica_microbatches(num_microbatches, r, replica)
+    return min(m_k, -(-sum(stage_replicas[stage:]) // r))
+
+
+def peak_inflight(schedule: str, num_microbatches: int, stage_replicas: Sequence[int], stage: int) -> int:
+    """Peak microbatches whose forward is done and backward is not, on one replica (the
+    busiest, replica 0), as the generated schedule keeps them."""
+    m_0 = replica_microbatches(num_microbatches, stage_replicas[stage], 0)
+    if schedule == "gpipe":
+        return m_0
+    return warmup_1f1b(num_microbatches, stage_replicas, stage, 0)
+
+
+def lower_bound_ms(table: LayerTable, num_microbatches: int, scale: float, total_speed: float) -> float:
+    """Perfect balance, no bubble, no communication: `m * scale * sum(fwd + bwd) / sum(speed)`."""
+    return num_microbatches * scale * table.compute_ms(0, table.num_layers) / total_speed
+
+
+# ---------------------------------------------------------------- a whole candidate
+
+
+def stage_traffic_bytes(table: LayerTable, bounds: Sequence[int]) -> dict[tuple[int, int], int]:
+    """Bytes per profiled batch sent from stage s to each later stage t, keyed `(s, t)`.
+
+    `bounds` are the stage boundaries `[0, stop_0, stop_1, ..., L]`. Every tensor produced in s
+    and consumed in t counts once per (s, t); model inputs are loaded where used, not sent. Every
+    pair with a crossing tensor appears, even with zero bytes (it is still a dependency)."""
+    stops = list(bounds[1:])
+    out: dict[tuple[int, int], int] = {}
+    for t in table.tensors:
+        if t.producer < 0:
+            continue
+        s = bisect.bisect_right(stops, t.producer)
+        seen: set[int] = set()
+        for c in t.consumers:
+            dst = bisect.bisect_right(stops, c)
+            if dst != s and dst not in seen:
+                seen.add(dst)
+                out[(s, dst)] = out.get((s, dst), 0) + t.nbytes
+    return out
+
+
+@dataclass(frozen=True)
+class Send:
+    nbytes: float  # per microbatch (scaled); the same bytes return as gradients
+    ms: float  # transfer time, each direction
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Every number the simulator needs for one candidate, per stage unless said otherwise."""
+
+    stage_devices: tuple[tuple[int, ...], ...]
+    num_microbatches: int
+    fwd_ms: tuple[float, ...]  # per microbatch
+    bwd_ms: tuple[float, ...]
+    allreduce_ms: tuple[float, ...]  # per iteration, after the stage's last backward
+    static_memory_bytes: tuple[float, ...]  # parameters, gradients, optimizer state
+    activation_bytes_per_microbatch: tuple[float, ...]  # scaled
+    memory_limit_bytes: tuple[float, ...]  # smallest device of the stage
+    sends: dict[tuple[int, int], Send]  # (s, t) -> traffic; (s-1, s) always present
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_devices)
+
+
+def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, optimizer: str,
+                   devices: Sequence[Device] | None = None) -> PipelineCosts:
+    """The cost model applied to one candidate (ARCHITECTURE.md, formula by formula).
+
+    Stage s depends on stage s-1 even when no tensor crosses (the pipeline order); such a send
+    has zero bytes and takes zero time."""
+    devices = devices if devices is not None else cluster.devices()
+    scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
+    bounds = [0] + [st.stop for st in candidate.stages]
+    fwd, bwd, ar, static, act, limit = [], [], [], [], [], []
+    for st in candidate.stages:
+        speed = min(devices[d].speed for d in st.devices)
+        fwd.append(stage_fwd_ms(table, st.start, st.stop, scale, speed))
+        bwd.append(stage_bwd_ms(table, st.start, st.stop, scale, speed))
+        params = table.param_bytes(st.start, st.stop)
+        bw = link_gb_per_s(cluster, link_kind(devices, st.devices))
+        ar.append(allreduce_ms(params, st.replicas, bw, cluster.latency_us))
+        static.append(static_memory_bytes(params, optimizer))
+        act.append(scale * table.activation_bytes(st.start, st.stop))
+        limit.append(min(devices[d].memory_bytes for d in st.devices))
+    traffic = stage_traffic_bytes(table, bounds)
+    for s in range(1, len(candidate.stages)):
+        traffic.setdefault((s - 1, s), 0)
+    sends = {}
+    for (s, t), nbytes in sorted(traffic.items()):
+        kind = link_kind(devices, candidate.stages[s].devices, candidate.stages[t].devices)
+        scaled = scale * nbytes
+        sends[(s, t)] = Send(scaled, transfer_ms(scaled, link_gb_per_s(cluster, kind), cluster.latency_us))
+    return PipelineCosts(
+        stage_devices=tuple(st.devices for st in candidate.stages),
+        num_microbatches=candidate.num_microbatches,
+        fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), allreduce_ms=tuple(ar),
+        static_memory_bytes=tuple(static), activation_bytes_per_microbatch=tuple(act),
+        memory_limit_bytes=tuple(limit), sends=sends,
+    )
+
+
+def predicted_memory_bytes(costs: PipelineCosts, schedule: str) -> list[float]:
+    """Peak memory per device of each stage under the generated schedule."""
+    m = costs.num_microbatches
+    replicas = [len(devs) for devs in costs.stage_devices]
+    return [
+        costs.static_memory_bytes[s]
+        + costs.activation_bytes_per_microbatch[s] * peak_inflight(schedule, m, replicas, s)
+        for s in range(costs.num_stages)
+    ]

@@ -1,0 +1,198 @@
+"""Discrete-event simulation of a schedule with the cost model's durations.
+
+Each rank runs its actions in order. An action starts when its rank is free and its inputs have
+arrived: a forward waits for the forwards of the same microbatch on the stages that send to it
+(producer's end + transfer); a backward for its own forward and for the backwards of the stages
+it sent to (their end + transfer of the gradient). Transfers delay, they do not occupy a rank.
+Once every replica of a stage has finished its last backward, all of them all-reduce.
+
+The simulation is dependency-driven (each action is timed once its inputs are timed), so it
+costs O(actions x stage pairs) and handles plans with thousands of ranks quickly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from planner.actions import Action
+from planner.cost import PipelineCosts, Send
+from planner.formats import Plan
+
+
+@dataclass(frozen=True)
+class Event:
+    """One timed piece of work on one rank; the runtime records the same from real runs."""
+
+    rank: int
+    name: str  # "1F3", or "allreduce 1"
+    kind: str  # "F" | "B" | "allreduce"
+    stage: int
+    mb: int  # -1 for allreduce
+    start_ms: float
+    end_ms: float
+
+
+@dataclass
+class Simulation:
+    events: list[Event]
+    iteration_ms: float  # makespan, all-reduces included
+    busy_ms: dict[int, float]  # forward + backward per rank
+    comm_ms: dict[int, float]  # all-reduce per rank
+    idle_ms: dict[int, float]  # makespan - busy - comm
+    bubble_fraction: float  # idle / (ranks x makespan)
+    peak_inflight: dict[int, int]  # per rank
+    peak_memory_bytes: dict[int, float]  # per rank
+    stage_of_rank: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.busy_ms)
+
+
+def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]]) -> Simulation:
+    """Simulate `schedule` (rank -> actions) with `costs`; a schedule that cannot run raises the
+    validator's ScheduleError."""
+    S, m = costs.num_stages, costs.num_microbatches
+    stage_of_rank = {r: s for s, devs in enumerate(costs.stage_devices) for r in devs}
+    producers: list[list[tuple[int, float]]] = [[] for _ in range(S)]
+    consumers: list[list[tuple[int, float]]] = [[] for _ in range(S)]
+    for (s, t), send in costs.sends.items():
+        producers[t].append((s, send.ms))
+        consumers[s].append((t, send.ms))
+    M = max(m, 1 + max((a.mb for acts in schedule.values() for a in acts), default=0))
+
+    # end time per action, keyed (stage * 2 + is_backward) * M + mb
+    end: dict[int, float] = {}
+    waiters: dict[int, list[int]] = {}
+    pos = {r: 0 for r in schedule}
+    free = {r: 0.0 for r in schedule}
+    inflight = {r: 0 for r in schedule}
+    peak = {r: 0 for r in schedule}
+    busy = {r: 0.0 for r in schedule}
+    events: list[Event] = []
+    fwd, bwd = costs.fwd_ms, costs.bwd_ms
+    stack = list(schedule)
+    while stack:
+        r = stack.pop()
+        acts = schedule[r]
+        i = pos[r]
+        t_free = free[r]
+        while i < len(acts):
+            a = acts[i]
+            s, j = a.stage, a.mb
+            ready = t_free
+            missing = -1
+            if a.kind == "F":
+                for p, ms in producers[s]:
+                    e = end.get((p * 2) * M + j)
+                    if e is None:
+                        missing = (p * 2) * M + j
+                        break
+                    if e + ms > ready:
+                        ready = e + ms
+                dur = fwd[s]
+                key = (s * 2) * M + j
+            else:
+                e = end.get((s * 2) * M + j)
+                if e is None:
+                    missing = (s * 2) * M + j
+                else:
+                    for c, ms in consumers[s]:
+                        e = end.get((c * 2 + 1) * M + j)
+                        if e is None:
+                            missing = (c * 2 + 1) * M + j
+                            break
+                        if e + ms > ready:
+                            ready = e + ms
+                dur = bwd[s]
+                key = (s * 2 + 1) * M + j
+            if missing >= 0:
+                waiters.setdefault(missing, []).append(r)
+                break
+            t_free = ready + dur
+            end[key] = t_free
+            busy[r] += dur
+            events.append(Event(r, str(a), a.kind, s, j, ready, t_free))
+            if a.kind == "F":
+                inflight[r] += 1
+                if inflight[r] > peak[r]:
+                    peak[r] = inflight[r]
+            else:
+                inflight[r] -= 1
+            i += 1
+            woken = waiters.pop(key, None)
+            if woken:
+                stack.extend(woken)
+        pos[r] = i
+        free[r] = t_free
+
+    if any(pos[r] < len(acts) for r, acts in schedule.items()):
+        from planner.validate import validate
+
+        validate(schedule, num_stages=S, deps=costs.sends.keys())
+        raise AssertionError("simulation stuck but the validator found no problem")  # pragma: no cover
+
+    comm = {r: 0.0 for r in schedule}
+    for s, devs in enumerate(costs.stage_devices):
+        ar = costs.allreduce_ms[s]
+        if len(devs) <= 1 or ar <= 0:
+            continue
+        start = max(free.get(d, 0.0) for d in devs)
+        for d in devs:
+            events.append(Event(d, f"allreduce {s}", "allreduce", s, -1, start, start + ar))
+            free[d] = start + ar
+            comm[d] += ar
+    makespan = max(free.values(), default=0.0)
+    idle = {r: makespan - busy[r] - comm[r] for r in schedule}
+    total = makespan * len(schedule)
+    memory = {
+        r: costs.static_memory_bytes[stage_of_rank[r]]
+        + costs.activation_bytes_per_microbatch[stage_of_rank[r]] * peak[r]
+        for r in schedule if r in stage_of_rank
+    }
+    return Simulation(
+        events=events, iteration_ms=makespan, busy_ms=busy, comm_ms=comm, idle_ms=idle,
+        bubble_fraction=sum(idle.values()) / total if total > 0 else 0.0,
+        peak_inflight=peak, peak_memory_bytes=memory, stage_of_rank=stage_of_rank,
+    )
+
+
+def costs_from_plan(plan: Plan) -> PipelineCosts:
+    """The costs a plan.json carries (written by build_plan in each stage's `predicted`)."""
+    stages = plan.stages
+    sends: dict[tuple[int, int], Send] = {}
+    for st in stages:
+        for snd in getattr(st.predicted, "sends", None) or []:
+            sends[(st.index, int(snd["to"]))] = Send(float(snd["bytes"]), float(snd["ms"]))
+    for s in range(1, len(stages)):
+        sends.setdefault((s - 1, s), Send(0.0, 0.0))
+
+    def extra(st: object, name: str) -> float:
+        return float(getattr(st, name, None) or 0.0)
+
+    return PipelineCosts(
+        stage_devices=tuple(tuple(st.devices) for st in stages),
+        num_microbatches=plan.num_microbatches,
+        fwd_ms=tuple(st.predicted.fwd_ms for st in stages),
+        bwd_ms=tuple(st.predicted.bwd_ms for st in stages),
+        allreduce_ms=tuple(st.predicted.allreduce_ms for st in stages),
+        static_memory_bytes=tuple(extra(st.predicted, "static_memory_bytes") for st in stages),
+        activation_bytes_per_microbatch=tuple(
+            extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
+        memory_limit_bytes=tuple(float(st.predicted.memory_limit_bytes) for st in stages),
+        sends=sends,
+    )
+
+
+def simulate(plan_or_costs: Plan | PipelineCosts,
+             schedule: Mapping[int, Sequence[Action]] | None = None) -> Simulation:
+    """Simulate a plan (its own costs and schedule) or costs with a given schedule."""
+    if isinstance(plan_or_costs, Plan):
+        from planner.schedules import plan_actions
+
+        costs = costs_from_plan(plan_or_costs)
+        return simulate_costs(costs, schedule if schedule is not None else plan_actions(plan_or_costs))
+    if schedule is None:
+        raise ValueError("simulate(costs) needs a schedule (planner.schedules.generate)")
+    return simulate_costs(plan_or_costs, schedule)
