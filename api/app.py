@@ -1,0 +1,62 @@
+"""The FastAPI application: `create_app(settings)` wires storage, the job queue, the body size
+limit, the optional API key and the routers. Served by `python -m planner serve`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from api.deps import require_api_key
+from api.jobs import JobManager
+from api.limits import BodySizeLimit
+from api.routers import health, jobs, plans, profiles
+from api.settings import Settings
+from api.storage import Storage
+from planner.errors import PipeplanError
+
+log = logging.getLogger(__name__)
+
+LOST = "the server stopped before this job finished; send the request again"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        storage = Storage(settings.db)
+        lost = storage.fail_unfinished_jobs(LOST)
+        if lost:
+            log.warning("%d job(s) left unfinished by the previous server marked failed", lost)
+        manager = JobManager(storage, settings.workers, settings.queue_size)
+        manager.start()
+        app.state.storage, app.state.jobs = storage, manager
+        try:
+            yield
+        finally:
+            manager.stop()
+            storage.close()
+
+    app = FastAPI(
+        title="pipeplan",
+        version="0.1.0",
+        description="Pipeline-parallel training plans as a service: store profiles, plan them on "
+                    "a cluster, look at past plans and their timelines.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(PipeplanError)
+    async def _user_error(request: Request, exc: PipeplanError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    app.include_router(health.router)
+    secured = [Depends(require_api_key)]
+    for module in (profiles, plans, jobs):
+        app.include_router(module.router, dependencies=secured)
+    return app

@@ -1,0 +1,207 @@
+"""/v1/plans: plan (solved in a worker process; 201 if done within a short wait, else 202 and a
+job to poll), read, list, delete, draw the timeline, export the Chrome trace, and compare methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+
+from api import service, timeline
+from api.deps import JobsDep, SettingsDep, StorageDep
+from api.jobs import JobManager, Outcome, QueueFull, Task
+from api.routers.common import Limit, Offset, errors
+from api.schemas import (
+    CompareOut,
+    CompareRequest,
+    CompareRow,
+    JobOut,
+    PlanOut,
+    PlanPage,
+    PlanRequest,
+    PlanSummary,
+)
+from api.settings import Settings
+from api.storage import PlanRow, Storage
+from planner.formats import Plan
+
+router = APIRouter(prefix="/v1/plans", tags=["plans"])
+
+ACCEPTED = {202: {"model": JobOut, "description": "still solving: poll the job (Location header)"}}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+async def _submit(jobs: JobManager, settings: Settings, **kwargs: Any) -> Task:
+    try:
+        task, _ = await run_in_threadpool(lambda: jobs.submit(**kwargs))
+    except QueueFull as exc:
+        raise HTTPException(503, detail=f"every worker is busy and the queue is full ({exc}); retry later",
+                            headers={"Retry-After": str(settings.retry_after_s)}) from None
+    return task
+
+
+async def _wait(task: Task, timeout_s: float) -> Outcome | None:
+    fut = asyncio.wrap_future(task.future)
+    done, _ = await asyncio.wait({fut}, timeout=timeout_s)
+    return fut.result() if done else None
+
+
+def _failure(outcome: Outcome) -> HTTPException:
+    code = {"user": 422, "cancelled": 409, "shutdown": 503, "timeout": 504}.get(outcome.error_kind or "", 500)
+    return HTTPException(code, detail=outcome.error or "the job failed")
+
+
+async def _accepted(storage: Storage, task: Task) -> JSONResponse:
+    job = await run_in_threadpool(storage.get_job, task.job_id)
+    assert job is not None
+    body = jsonable_encoder(service.job_out(job))
+    return JSONResponse(body, status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+
+
+def _plan_row(storage: Storage, plan_id: str) -> PlanRow:
+    row = storage.get_plan(plan_id)
+    if row is None:
+        raise HTTPException(404, detail=f"no plan with id {plan_id!r}")
+    return row
+
+
+# ---------------------------------------------------------------- routes
+
+
+@router.post("", status_code=201, response_model=PlanOut,
+             responses={200: {"model": PlanOut, "description": "the same request was solved before"},
+                        **ACCEPTED, **errors(401, 404, 409, 413, 422, 500, 503, 504)})
+async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep,
+                      response: Response) -> Any:
+    """Plan `profile` (or `profile_id`) on `cluster` with `options`. A time limit above the
+    server's cap is clamped and reported in `warnings`."""
+    prep = await run_in_threadpool(service.prepare, storage, settings, req)
+    cached = await run_in_threadpool(storage.get_plan_by_key, prep.key)
+    if cached is not None:
+        response.status_code = 200
+        return service.plan_out(cached, True, prep.warnings)
+    task = await _submit(
+        jobs, settings, kind="plan", key=prep.key, profile_id=prep.profile_row.id,
+        request=service.job_request(prep), payload=service.task_payload(prep, "plan"),
+        deadline_s=prep.options.time_limit_s + settings.solve_grace_s,
+        on_result=service.plan_handler(storage, prep),
+    )
+    outcome = await _wait(task, settings.sync_wait_s)
+    if outcome is None:
+        return await _accepted(storage, task)
+    if outcome.status != "succeeded" or outcome.plan_id is None:
+        raise _failure(outcome)
+    row = await run_in_threadpool(_plan_row, storage, outcome.plan_id)
+    response.headers["Location"] = f"/v1/plans/{row.id}"
+    return service.plan_out(row, False, prep.warnings)
+
+
+@router.post("/compare", response_model=CompareOut,
+             responses={**ACCEPTED, **errors(401, 404, 409, 413, 422, 500, 503, 504)})
+async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep) -> Any:
+    """The same profile and cluster under several methods, one row each (plans are stored and
+    cached like single plans; `plan_id` links each row to its plan)."""
+    methods = req.methods or [m for m in (service.known_methods() or ["blocks"]) if m != "manual"]
+    methods = list(dict.fromkeys(methods))
+    if len(methods) > settings.max_compare_methods:
+        raise service.limit_error(["body", "methods"], f"{len(methods)} methods; at most "
+                                  f"{settings.max_compare_methods} per comparison")
+    base = await run_in_threadpool(service.prepare, storage, settings, req)
+    done: dict[str, CompareRow] = {}
+    missing = []
+    for method in methods:
+        mprep = service.method_prepared(base, method)
+        service.check_limits(mprep.profile, mprep.cluster, mprep.options, settings)
+        row = await run_in_threadpool(storage.get_plan_by_key, mprep.key)
+        if row is not None and row.body is not None:
+            done[method] = service.compare_row(method, row.id, row.body)
+        else:
+            missing.append(method)
+    if not missing:
+        return service.compare_table(base.profile_row.id, methods, done, base.warnings)
+    key = "compare:" + service.cache_key(base.profile_row.sha256, base.cluster,
+                                         base.options.model_copy(update={"method": json.dumps(missing)}))
+    task = await _submit(
+        jobs, settings, kind="compare", key=key, profile_id=base.profile_row.id,
+        request=service.job_request(base, methods), payload=service.task_payload(base, "compare", missing),
+        deadline_s=len(missing) * (base.options.time_limit_s + settings.solve_grace_s),
+        on_result=service.compare_handler(storage, base, methods, done),
+    )
+    outcome = await _wait(task, settings.sync_wait_s)
+    if outcome is None:
+        return await _accepted(storage, task)
+    if outcome.status != "succeeded":
+        raise _failure(outcome)
+    return outcome.result
+
+
+@router.get("", response_model=PlanPage, responses=errors(401, 422))
+def list_plans(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
+               profile_id: str | None = None) -> PlanPage:
+    """Stored plans, oldest first; `profile_id` keeps only that profile's plans."""
+    rows, total = storage.list_plans(limit, offset, profile_id)
+    items = [PlanSummary(id=r.id, profile_id=r.profile_id, method=r.method, iteration_ms=r.iteration_ms,
+                         created_at=r.created_at) for r in rows]
+    return PlanPage(items=items, total=total, limit=limit, offset=offset)
+
+
+@router.get("/{plan_id}", response_model=PlanOut, responses=errors(401, 404))
+def get_plan(plan_id: str, storage: StorageDep) -> PlanOut:
+    return service.plan_out(_plan_row(storage, plan_id), True, [])
+
+
+@router.delete("/{plan_id}", status_code=204, responses=errors(401, 404))
+def delete_plan(plan_id: str, storage: StorageDep) -> Response:
+    if not storage.delete_plan(plan_id):
+        raise HTTPException(404, detail=f"no plan with id {plan_id!r}")
+    return Response(status_code=204)
+
+
+def _render(storage: Storage, settings: Settings, plan_id: str, kind: str) -> bytes:
+    cached = storage.get_render(plan_id, kind)
+    if cached is not None:
+        return cached
+    row = _plan_row(storage, plan_id)
+    plan = Plan.model_validate(row.body)
+    sim = timeline.simulate_plan(plan)
+    if kind == "trace":
+        body = json.dumps(timeline.chrome_trace(sim)).encode()
+    else:
+        try:
+            body = timeline.render(sim, kind, title=f"{row.method} plan {row.id[:8]}: ",
+                                   max_events=settings.timeline_max_events)
+        except timeline.TooLarge as exc:
+            raise HTTPException(422, detail=str(exc)) from None
+    storage.put_render(plan_id, kind, body)
+    return body
+
+
+IMAGE = {200: {"content": {"image/svg+xml": {}, "image/png": {}}, "description": "the Gantt chart"}}
+
+
+@router.get("/{plan_id}/timeline.svg", response_class=Response,
+            responses={**IMAGE, **errors(401, 404, 422)})
+def timeline_svg(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Response:
+    """Gantt chart of the simulated schedule: one row per rank, forward/backward coloured,
+    idle time (bubbles) shaded."""
+    return Response(_render(storage, settings, plan_id, "svg"), media_type="image/svg+xml")
+
+
+@router.get("/{plan_id}/timeline.png", response_class=Response,
+            responses={**IMAGE, **errors(401, 404, 422)})
+def timeline_png(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Response:
+    return Response(_render(storage, settings, plan_id, "png"), media_type="image/png")
+
+
+@router.get("/{plan_id}/trace.json", responses=errors(401, 404))
+def trace(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Response:
+    """The Chrome trace (chrome://tracing, Perfetto) of the simulated schedule."""
+    return Response(_render(storage, settings, plan_id, "trace"), media_type="application/json")

@@ -1,0 +1,140 @@
+"""Request and response bodies of the HTTP API (separate models; the file formats themselves —
+Profile, Cluster, PlanOptions, Plan — come from `planner.formats`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.formats import Cluster, Plan, PlanOptions, Profile
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- requests
+
+
+class PlanRequest(_Request):
+    """A profile (inline, or one stored earlier by id), a cluster, and the plan options."""
+
+    profile: Profile | None = Field(default=None, description="the profile.json itself")
+    profile_id: str | None = Field(default=None, description="id of a profile stored with POST /v1/profiles")
+    cluster: Cluster
+    options: PlanOptions = Field(default_factory=PlanOptions)
+
+    @model_validator(mode="after")
+    def _one_profile(self) -> PlanRequest:
+        if (self.profile is None) == (self.profile_id is None):
+            raise ValueError("give exactly one of profile (inline) or profile_id (stored)")
+        return self
+
+
+class CompareRequest(PlanRequest):
+    """Like PlanRequest, solved once per method (options.method is ignored)."""
+
+    methods: list[str] | None = Field(
+        default=None, min_length=1, max_length=16,
+        description="methods to compare; default: every method this server knows",
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+class ErrorOut(BaseModel):
+    detail: str | list[dict[str, Any]]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    workers: int
+    running: int
+    queued: int
+    capacity: int
+
+
+class ProfileSummary(BaseModel):
+    id: str
+    sha256: str = Field(description="sha256 of the profile's canonical JSON (plan.profile_sha256)")
+    model_path: str
+    num_layers: int
+    created_at: str
+
+
+class ProfileCreated(ProfileSummary):
+    created: bool = Field(description="false when the same profile was already stored")
+
+
+class ProfileOut(ProfileSummary):
+    profile: Profile
+
+
+class ProfilePage(BaseModel):
+    items: list[ProfileSummary]
+    total: int
+    limit: int
+    offset: int
+
+
+class PlanSummary(BaseModel):
+    id: str
+    profile_id: str
+    method: str
+    iteration_ms: float | None
+    created_at: str
+
+
+class PlanOut(PlanSummary):
+    cached: bool = Field(description="true when the same request was solved before")
+    warnings: list[str] = Field(default_factory=list, description="e.g. a time limit clamped to the cap")
+    links: dict[str, str]
+    plan: Plan
+
+
+class PlanPage(BaseModel):
+    items: list[PlanSummary]
+    total: int
+    limit: int
+    offset: int
+
+
+class CompareRow(BaseModel):
+    method: str
+    status: Literal["ok", "error"]
+    plan_id: str | None = None
+    iteration_ms: float | None = None
+    throughput_samples_per_s: float | None = None
+    bubble_fraction: float | None = None
+    ratio_to_lower_bound: float | None = None
+    num_stages: int | None = None
+    replicas: list[int] | None = None
+    max_memory_bytes: int | None = None
+    solver_status: str | None = None
+    solver_wall_s: float | None = None
+    error: str | None = None
+
+
+class CompareOut(BaseModel):
+    profile_id: str
+    best_method: str | None = Field(description="the method with the lowest iteration_ms")
+    warnings: list[str] = Field(default_factory=list)
+    rows: list[CompareRow]
+
+
+class JobOut(BaseModel):
+    id: str
+    kind: Literal["plan", "compare"]
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    plan_id: str | None = Field(description="kind plan: the plan, once succeeded")
+    result: CompareOut | None = Field(description="kind compare: the table, once succeeded")
+    error: str | None
+    error_kind: str | None = Field(description="user | internal | timeout | cancelled | shutdown | lost")
+    warnings: list[str] = Field(default_factory=list)
+    links: dict[str, str]
+

@@ -1,0 +1,262 @@
+"""Planning requests between the routes and the job queue: resolve the profile, apply the
+server's limits (clamping the time limit and saying so), compute the cache key, and turn what a
+solver process returns into stored plans or a comparison table.
+
+Cache key = sha256 of {profile sha256, canonical cluster JSON, canonical options JSON after
+clamping}: the same request twice finds the stored plan instead of solving again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException
+
+from api.jobs import Outcome, ResultHandler
+from api.schemas import CompareOut, CompareRow, JobOut, PlanOut, PlanRequest
+from api.settings import Settings
+from api.storage import JobRow, PlanRow, ProfileRow, Storage
+from planner.formats import Cluster, PlanOptions, Profile, digest
+
+
+@dataclass(frozen=True)
+class Prepared:
+    profile_row: ProfileRow
+    profile: Profile
+    cluster: Cluster
+    options: PlanOptions
+    warnings: list[str]
+    key: str
+
+
+def limit_error(loc: list[str | int], msg: str) -> HTTPException:
+    return HTTPException(422, detail=[{"loc": loc, "msg": msg, "type": "limit"}])
+
+
+def nonfinite_path(obj: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """Where `obj` holds an infinite or NaN number (JSON cannot carry one), or None."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else path
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, list | tuple):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, v in items:
+        found = nonfinite_path(v, (*path, k))
+        if found is not None:
+            return found
+    return None
+
+
+def known_methods() -> list[str] | None:
+    """The planner's methods, if it publishes them (planner.solve.METHODS), else None."""
+    try:
+        from planner import solve
+    except ImportError:
+        return None
+    methods = getattr(solve, "METHODS", None)
+    return list(methods) if methods else None
+
+
+# ---------------------------------------------------------------- profiles
+
+
+def store_profile(storage: Storage, settings: Settings, profile: Profile,
+                  loc: list[str | int]) -> tuple[ProfileRow, bool]:
+    if len(profile.layers) > settings.max_layers:
+        raise limit_error([*loc, "layers"], f"{len(profile.layers)} layers; this server accepts "
+                          f"at most {settings.max_layers} (PIPEPLAN_MAX_LAYERS)")
+    body = profile.model_dump(mode="json")
+    bad = nonfinite_path(body)
+    if bad is not None:
+        raise limit_error([*loc, *bad], "numbers must be finite")
+    sha = digest(profile)
+    row = storage.get_profile_by_sha(sha)
+    if row is not None:
+        return row, False
+    return storage.put_profile(sha, profile.model.path, len(profile.layers), body)
+
+
+def resolve_profile(storage: Storage, settings: Settings, req: PlanRequest) -> tuple[ProfileRow, Profile]:
+    if req.profile is not None:
+        row, _ = store_profile(storage, settings, req.profile, ["body", "profile"])
+        return row, req.profile
+    assert req.profile_id is not None
+    row = storage.get_profile(req.profile_id)
+    if row is None:
+        raise HTTPException(404, detail=f"no profile with id {req.profile_id!r}; "
+                            "POST it to /v1/profiles or send it inline as 'profile'")
+    assert row.body is not None
+    return row, Profile.model_validate(row.body)
+
+
+# ---------------------------------------------------------------- plan requests
+
+
+def clamp_options(options: PlanOptions, settings: Settings) -> tuple[PlanOptions, list[str]]:
+    warnings = []
+    cap = settings.max_time_limit_s
+    if options.time_limit_s > cap:
+        warnings.append(f"options.time_limit_s {options.time_limit_s:g} s is above this server's "
+                        f"cap; clamped to {cap:g} s")
+        options = options.model_copy(update={"time_limit_s": cap})
+    return options, warnings
+
+
+def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, settings: Settings) -> None:
+    if cluster.num_devices > settings.max_devices:
+        raise limit_error(["body", "cluster"], f"{cluster.num_devices} devices; this server plans "
+                          f"for at most {settings.max_devices} (PIPEPLAN_MAX_DEVICES)")
+    bad = nonfinite_path(cluster.model_dump(mode="json"))
+    if bad is not None:
+        raise limit_error(["body", "cluster", *bad], "numbers must be finite")
+    sizes = [options.microbatch_size or profile.batch_size, *(options.microbatch_sizes or [])]
+    microbatches = -(-options.global_batch // min(sizes))
+    if microbatches > settings.max_microbatches:
+        raise limit_error(["body", "options", "global_batch"],
+                          f"{microbatches} microbatches; this server simulates at most "
+                          f"{settings.max_microbatches} (raise microbatch_size)")
+    methods = known_methods()
+    if methods is not None and options.method not in methods:
+        raise limit_error(["body", "options", "method"],
+                          f"unknown method {options.method!r}; choose one of {', '.join(methods)}")
+
+
+def cache_key(profile_sha256: str, cluster: Cluster, options: PlanOptions) -> str:
+    doc = {"profile_sha256": profile_sha256, "cluster": cluster.model_dump(mode="json"),
+           "options": options.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def prepare(storage: Storage, settings: Settings, req: PlanRequest) -> Prepared:
+    row, profile = resolve_profile(storage, settings, req)
+    options, warnings = clamp_options(req.options, settings)
+    check_limits(profile, req.cluster, options, settings)
+    return Prepared(row, profile, req.cluster, options, warnings, cache_key(row.sha256, req.cluster, options))
+
+
+def task_payload(prep: Prepared, kind: str, methods: list[str] | None = None) -> dict[str, Any]:
+    payload = {"kind": kind, "profile": prep.profile_row.body, "cluster": prep.cluster.model_dump(mode="json"),
+               "options": prep.options.model_dump(mode="json")}
+    if methods is not None:
+        payload["methods"] = methods
+    return payload
+
+
+def job_request(prep: Prepared, methods: list[str] | None = None) -> dict[str, Any]:
+    """What a job row keeps of its request (not the profile: that is stored by id)."""
+    return {"profile_id": prep.profile_row.id, "cluster": prep.cluster.model_dump(mode="json"),
+            "options": prep.options.model_dump(mode="json"), "methods": methods,
+            "warnings": prep.warnings}
+
+
+def _solver_failure(status: str, value: Any) -> Outcome:
+    kind = "user" if status == "user" else "internal"
+    return Outcome("failed", error=str(value), error_kind=kind)
+
+
+def _store_plan(storage: Storage, key: str, profile_id: str, method: str, doc: dict[str, Any]) -> PlanRow | str:
+    """Store a solved plan; a plan whose numbers overflowed is refused with a message."""
+    bad = nonfinite_path(doc)
+    if bad is not None:
+        where = ".".join(str(p) for p in bad)
+        return f"the plan's {where} is not a finite number: the profile's or cluster's numbers are out of range"
+    return storage.put_plan(key, profile_id, method, doc, meta={})
+
+
+def plan_handler(storage: Storage, prep: Prepared) -> ResultHandler:
+    def handle(status: str, value: Any) -> Outcome:
+        if status != "ok":
+            return _solver_failure(status, value)
+        row = _store_plan(storage, prep.key, prep.profile_row.id, prep.options.method, value["plan"])
+        if isinstance(row, str):
+            return Outcome("failed", error=row, error_kind="user")
+        return Outcome("succeeded", plan_id=row.id)
+
+    return handle
+
+
+# ---------------------------------------------------------------- compare
+
+
+def compare_row(method: str, plan_id: str, doc: dict[str, Any]) -> CompareRow:
+    predicted, solver, stages = doc["predicted"], doc.get("solver") or {}, doc["stages"]
+    return CompareRow(
+        method=method, status="ok", plan_id=plan_id,
+        iteration_ms=predicted["iteration_ms"],
+        throughput_samples_per_s=predicted["throughput_samples_per_s"],
+        bubble_fraction=predicted["bubble_fraction"],
+        ratio_to_lower_bound=predicted.get("ratio_to_lower_bound"),
+        num_stages=len(stages), replicas=[s["replicas"] for s in stages],
+        max_memory_bytes=max(s["predicted"]["memory_bytes"] for s in stages),
+        solver_status=solver.get("status"), solver_wall_s=solver.get("wall_s"),
+    )
+
+
+def compare_table(profile_id: str, methods: list[str], rows: dict[str, CompareRow],
+                  warnings: list[str]) -> CompareOut:
+    ordered = [rows[m] for m in methods]
+    ok = [r for r in ordered if r.status == "ok" and r.iteration_ms is not None]
+    best = min(ok, key=lambda r: r.iteration_ms or 0.0).method if ok else None
+    return CompareOut(profile_id=profile_id, best_method=best, warnings=warnings, rows=ordered)
+
+
+def method_prepared(prep: Prepared, method: str) -> Prepared:
+    options = prep.options.model_copy(update={"method": method})
+    return Prepared(prep.profile_row, prep.profile, prep.cluster, options, prep.warnings,
+                    cache_key(prep.profile_row.sha256, prep.cluster, options))
+
+
+def compare_handler(storage: Storage, prep: Prepared, methods: list[str],
+                    done: dict[str, CompareRow]) -> ResultHandler:
+    def handle(status: str, value: Any) -> Outcome:
+        if status != "ok":
+            return _solver_failure(status, value)
+        rows = dict(done)
+        for item in value["rows"]:
+            method = item["method"]
+            if "plan" not in item:
+                rows[method] = CompareRow(method=method, status="error", error=item["error"])
+                continue
+            mprep = method_prepared(prep, method)
+            row = _store_plan(storage, mprep.key, prep.profile_row.id, method, item["plan"])
+            if isinstance(row, str):
+                rows[method] = CompareRow(method=method, status="error", error=row)
+            else:
+                assert row.body is not None
+                rows[method] = compare_row(method, row.id, row.body)
+        table = compare_table(prep.profile_row.id, methods, rows, prep.warnings)
+        return Outcome("succeeded", result=table.model_dump(mode="json"))
+
+    return handle
+
+
+# ---------------------------------------------------------------- responses
+
+
+def plan_links(plan_id: str) -> dict[str, str]:
+    base = f"/v1/plans/{plan_id}"
+    return {"self": base, "timeline_svg": f"{base}/timeline.svg", "timeline_png": f"{base}/timeline.png",
+            "trace": f"{base}/trace.json"}
+
+
+def plan_out(row: PlanRow, cached: bool, warnings: list[str]) -> PlanOut:
+    return PlanOut(id=row.id, profile_id=row.profile_id, method=row.method, iteration_ms=row.iteration_ms,
+                   created_at=row.created_at, cached=cached, warnings=warnings,
+                   links=plan_links(row.id), plan=row.body)
+
+
+def job_out(job: JobRow) -> JobOut:
+    links = {"self": f"/v1/jobs/{job.id}"}
+    if job.plan_id:
+        links["plan"] = f"/v1/plans/{job.plan_id}"
+    return JobOut(id=job.id, kind=job.kind, status=job.status, created_at=job.created_at,
+                  started_at=job.started_at, finished_at=job.finished_at, plan_id=job.plan_id,
+                  result=job.result, error=job.error, error_kind=job.error_kind,
+                  warnings=job.request.get("warnings") or [], links=links)

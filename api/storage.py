@@ -1,0 +1,328 @@
+"""Persistence for the service: profiles, plans, jobs and rendered timelines in one SQL database.
+
+A small module over the DB-API: plain SQL that SQLite and PostgreSQL both accept (parameters,
+`ON CONFLICT ... DO NOTHING`), JSON documents in text columns, and one class, `Storage`, that
+the rest of the service talks to. SQLite is the default: one connection per thread, WAL
+journal (readers never block the writer, several processes may open the same file) and a busy
+timeout, so it is safe across threads and processes. To use another database, subclass
+`Storage` and override `_connect` (and `_setup` for its pragmas) — nothing else touches SQL.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS profiles (
+        id TEXT PRIMARY KEY,
+        sha256 TEXT NOT NULL UNIQUE,
+        model_path TEXT NOT NULL,
+        num_layers INTEGER NOT NULL,
+        created_at TEXT NOT NULL,
+        body TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS plans (
+        id TEXT PRIMARY KEY,
+        cache_key TEXT NOT NULL UNIQUE,
+        profile_id TEXT NOT NULL,
+        method TEXT NOT NULL,
+        iteration_ms REAL,
+        created_at TEXT NOT NULL,
+        meta TEXT NOT NULL,
+        body TEXT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS plans_by_profile ON plans (profile_id, created_at)",
+    """CREATE TABLE IF NOT EXISTS jobs (
+        id TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        status TEXT NOT NULL,
+        cache_key TEXT NOT NULL,
+        profile_id TEXT NOT NULL,
+        request TEXT NOT NULL,
+        plan_id TEXT,
+        result TEXT,
+        error TEXT,
+        error_kind TEXT,
+        created_at TEXT NOT NULL,
+        started_at TEXT,
+        finished_at TEXT)""",
+    "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status)",
+    """CREATE TABLE IF NOT EXISTS renders (
+        plan_id TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        body BLOB NOT NULL,
+        PRIMARY KEY (plan_id, kind))""",
+]
+
+UNFINISHED = ("queued", "running")
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    id: str
+    sha256: str
+    model_path: str
+    num_layers: int
+    created_at: str
+    body: dict[str, Any] | None = None  # None in listings
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    id: str
+    cache_key: str
+    profile_id: str
+    method: str
+    iteration_ms: float | None
+    created_at: str
+    meta: dict[str, Any]
+    body: dict[str, Any] | None = None  # None in listings
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    kind: str  # "plan" | "compare"
+    status: str  # queued | running | succeeded | failed | cancelled
+    cache_key: str
+    profile_id: str
+    request: dict[str, Any]
+    plan_id: str | None
+    result: Any
+    error: str | None
+    error_kind: str | None  # "user" (the request cannot be planned) | "internal" | "lost" | "timeout"
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+
+
+class Storage:
+    """Every read and write of the service. Thread-safe: one connection per thread."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._local = threading.local()
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+        with self._tx() as cur:
+            for stmt in SCHEMA:
+                cur.execute(stmt)
+
+    # ------------------------------------------------------------ connections
+    def _connect(self) -> Any:
+        conn = sqlite3.connect(self.url, timeout=30.0, isolation_level=None, check_same_thread=False)
+        self._setup(conn)
+        return conn
+
+    def _setup(self, conn: Any) -> None:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=30000")
+        conn.execute("PRAGMA foreign_keys=ON")
+
+    def _conn(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._connect()
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """A write transaction (taken at once, so two writers never deadlock on an upgrade)."""
+        conn = self._conn()
+        cur = conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
+
+    def _query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._conn().execute(sql, params).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                try:
+                    conn.close()
+                except Exception:  # noqa: BLE001 - closing a connection of a finished thread
+                    pass
+            self._all.clear()
+        self._local = threading.local()
+
+    def ping(self) -> bool:
+        return self._query("SELECT 1") == [(1,)]
+
+    # ------------------------------------------------------------ profiles
+    def put_profile(self, sha256: str, model_path: str, num_layers: int, body: dict[str, Any]) -> tuple[ProfileRow, bool]:
+        """Store a profile unless one with the same sha256 exists; returns (row, created)."""
+        pid = new_id()
+        with self._tx() as cur:
+            cur.execute(
+                "INSERT INTO profiles (id, sha256, model_path, num_layers, created_at, body) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
+                (pid, sha256, model_path, num_layers, now(), json.dumps(body)),
+            )
+            created = cur.rowcount == 1
+        row = self.get_profile_by_sha(sha256)
+        assert row is not None
+        return row, created
+
+    def _profile(self, r: tuple[Any, ...], with_body: bool) -> ProfileRow:
+        return ProfileRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]) if with_body else None)
+
+    def get_profile(self, profile_id: str) -> ProfileRow | None:
+        rows = self._query(
+            "SELECT id, sha256, model_path, num_layers, created_at, body FROM profiles WHERE id = ?",
+            (profile_id,),
+        )
+        return self._profile(rows[0], True) if rows else None
+
+    def get_profile_by_sha(self, sha256: str) -> ProfileRow | None:
+        rows = self._query(
+            "SELECT id, sha256, model_path, num_layers, created_at, body FROM profiles WHERE sha256 = ?",
+            (sha256,),
+        )
+        return self._profile(rows[0], True) if rows else None
+
+    def list_profiles(self, limit: int, offset: int) -> tuple[list[ProfileRow], int]:
+        total = self._query("SELECT COUNT(*) FROM profiles")[0][0]
+        rows = self._query(
+            "SELECT id, sha256, model_path, num_layers, created_at, '' FROM profiles "
+            "ORDER BY created_at, id LIMIT ? OFFSET ?",
+            (limit, offset),
+        )
+        return [self._profile(r, False) for r in rows], total
+
+    # ------------------------------------------------------------ plans
+    _PLAN_COLS = "id, cache_key, profile_id, method, iteration_ms, created_at, meta"
+
+    def _plan(self, r: tuple[Any, ...]) -> PlanRow:
+        body = json.loads(r[7]) if len(r) > 7 else None
+        return PlanRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), body)
+
+    def put_plan(self, cache_key: str, profile_id: str, method: str, body: dict[str, Any], meta: dict[str, Any]) -> PlanRow:
+        """Store a plan under its cache key; if the key is taken, keep and return the first."""
+        iteration_ms = (body.get("predicted") or {}).get("iteration_ms")
+        with self._tx() as cur:
+            cur.execute(
+                f"INSERT INTO plans ({self._PLAN_COLS}, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (cache_key) DO NOTHING",
+                (new_id(), cache_key, profile_id, method, iteration_ms, now(), json.dumps(meta), json.dumps(body)),
+            )
+        row = self.get_plan_by_key(cache_key)
+        assert row is not None
+        return row
+
+    def get_plan(self, plan_id: str) -> PlanRow | None:
+        rows = self._query(f"SELECT {self._PLAN_COLS}, body FROM plans WHERE id = ?", (plan_id,))
+        return self._plan(rows[0]) if rows else None
+
+    def get_plan_by_key(self, cache_key: str) -> PlanRow | None:
+        rows = self._query(f"SELECT {self._PLAN_COLS}, body FROM plans WHERE cache_key = ?", (cache_key,))
+        return self._plan(rows[0]) if rows else None
+
+    def list_plans(self, limit: int, offset: int, profile_id: str | None = None) -> tuple[list[PlanRow], int]:
+        where, params = ("WHERE profile_id = ?", (profile_id,)) if profile_id else ("", ())
+        total = self._query(f"SELECT COUNT(*) FROM plans {where}", params)[0][0]
+        rows = self._query(
+            f"SELECT {self._PLAN_COLS} FROM plans {where} ORDER BY created_at, id LIMIT ? OFFSET ?",
+            (*params, limit, offset),
+        )
+        return [self._plan(r) for r in rows], total
+
+    def delete_plan(self, plan_id: str) -> bool:
+        with self._tx() as cur:
+            cur.execute("DELETE FROM renders WHERE plan_id = ?", (plan_id,))
+            cur.execute("DELETE FROM plans WHERE id = ?", (plan_id,))
+            return cur.rowcount == 1
+
+    # ------------------------------------------------------------ rendered timelines
+    def get_render(self, plan_id: str, kind: str) -> bytes | None:
+        rows = self._query("SELECT body FROM renders WHERE plan_id = ? AND kind = ?", (plan_id, kind))
+        return bytes(rows[0][0]) if rows else None
+
+    def put_render(self, plan_id: str, kind: str, body: bytes) -> None:
+        with self._tx() as cur:
+            if cur.execute("SELECT 1 FROM plans WHERE id = ?", (plan_id,)).fetchall():
+                cur.execute(
+                    "INSERT INTO renders (plan_id, kind, body) VALUES (?, ?, ?) "
+                    "ON CONFLICT (plan_id, kind) DO NOTHING",
+                    (plan_id, kind, body),
+                )
+
+    # ------------------------------------------------------------ jobs
+    _JOB_COLS = ("id, kind, status, cache_key, profile_id, request, plan_id, result, error, "
+                 "error_kind, created_at, started_at, finished_at")
+
+    def _job(self, r: tuple[Any, ...]) -> JobRow:
+        return JobRow(
+            r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6],
+            json.loads(r[7]) if r[7] is not None else None, *r[8:],
+        )
+
+    def create_job(self, kind: str, cache_key: str, profile_id: str, request: dict[str, Any]) -> JobRow:
+        jid = new_id()
+        with self._tx() as cur:
+            cur.execute(
+                "INSERT INTO jobs (id, kind, status, cache_key, profile_id, request, created_at) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?)",
+                (jid, kind, cache_key, profile_id, json.dumps(request), now()),
+            )
+        job = self.get_job(jid)
+        assert job is not None
+        return job
+
+    def get_job(self, job_id: str) -> JobRow | None:
+        rows = self._query(f"SELECT {self._JOB_COLS} FROM jobs WHERE id = ?", (job_id,))
+        return self._job(rows[0]) if rows else None
+
+    def mark_running(self, job_id: str) -> bool:
+        """queued -> running; False if the job is no longer queued (cancelled meanwhile)."""
+        with self._tx() as cur:
+            cur.execute(
+                "UPDATE jobs SET status = 'running', started_at = ? WHERE id = ? AND status = 'queued'",
+                (now(), job_id),
+            )
+            return cur.rowcount == 1
+
+    def finish_job(self, job_id: str, status: str, *, plan_id: str | None = None, result: Any = None,
+                   error: str | None = None, error_kind: str | None = None) -> bool:
+        """Move an unfinished job to its final status; False if it had already finished."""
+        with self._tx() as cur:
+            cur.execute(
+                "UPDATE jobs SET status = ?, plan_id = ?, result = ?, error = ?, error_kind = ?, "
+                "finished_at = ? WHERE id = ? AND status IN ('queued', 'running')",
+                (status, plan_id, None if result is None else json.dumps(result), error, error_kind,
+                 now(), job_id),
+            )
+            return cur.rowcount == 1
+
+    def fail_unfinished_jobs(self, reason: str) -> int:
+        """At startup: jobs a previous server left queued or running are reported failed."""
+        with self._tx() as cur:
+            cur.execute(
+                "UPDATE jobs SET status = 'failed', error = ?, error_kind = 'lost', finished_at = ? "
+                "WHERE status IN ('queued', 'running')",
+                (reason, now()),
+            )
+            return cur.rowcount

@@ -1,0 +1,61 @@
+"""What runs inside a solver process: one task in, one message out through a pipe.
+
+A task is a plain dict — `{"kind": "plan", "profile", "cluster", "options"}` or
+`{"kind": "compare", ..., "methods": [...]}` — and the answer is `(status, value)`:
+`("ok", result)`, `("user", message)` for a `PipeplanError` (the request cannot be planned), or
+`("internal", message)` for a bug. Nothing here touches the database or HTTP; the job manager
+(`api.jobs`) starts these processes and the service (`api.service`) stores what they return.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+from planner.errors import PipeplanError
+from planner.formats import Cluster, PlanOptions, Profile
+
+
+def _make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> dict[str, Any]:
+    from planner.solve import make_plan  # imported here so this module loads without it
+
+    return make_plan(profile, cluster, options).model_dump(mode="json")
+
+
+def execute(task: dict[str, Any]) -> Any:
+    """Run one task in this process; raises PipeplanError for requests that cannot be planned."""
+    profile = Profile.model_validate(task["profile"])
+    cluster = Cluster.model_validate(task["cluster"])
+    options = PlanOptions.model_validate(task["options"])
+    if task["kind"] == "plan":
+        return {"plan": _make_plan(profile, cluster, options)}
+    if task["kind"] == "compare":
+        rows: list[dict[str, Any]] = []
+        for method in task["methods"]:
+            opts = PlanOptions.model_validate({**task["options"], "method": method})
+            try:
+                rows.append({"method": method, "plan": _make_plan(profile, cluster, opts)})
+            except PipeplanError as exc:
+                rows.append({"method": method, "error": str(exc)})
+        return {"rows": rows}
+    raise ValueError(f"unknown task kind {task['kind']!r}")
+
+
+def child_main(conn: Any, task: dict[str, Any]) -> None:
+    """Entry point of a solver process: lower priority (HTTP stays responsive), run, reply."""
+    try:
+        os.nice(5)
+    except OSError:  # not permitted here; run at normal priority
+        pass
+    try:
+        message: tuple[str, Any] = ("ok", execute(task))
+    except PipeplanError as exc:
+        message = ("user", str(exc))
+    except Exception as exc:  # noqa: BLE001 - any bug is reported to the parent, not lost
+        tail = "".join(traceback.format_exception(exc)[-3:])
+        message = ("internal", f"{type(exc).__name__}: {exc}\n{tail}")
+    try:
+        conn.send(message)
+    finally:
+        conn.close()

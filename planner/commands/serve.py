@@ -1,0 +1,45 @@
+"""`python -m planner serve`: run the planning service (FastAPI under uvicorn).
+
+Flags override `PIPEPLAN_*` environment variables, which override the safe defaults (loopback
+only, `pipeplan.db` SQLite file next to where it runs, no API key). `--workers` is the number of
+solver processes; HTTP is served by one uvicorn process (the job queue lives in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="run the REST API (profiles, plans, timelines)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; PIPEPLAN_HOST)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000; PIPEPLAN_PORT)")
+    p.add_argument("--db", default=None, help="SQLite file (default pipeplan.db; PIPEPLAN_DB)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="solver processes running at once (default 2; PIPEPLAN_WORKERS)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from api.app import create_app
+    from api.settings import Settings
+    from planner.errors import PipeplanError
+    from planner.io import describe_validation_error
+
+    given = {k: getattr(args, k) for k in ("host", "port", "db", "workers") if getattr(args, k) is not None}
+    try:
+        settings = Settings(**given)
+    except ValidationError as exc:
+        raise PipeplanError(f"bad server settings:\n{describe_validation_error(exc)}") from None
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        print(f"warning: serving on {settings.host} without an API key; set PIPEPLAN_API_KEY")
+    print(f"pipeplan API on http://{settings.host}:{settings.port}  (docs: /docs, database: {settings.db})")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
