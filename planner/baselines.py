@@ -1,0 +1,201 @@
+"""The partitioners users would otherwise use, as planning methods: `uniform`, `params`,
+`blocks`, and a user's own split (`manual`). PipeDream's DP lives in `planner.pipedream`.
+
+Partition functions are pure functions over plain numbers returning stage boundaries
+`[0, stop_0, ..., L]`. Device assignment (uniform/params/blocks) follows DeepSpeed's
+pipe x data topology: with S stages on N devices, every stage gets N // S data-parallel
+replicas on consecutive ranks (stage s = ranks s*dp .. (s+1)*dp - 1). Like a user sweeping
+DeepSpeed's pipeline degree, the method tries every S that divides N (S <= layers) and keeps
+the fastest simulated plan that fits memory (if none fits, the one needing least memory, so the
+error says what it would take). A given `num_stages` fixes S.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from planner.build import Evaluation, evaluate, resolve_microbatch
+from planner.cost import LayerTable, layer_table
+from planner.errors import PipeplanError
+from planner.formats import Cluster, PlanOptions, Profile
+from planner.partition import Candidate, StageChoice
+
+Bounds = list[int]
+
+
+def partition_uniform(num_layers: int, num_stages: int) -> Bounds:
+    """DeepSpeed's `uniform`: equal layer counts, the first `L mod S` stages one layer more."""
+    size, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + size + (1 if s < extra else 0))
+    return bounds
+
+
+def _greedy(weights: Sequence[float], num_stages: int, cap: float) -> Bounds | None:
+    """Fill stages left to right up to `cap`, each with >= 1 layer; None if S stages do not do."""
+    n = len(weights)
+    bounds, acc, i = [0], 0.0, 0
+    while i < n:
+        if weights[i] > cap:
+            return None
+        if i > bounds[-1] and acc + weights[i] > cap:
+            bounds.append(i)
+            acc = 0.0
+            if len(bounds) - 1 >= num_stages:
+                return None
+            continue
+        acc += weights[i]
+        i += 1
+    bounds.append(n)
+    # fewer stages than asked: split the longest stages (never raises the maximum)
+    while len(bounds) - 1 < num_stages:
+        k = max(range(len(bounds) - 1), key=lambda s: bounds[s + 1] - bounds[s])
+        if bounds[k + 1] - bounds[k] < 2:
+            return None
+        bounds.insert(k + 1, bounds[k] + 1)
+    return bounds
+
+
+def partition_balanced(weights: Sequence[float], num_stages: int) -> Bounds:
+    """DeepSpeed's `parameters` (ds_utils.partition_balanced): the contiguous split whose
+    heaviest stage is lightest, by bisection on the bottleneck and a greedy probe."""
+    if num_stages > len(weights):
+        raise ValueError("more stages than layers")
+    lo, hi = max(weights, default=0.0), float(sum(weights))
+    best = _greedy(weights, num_stages, hi)
+    for _ in range(100):
+        if hi - lo <= 1e-9 * max(hi, 1.0):
+            break
+        mid = (lo + hi) / 2
+        probe = _greedy(weights, num_stages, mid)
+        if probe is None:
+            lo = mid
+        else:
+            hi, best = mid, probe
+    probe = _greedy(weights, num_stages, lo)
+    if probe is not None:
+        best = probe
+    assert best is not None
+    return best
+
+
+def block_partition(costs: Sequence[float], num_stages: int) -> Bounds:
+    """torchgpipe's `balance_by_time` partition (torchgpipe.balance.blockpartition.solve), the
+    algorithm of Bárány and Grinberg, "Block partitions of sequences" (Israel J. Math. 2015):
+    normalise the costs to [0, 1], start from equal layer counts, and repeatedly move one layer
+    from the neighbour of a lightest block towards a heaviest block until max <= min + 1."""
+    n = len(costs)
+    if num_stages > n:
+        raise ValueError("more stages than layers")
+    lo = min(costs)
+    span = max(costs) - lo
+    normal = [0.0 if span == 0 else (x - lo) / span for x in costs]
+    prefix = [0.0]
+    for x in normal:
+        prefix.append(prefix[-1] + x)
+    splits = [n // num_stages * (x + 1) for x in range(num_stages - 1)] + [n]
+
+    def size(i: int) -> float:
+        return prefix[splits[i]] - prefix[splits[i - 1] if i > 0 else 0]
+
+    for _ in range(10 * n * num_stages + 100):  # Bárány's argument bounds the moves; be safe
+        max_size, p = max((size(i), i) for i in range(num_stages))
+        while True:
+            min_size, q = min((size(i), i) for i in range(num_stages))
+            if max_size <= min_size + 1:
+                return [0] + splits
+            if p < q:
+                h = q - 1
+                if splits[h] - (splits[h - 1] if h > 0 else 0) <= 1:
+                    return [0] + splits  # would empty a block
+                splits[h] -= 1
+            else:
+                h = q + 1
+                if splits[h] - splits[q] <= 1:
+                    return [0] + splits
+                splits[q] += 1
+            if p == h:
+                break
+            max_size = size(p)
+    return [0] + splits
+
+
+def _candidate(bounds: Bounds, stage_devices: list[tuple[int, ...]], b: int, m: int,
+               solver: dict[str, object]) -> Candidate:
+    return Candidate(tuple(StageChoice(a, z, d) for a, z, d in
+                           zip(bounds[:-1], bounds[1:], stage_devices, strict=True)), b, m, solver)
+
+
+def sweep_depths(profile: Profile, cluster: Cluster, options: PlanOptions, name: str,
+                 partition: Callable[[LayerTable, int], Bounds], num_stages: int | None = None
+                 ) -> Candidate:
+    """Try each pipeline depth S (DeepSpeed's pipe x data grid); keep the best (module doc)."""
+    t0 = time.perf_counter()
+    table = layer_table(profile)
+    b, m = resolve_microbatch(profile, options)
+    N, L = cluster.num_devices, table.num_layers
+    depths = [num_stages] if num_stages else [S for S in range(1, min(N, L) + 1) if N % S == 0]
+    best: Evaluation | None = None
+    for S in depths:
+        if S > L:
+            raise PipeplanError(f"{name}: {S} stages but the profile has only {L} layers")
+        dp = N // S
+        devs = [tuple(range(s * dp, (s + 1) * dp)) for s in range(S)]
+        cand = _candidate(partition(table, S), devs, b, m, {})
+        ev = evaluate(table, cluster, cand, options)
+        key = (not ev.fits, ev.memory_overshoot() if not ev.fits else ev.iteration_ms)
+        if best is None or key < (not best.fits, best.memory_overshoot() if not best.fits else best.iteration_ms):
+            best = ev
+    assert best is not None
+    solver = {"name": name, "status": "HEURISTIC", "objective": best.iteration_ms,
+              "wall_s": time.perf_counter() - t0, "depths_tried": len(depths)}
+    return Candidate(best.candidate.stages, b, m, solver)
+
+
+def _layer_costs(table: LayerTable) -> list[float]:
+    return [table.compute_ms(i, i + 1) for i in range(table.num_layers)]
+
+
+def solve_uniform(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
+    """Equal numbers of layers per stage (DeepSpeed's `uniform`, torchtitan's default)."""
+    return sweep_depths(profile, cluster, options, "uniform",
+                        lambda t, S: partition_uniform(t.num_layers, S))
+
+
+def solve_params(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
+    """Balanced parameter bytes per stage (DeepSpeed's default `parameters`)."""
+    return sweep_depths(profile, cluster, options, "params", lambda t, S: partition_balanced(
+        [t.param_bytes(i, i + 1) for i in range(t.num_layers)], S))
+
+
+def solve_blocks(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
+    """torchgpipe's `balance_by_time` block partition on per-layer fwd + bwd time."""
+    return sweep_depths(profile, cluster, options, "blocks",
+                        lambda t, S: block_partition(_layer_costs(t), S))
+
+
+def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
+    """The user's split (`options.split`: layers per stage; `options.replicas`: replicas per
+    stage, default 1), on consecutive ranks from 0."""
+    if not options.split:
+        raise PipeplanError("method manual needs --split, the number of layers per stage, e.g. "
+                            "--split 3,3,2 (and optionally --replicas 1,1,2)")
+    L, N = len(profile.layers), cluster.num_devices
+    if sum(options.split) != L:
+        raise PipeplanError(f"--split {','.join(map(str, options.split))} covers "
+                            f"{sum(options.split)} layers but the profile has {L}")
+    replicas = options.replicas or [1] * len(options.split)
+    if len(replicas) != len(options.split):
+        raise PipeplanError("--replicas: give one count per stage of --split")
+    if sum(replicas) > N:
+        raise PipeplanError(f"--replicas {','.join(map(str, replicas))} needs {sum(replicas)} "
+                            f"devices but the cluster has {N}")
+    b, m = resolve_microbatch(profile, options)
+    bounds, devs, rank = [0], [], 0
+    for n_layers, r in zip(options.split, replicas, strict=True):
+        bounds.append(bounds[-1] + n_layers)
+        devs.append(tuple(range(rank, rank + r)))
+        rank += r
+    return _candidate(bounds, devs, b, m, {"name": "manual", "status": "GIVEN"})

@@ -1,0 +1,139 @@
+"""From a candidate (stages, replicas, devices, microbatching) to a complete plan.json: the cost
+model's per-stage numbers, the schedule every rank executes, and the simulator's prediction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.cost import (
+    LayerTable,
+    PipelineCosts,
+    layer_table,
+    lower_bound_ms,
+    microbatch_scale,
+    pipeline_costs,
+)
+from planner.errors import PipeplanError
+from planner.formats import (
+    GB,
+    Cluster,
+    Plan,
+    PlanOptions,
+    PlanStage,
+    Predicted,
+    Profile,
+    SolverInfo,
+    StagePredicted,
+    digest,
+)
+from planner.partition import Candidate
+from planner.schedules import generate, plan_schedule_fields
+from planner.simulator import Simulation, simulate_costs
+
+
+def resolve_microbatch(profile: Profile, options: PlanOptions) -> tuple[int, int]:
+    """(microbatch size, number of microbatches). Without `microbatch_size`: the largest divisor
+    of the global batch that is at most the profile's batch size."""
+    b = options.microbatch_size
+    if b is None:
+        b = max(d for d in range(1, min(profile.batch_size, options.global_batch) + 1)
+                if options.global_batch % d == 0)
+    if options.global_batch % b:
+        raise PipeplanError(f"--global-batch {options.global_batch} is not a multiple of "
+                            f"--microbatch-size {b}")
+    return b, options.global_batch // b
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A candidate under the cost model and the simulator."""
+
+    candidate: Candidate
+    costs: PipelineCosts
+    simulation: Simulation
+    stage_memory_bytes: tuple[float, ...]  # peak per device, busiest replica
+
+    @property
+    def iteration_ms(self) -> float:
+        return self.simulation.iteration_ms
+
+    @property
+    def fits(self) -> bool:
+        return all(m <= lim for m, lim in zip(self.stage_memory_bytes, self.costs.memory_limit_bytes,
+                                              strict=True))
+
+    def memory_overshoot(self) -> float:
+        """Largest ratio of needed to available memory over the stages (<= 1: fits)."""
+        return max(m / lim for m, lim in zip(self.stage_memory_bytes, self.costs.memory_limit_bytes,
+                                            strict=True))
+
+
+def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options: PlanOptions
+             ) -> Evaluation:
+    """Cost model + schedule + simulation for one candidate (what every method is judged by)."""
+    candidate.check(table.num_layers, cluster.num_devices)
+    costs = pipeline_costs(table, cluster, candidate, options.optimizer)
+    sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, candidate.num_microbatches))
+    memory = tuple(max(sim.peak_memory_bytes[d] for d in devs) for devs in costs.stage_devices)
+    return Evaluation(candidate, costs, sim, memory)
+
+
+def memory_error(ev: Evaluation, method: str) -> PipeplanError:
+    worst = max(range(len(ev.stage_memory_bytes)),
+                key=lambda s: ev.stage_memory_bytes[s] / ev.costs.memory_limit_bytes[s])
+    need = max(ev.stage_memory_bytes)
+    return PipeplanError(
+        f"the plan of method {method!r} does not fit in device memory: stage {worst} needs "
+        f"{ev.stage_memory_bytes[worst] / GB:.2f} GB per device but its devices have "
+        f"{ev.costs.memory_limit_bytes[worst] / GB:.2f} GB; this plan would need "
+        f"{need / GB:.2f} GB per device. Try more devices, a smaller --microbatch-size, "
+        "--optimizer sgd or momentum, --schedule 1f1b, or another --method.")
+
+
+def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options: PlanOptions,
+               table: LayerTable | None = None, evaluation: Evaluation | None = None) -> Plan:
+    """Every plan.json field for `candidate` (it need not fit memory: see `Evaluation.fits`)."""
+    table = table or layer_table(profile)
+    ev = evaluation or evaluate(table, cluster, candidate, options)
+    costs, sim = ev.costs, ev.simulation
+    m, b = candidate.num_microbatches, candidate.microbatch_size
+    devices = cluster.devices()
+    lb = lower_bound_ms(table, m, microbatch_scale(table.batch_size, b), sum(d.speed for d in devices))
+    stages = []
+    for s, st in enumerate(candidate.stages):
+        sends = [{"to": t, "bytes": snd.nbytes, "ms": snd.ms}
+                 for (src, t), snd in costs.sends.items() if src == s]
+        stages.append(PlanStage(
+            index=s, layers=list(table.names[st.start:st.stop]), replicas=st.replicas,
+            devices=list(st.devices),
+            predicted=StagePredicted(
+                fwd_ms=costs.fwd_ms[s], bwd_ms=costs.bwd_ms[s],
+                compute_ms=costs.fwd_ms[s] + costs.bwd_ms[s],
+                memory_bytes=math.ceil(ev.stage_memory_bytes[s]),
+                memory_limit_bytes=int(costs.memory_limit_bytes[s]),
+                allreduce_ms=costs.allreduce_ms[s],
+                static_memory_bytes=costs.static_memory_bytes[s],
+                activation_bytes_per_microbatch=costs.activation_bytes_per_microbatch[s],
+                peak_inflight=max(sim.peak_inflight[d] for d in st.devices),
+                sends=sends,
+            ),
+        ))
+    it = sim.iteration_ms
+    solver = {"name": options.method, "status": "HEURISTIC", **candidate.solver}
+    rank_actions, generator = plan_schedule_fields(options.schedule, costs.stage_devices, m)
+    return Plan(
+        profile_sha256=digest(profile), model=profile.model, cluster=cluster,
+        options=options.model_copy(update={"microbatch_size": b}), schedule=options.schedule,
+        global_batch=options.global_batch, microbatch_size=b, num_microbatches=m,
+        stages=stages,
+        predicted=Predicted(
+            iteration_ms=it,
+            throughput_samples_per_s=options.global_batch / (it / 1e3) if it > 0 else math.inf,
+            lower_bound_ms=lb, bubble_fraction=sim.bubble_fraction,
+            ratio_to_lower_bound=it / lb if lb > 0 else 1.0,
+            fits_memory=ev.fits, unused_devices=cluster.num_devices - sum(len(d) for d in costs.stage_devices),
+        ),
+        solver=SolverInfo.model_validate(solver),
+        rank_actions=rank_actions, generator=generator,
+    )
