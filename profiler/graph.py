@@ -1,0 +1,408 @@
+"""The layer graph of a model, and stage modules built from any set of its layers.
+
+Public API (the runtime builds each rank's stage with it):
+
+    lg = trace(model, example_inputs, granularity="blocks")      # -> LayerGraph
+    lg.layer_names()                # layers in topological order (the units a cut may fall between)
+    lg.graph                        # networkx.DiGraph over layer names; edge attrs `bytes` and
+                                    # `tensors` {tensor id: bytes}; node attrs `index`, `kind`
+    lg.edges()                      # the same as planner.formats.Edge list (model inputs included)
+    lg.shared_parameters            # parameters held by several layers (tied weights)
+    stage = build_stage(lg, ["h.0", "h.1"])                      # -> StageModule (nn.Module)
+    out = stage({k: values[k] for k in stage.input_keys})        # dict: tensor id -> Tensor
+
+Tensor ids: model inputs are "<input>:0", "<input>:1", ... (positional); the model's output is
+"<output>" (whatever the model returns: a tensor, a tuple, a HF ModelOutput); every other value
+is named by its fx node name, which is deterministic for a given model and tracing method. In
+the profile, an edge's tensor is `edge.tensor` (this id) and its source the producing layer or
+`planner.formats.INPUT_NODE` for model inputs.
+
+A StageModule holds only the parameters and buffers of its layers, under the same state-dict
+keys as the original model (`build_model().load_state_dict(lg.complete_state_dict(merged))`
+accepts the union of all stages' state dicts). `input_keys` are the tensor ids it needs (from
+earlier layers or model inputs), `output_keys` those it produces that other layers or the final
+output need. Running the stages of a partition in order, each fed the values produced so far,
+reproduces `model(*inputs)` bit for bit. Non-tensor values never cross a stage boundary: values
+derived only from model inputs (shapes, masks, position ids) and parameter reads are recomputed
+in every stage that needs them; a non-tensor that cannot be recomputed (a tuple returned by a
+module) keeps its producer and consumers in one layer. A parameter used by layers that end up
+in different stages (tied weights) appears in each such stage and in `lg.shared_parameters`:
+sum its gradient across those stages. After building its stage a rank should drop the
+LayerGraph and the model, so that only its own parameters stay alive.
+
+Limitations: in-place mutation of a tensor that is also sent to another stage is not
+reproduced; models traced with `torch.export` (the fallback when torch.fx fails) are
+specialised on the example inputs' shapes, so trace with the batch size you will run.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from planner.errors import PipeplanError
+from planner.formats import INPUT_NODE, Edge
+from profiler import segment as seg
+from profiler.tracing import Traced, capture
+
+OUTPUT_KEY = "<output>"
+OUT_SPEC_ATTR = "_pipeplan_out_spec"
+
+
+def input_key(i: int) -> str:
+    return f"{INPUT_NODE}:{i}"
+
+
+@dataclass
+class Layer:
+    name: str
+    kind: str  # module class names, for people
+    nodes: list[str]  # fx node names this layer computes (in graph order)
+    module_paths: list[str]
+
+
+@dataclass
+class SharedParameter:
+    keys: list[str]  # state-dict keys (in different layers) that name one tensor
+    layers: list[str]
+
+
+@dataclass
+class TensorInfo:
+    id: str
+    producer: str  # layer name or INPUT_NODE
+    consumers: list[str]  # layer names, in order
+    bytes: int
+
+
+@dataclass
+class LayerGraph:
+    layers: list[Layer]
+    graph: nx.DiGraph
+    tensors: dict[str, TensorInfo]  # every value crossing a layer boundary (and model inputs)
+    shared_parameters: list[SharedParameter]
+    method: str  # "fx" or "export"
+    granularity: str
+    num_inputs: int
+    # internals used by build_stage
+    gm: fx.GraphModule = field(repr=False)
+    root: torch.nn.Module = field(repr=False)
+    kind: dict[str, str] = field(repr=False)
+    owner: dict[str, int] = field(repr=False)
+    alias_groups: list[list[str]] = field(repr=False, default_factory=list)
+    orphans: dict[int, list[str]] = field(repr=False, default_factory=dict)
+
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise PipeplanError(f"no layer named {name!r}; layers are {self.layer_names()}")
+
+    def edges(self) -> list[Edge]:
+        """One edge per (producer, consumer layer, tensor), in consumer order."""
+        out: list[Edge] = []
+        for t in self.tensors.values():
+            for c in t.consumers:
+                out.append(Edge(src=t.producer, dst=c, bytes=t.bytes, tensor=t.id))
+        index = {n: i for i, n in enumerate(self.layer_names())}
+        out.sort(key=lambda e: (index[e.dst], -1 if e.src == INPUT_NODE else index[e.src]))
+        return out
+
+    def cut_bytes(self) -> list[int]:
+        """Bytes of the tensors produced at or before layer i and used after it, i < L-1."""
+        index = {n: i for i, n in enumerate(self.layer_names())}
+        out = []
+        for i in range(len(self.layers) - 1):
+            total = 0
+            for t in self.tensors.values():
+                p = -1 if t.producer == INPUT_NODE else index[t.producer]
+                if p <= i < max(index[c] for c in t.consumers):
+                    total += t.bytes
+            out.append(total)
+        return out
+
+    def complete_state_dict(self, partial: dict[str, Any]) -> dict[str, Any]:
+        """Add the other names of tied tensors (a stage holds a tied weight under one name)."""
+        out = dict(partial)
+        for group in self.alias_groups:
+            have = [k for k in group if k in out]
+            if have:
+                for k in group:
+                    out.setdefault(k, out[have[0]])
+        return out
+
+
+class StageModule(fx.GraphModule):
+    """Some layers of a model as one module: `forward(values: dict) -> dict` (see module doc)."""
+
+    input_keys: list[str]
+    output_keys: list[str]
+    layer_names: list[str]
+
+
+# ---------------------------------------------------------------- tracing
+
+
+def _record(traced: Traced, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, bool], dict[str, int]]:
+    """Run the graph once; per node: is its value a tensor, and its bytes."""
+    is_tensor: dict[str, bool] = {}
+    nbytes: dict[str, int] = {}
+
+    class Rec(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            value = super().run_node(n)
+            is_tensor[n.name] = isinstance(value, torch.Tensor)
+            leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+            nbytes[n.name] = sum(v.numel() * v.element_size() for v in leaves)
+            return value
+
+    with torch.no_grad():
+        Rec(traced.gm).run(*inputs)
+    return is_tensor, nbytes
+
+
+def _closure(lg_gm: fx.GraphModule, kind: dict[str, str], owner: dict[str, int],
+             layer_idx: set[int]) -> tuple[list[fx.Node], list[str]]:
+    """Nodes a stage runs (its own plus recomputed ones) in graph order, and its input keys."""
+    nodes_by_name = {n.name: n for n in lg_gm.graph.nodes}
+    chosen: set[str] = {n for n, i in owner.items() if i in layer_idx}
+    needed_inputs: set[str] = set()
+    stack = list(chosen)
+    while stack:
+        name = stack.pop()
+        for a in nodes_by_name[name].all_input_nodes:
+            if a.name in chosen:
+                continue
+            k = kind[a.name]
+            if k == "input":
+                needed_inputs.add(a.name)
+            elif k in ("attr", "free", "recompute"):
+                chosen.add(a.name)
+                stack.append(a.name)
+            else:
+                needed_inputs.add(a.name)
+    order = [n for n in lg_gm.graph.nodes if n.name in chosen]
+    position = {name: i for i, name in enumerate(nodes_by_name)}
+    return order, sorted(needed_inputs, key=position.__getitem__)
+
+
+def _tensor_id(node: fx.Node, placeholders: list[str]) -> str:
+    return input_key(placeholders.index(node.name)) if node.op == "placeholder" else node.name
+
+
+def _param_targets(root: torch.nn.Module, nodes: list[fx.Node]) -> dict[str, torch.Tensor]:
+    """State-dict-like key -> tensor for every parameter/buffer the nodes reference."""
+    out: dict[str, torch.Tensor] = {}
+    for n in nodes:
+        if n.op == "get_attr":
+            obj = _get(root, n.target)
+            if isinstance(obj, torch.Tensor):
+                out[n.target] = obj
+        elif n.op == "call_module":
+            m = _get(root, n.target)
+            for k, v in m.state_dict(keep_vars=True).items():
+                out[f"{n.target}.{k}"] = v
+    return out
+
+
+def _get(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | list[torch.Tensor],
+          granularity: str = "blocks") -> LayerGraph:
+    """Trace `model(*example_inputs)` into layers at `granularity` (blocks | modules | depth:N)."""
+    inputs = tuple(example_inputs)
+    mode, _ = seg.parse_granularity(granularity)
+    traced = capture(model, inputs)
+    gm = traced.gm
+    root: torch.nn.Module = model if traced.method == "fx" else gm
+    if traced.method == "export":
+        setattr(gm, OUT_SPEC_ATTR, traced.out_spec)
+    is_tensor, nbytes = _record(traced, inputs)
+    kind = seg.classify(gm, is_tensor)
+    keys, labels = seg.group_keys(gm, model, traced.paths, granularity)
+    segs, owner = seg.segment(gm, keys, kind, labels)
+    segs, owner = seg.merge_untransferable(segs, owner, gm, kind, is_tensor)
+    named = seg.name_segments(segs, model)
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    owner[output_node.name] = len(segs) - 1
+    layers = [Layer(name, k, s.nodes, s.paths) for (name, k), s in zip(named, segs, strict=True)]
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    # tensors crossing layer boundaries: the inputs of every single-layer stage
+    tensors: dict[str, TensorInfo] = {}
+    per_layer_params: list[dict[str, torch.Tensor]] = []
+    for i, layer in enumerate(layers):
+        nodes, needed = _closure(gm, kind, owner, {i})
+        per_layer_params.append(_param_targets(root, nodes))
+        for name in needed:
+            node = next(n for n in gm.graph.nodes if n.name == name)
+            tid = _tensor_id(node, placeholders)
+            producer = INPUT_NODE if node.op == "placeholder" else layers[owner[name]].name
+            info = tensors.setdefault(tid, TensorInfo(tid, producer, [], nbytes.get(name, 0)))
+            info.consumers.append(layer.name)
+
+    g = nx.DiGraph()
+    for i, layer in enumerate(layers):
+        g.add_node(layer.name, index=i, kind=layer.kind)
+    for t in tensors.values():
+        for c in t.consumers:
+            if t.producer == INPUT_NODE:
+                g.nodes[c].setdefault("inputs", {})[t.id] = t.bytes
+                continue
+            if not g.has_edge(t.producer, c):
+                g.add_edge(t.producer, c, bytes=0, tensors={})
+            g.edges[t.producer, c]["tensors"][t.id] = t.bytes
+            g.edges[t.producer, c]["bytes"] += t.bytes
+
+    # tied parameters: one tensor referenced by several layers
+    by_id: dict[int, list[tuple[str, str]]] = {}
+    for layer, params in zip(layers, per_layer_params, strict=True):
+        for key, tensor in params.items():
+            by_id.setdefault(id(tensor), []).append((layer.name, key))
+    shared = []
+    for refs in by_id.values():
+        layer_set = list(dict.fromkeys(lname for lname, _ in refs))
+        if len(layer_set) > 1:
+            shared.append(SharedParameter(list(dict.fromkeys(k for _, k in refs)), layer_set))
+
+    # names of tied tensors (for complete_state_dict) and unreferenced state (orphans)
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for k, v in state.items():
+        groups.setdefault(id(v), []).append(k)
+    alias_groups = [ks for ks in groups.values() if len(ks) > 1]
+    held = {k for params in per_layer_params for k in params}
+    held_ids = {id(state[k]) for k in held if k in state}
+    orphans: dict[int, list[str]] = {}
+    for k, v in state.items():
+        if k in held or id(v) in held_ids:
+            continue
+        best, best_len = len(layers) - 1, -1
+        for i, layer in enumerate(layers):
+            for p in layer.module_paths:
+                if p and (k.startswith(p + ".")) and len(p) > best_len:
+                    best, best_len = i, len(p)
+        orphans.setdefault(best, []).append(k)
+
+    return LayerGraph(
+        layers=layers, graph=g, tensors=tensors, shared_parameters=shared,
+        method=traced.method, granularity=granularity if mode else granularity,
+        num_inputs=len(inputs), gm=gm, root=root, kind=kind, owner=owner,
+        alias_groups=alias_groups, orphans=orphans,
+    )
+
+
+# ---------------------------------------------------------------- stages
+
+
+def build_stage(layer_graph: LayerGraph, layer_names: list[str]) -> StageModule:
+    """An nn.Module computing the given layers (see the module docstring)."""
+    lg = layer_graph
+    index = {name: i for i, name in enumerate(lg.layer_names())}
+    unknown = [n for n in layer_names if n not in index]
+    if unknown or not layer_names:
+        raise PipeplanError(
+            f"build_stage: unknown layer(s) {unknown or layer_names}; the model's layers are "
+            f"{lg.layer_names()} (was the plan made for this model and granularity?)"
+        )
+    idx = {index[n] for n in layer_names}
+    gm = lg.gm
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes, needed = _closure(gm, lg.kind, lg.owner, idx)
+    nodes = [n for n in nodes if n.op != "output"]
+    by_name = {n.name: n for n in gm.graph.nodes}
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    owns_output = lg.owner[output_node.name] in idx
+
+    # values this stage produces that a layer outside it needs
+    outside = [i for i in range(len(lg.layers)) if i not in idx]
+    wanted: set[str] = set()
+    for i in outside:
+        _, needs = _closure(gm, lg.kind, lg.owner, {i})
+        wanted.update(needs)
+    if not owns_output:
+        for a in output_node.all_input_nodes:
+            if lg.kind[a.name] not in ("input", "attr", "free", "recompute"):
+                wanted.add(a.name)
+    produced = [n.name for n in nodes if lg.owner.get(n.name) in idx and n.name in wanted]
+
+    g = fx.Graph()
+    values = g.placeholder("values")
+    env: dict[fx.Node, fx.Node] = {}
+    input_keys = [_tensor_id(by_name[n], placeholders) for n in needed]
+    for name, key in zip(needed, input_keys, strict=True):
+        env[by_name[name]] = g.call_function(operator.getitem, (values, key))
+    for node in nodes:
+        env[node] = g.node_copy(node, lambda a: env[a])
+    result: dict[str, Any] = {}
+    for name in produced:
+        result[name] = env[by_name[name]]
+    output_keys = list(produced)
+    if owns_output:
+        out_arg = fx.map_arg(output_node.args[0], lambda a: env[a])
+        if lg.method == "export":
+            spec = g.get_attr(OUT_SPEC_ATTR)
+            flat = list(out_arg) if isinstance(out_arg, tuple | list) else [out_arg]
+            out_arg = g.call_function(pytree.tree_unflatten, (flat, spec))
+        result[OUTPUT_KEY] = out_arg
+        output_keys.append(OUTPUT_KEY)
+    g.output(result)
+
+    stage = StageModule(lg.root, g, "StageModule")
+    _fix_buffers(lg.root, stage, nodes)
+    for i in sorted(idx):
+        for key in lg.orphans.get(i, []):
+            _copy_state(lg.root, stage, key)
+    stage.input_keys = input_keys
+    stage.output_keys = output_keys
+    stage.layer_names = [n for n in lg.layer_names() if n in set(layer_names)]
+    return stage
+
+
+def _fix_buffers(root: torch.nn.Module, stage: torch.nn.Module, nodes: list[fx.Node]) -> None:
+    """GraphModule registers copied buffers as persistent; keep the original persistence."""
+    for n in nodes:
+        if n.op != "get_attr" or "." not in str(n.target):
+            continue
+        prefix, field_name = str(n.target).rsplit(".", 1)
+        try:
+            src, dst = _get(root, prefix), _get(stage, prefix)
+        except AttributeError:
+            continue
+        if src is not dst and field_name in getattr(src, "_non_persistent_buffers_set", ()):
+            dst._non_persistent_buffers_set.add(field_name)
+
+
+def _copy_state(root: torch.nn.Module, stage: torch.nn.Module, key: str) -> None:
+    """Attach a parameter/buffer no node references (kept so state dicts stay complete)."""
+    prefix, _, field_name = key.rpartition(".")
+    try:
+        src = _get(root, prefix) if prefix else root
+        value = getattr(src, field_name)
+    except AttributeError:
+        return
+    dst: torch.nn.Module = stage
+    for part in prefix.split(".") if prefix else []:
+        nxt = getattr(dst, part, None)
+        if nxt is None:
+            nxt = torch.nn.Module()
+            setattr(dst, part, nxt)
+        dst = nxt
+    if isinstance(value, torch.nn.Parameter):
+        dst.register_parameter(field_name, value)
+    elif isinstance(value, torch.Tensor) and field_name not in dst._buffers:
+        dst.register_buffer(field_name, value)

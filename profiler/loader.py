@@ -1,0 +1,142 @@
+"""Load a user's model file (`model.py`) and check it follows the model contract.
+
+A model file is plain Python defining `build_model() -> nn.Module`,
+`make_batch(batch_size) -> (inputs_tuple, target)` and `loss_fn(output, target) -> Tensor`.
+Every way a file can fail to load (missing, syntax error, missing function, a function that
+raises) becomes a `PipeplanError` naming the file, the function and what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PipeplanError
+
+REQUIRED = ("build_model", "make_batch", "loss_fn")
+_HINTS = {
+    "build_model": "def build_model() -> torch.nn.Module",
+    "make_batch": "def make_batch(batch_size: int) -> tuple[tuple[Tensor, ...], Tensor]",
+    "loss_fn": "def loss_fn(output, target) -> Tensor",
+}
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of the file's bytes (a plan records it; the runtime checks it)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: str
+    sha256: str
+    build_model: Callable[[], Any]
+    make_batch: Callable[[int], Any]
+    loss_fn: Callable[[Any, Any], Any]
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """The innermost traceback line inside the user's file, e.g. ' (line 12: x = 1 / 0)'."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (line {f.lineno}: {(f.line or '').strip()})"
+
+
+def call_user(model_file_path: str | Path, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a function from a model file, turning any exception into a PipeplanError."""
+    path = Path(model_file_path).resolve()
+    try:
+        return fn(*args)
+    except PipeplanError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure in user code is reported, not raised
+        raise PipeplanError(
+            f"{path}: {name}({', '.join(map(repr, args))}) raised {type(exc).__name__}: {exc}"
+            f"{_where(exc, path)}. Fix {name} in {path.name} (try running it by hand)."
+        ) from exc
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import `path` as a module and return its three contract functions."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipeplanError(
+            f"{path}: no such model file. Give the path of a Python file defining "
+            "build_model(), make_batch(batch_size) and loss_fn(output, target)."
+        )
+    path = path.resolve()
+    module_name = f"pipeplan_user_model_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise PipeplanError(f"{path}: cannot be imported as Python; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(module_name, None)
+        raise PipeplanError(
+            f"{path}: syntax error at line {exc.lineno}: {exc.msg}. Fix the file and try again."
+        ) from None
+    except Exception as exc:  # noqa: BLE001
+        sys.modules.pop(module_name, None)
+        raise PipeplanError(
+            f"{path}: importing the file raised {type(exc).__name__}: {exc}{_where(exc, path)}. "
+            "Fix the module-level code of the file (run `python <file>` to see it)."
+        ) from exc
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        wanted = "; ".join(_HINTS[m] for m in missing)
+        raise PipeplanError(
+            f"{path}: missing function{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}. A model file must define: {wanted}."
+        )
+    return ModelFile(
+        path=str(path),
+        sha256=file_sha256(path),
+        build_model=module.build_model,
+        make_batch=module.make_batch,
+        loss_fn=module.loss_fn,
+    )
+
+
+def build_checked(mf: ModelFile) -> Any:
+    """`build_model()`, checked to return an nn.Module."""
+    import torch
+
+    model = call_user(mf.path, "build_model", mf.build_model)
+    if not isinstance(model, torch.nn.Module):
+        raise PipeplanError(
+            f"{mf.path}: build_model() returned {type(model).__name__}, not a torch.nn.Module. "
+            "Return the model object."
+        )
+    return model
+
+
+def batch_checked(mf: ModelFile, batch_size: int) -> tuple[tuple[Any, ...], Any]:
+    """`make_batch(batch_size)`, checked to return `(tuple_of_tensors, target)`."""
+    import torch
+
+    batch = call_user(mf.path, "make_batch", mf.make_batch, batch_size)
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        raise PipeplanError(
+            f"{mf.path}: make_batch({batch_size}) must return (inputs, target) where inputs is a "
+            f"tuple of tensors; it returned {type(batch).__name__}"
+        )
+    inputs, target = batch
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not (isinstance(inputs, tuple | list) and all(isinstance(t, torch.Tensor) for t in inputs)):
+        raise PipeplanError(
+            f"{mf.path}: make_batch({batch_size}) must return (inputs, target) with inputs a "
+            "tuple of tensors (the model's positional arguments)"
+        )
+    return tuple(inputs), target

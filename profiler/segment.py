@@ -1,0 +1,258 @@
+"""Group a traced fx graph's nodes into layers (internal to `profiler.graph`).
+
+Each node gets a *group key* from its module path and the granularity:
+- `blocks`: the model's natural blocks — the elements of the outermost ModuleList/Sequential
+  whose elements are themselves composite modules (a transformer's blocks, a UNet's stages);
+  runs of other modules between them (embeddings, final norm + head, a UNet's middle) each
+  form one layer;
+- `modules`: every leaf module call;
+- `depth:N`: module paths truncated to N components.
+Code outside those modules ("glue": adds, reshapes, masks, getattr) has no key. Layers are
+contiguous runs of the graph's (topological) node order, so the layer order is topological.
+A glue node joins the layer of its latest producer; glue with no computed producer (parameter
+reads, code derived only from model inputs) joins the first layer that uses it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from planner.errors import PipeplanError
+
+RUN = "~run"  # group key shared by consecutive non-block modules
+_RANDOM = re.compile(r"rand|dropout|bernoulli|normal|multinomial|poisson|uniform", re.IGNORECASE)
+
+
+@dataclass
+class Segment:
+    key: str
+    nodes: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # distinct module paths, in order
+
+
+def parse_granularity(granularity: str) -> tuple[str, int]:
+    if granularity in ("blocks", "modules"):
+        return granularity, 0
+    m = re.fullmatch(r"depth:(\d+)", granularity)
+    if m and int(m.group(1)) >= 1:
+        return "depth", int(m.group(1))
+    raise PipeplanError(
+        f"granularity {granularity!r}: use 'blocks' (natural blocks), 'modules' (every leaf "
+        "module) or 'depth:N' (module paths cut to N components, N >= 1)"
+    )
+
+
+def _is_block_list(m: torch.nn.Module) -> bool:
+    kids = list(m.children())
+    return (
+        isinstance(m, torch.nn.ModuleList | torch.nn.Sequential)
+        and len(kids) >= 2
+        and sum(1 for k in kids if any(True for _ in k.children())) >= 2
+    )
+
+
+def natural_blocks(model: torch.nn.Module) -> tuple[list[str], set[str]]:
+    """(block paths, paths of their ancestors). Fallback: the root's children are the blocks."""
+    blocks: list[str] = []
+    ancestors: set[str] = set()
+
+    def visit(m: torch.nn.Module, prefix: str) -> bool:
+        found = False
+        if _is_block_list(m):
+            blocks.extend(f"{prefix}{name}" for name, _ in m.named_children())
+            found = True
+        else:
+            for name, child in m.named_children():
+                found |= visit(child, f"{prefix}{name}.")
+        if found:
+            ancestors.add(prefix[:-1])
+        return found
+
+    if not visit(model, ""):
+        blocks = [name for name, _ in model.named_children()]
+        ancestors = {""}
+    ancestors.add("")
+    return blocks, ancestors
+
+
+def _under(path: str, roots: set[str]) -> str | None:
+    parts = path.split(".") if path else []
+    for i in range(len(parts), 0, -1):
+        p = ".".join(parts[:i])
+        if p in roots:
+            return p
+    return None
+
+
+def _top_outside(path: str, ancestors: set[str]) -> str:
+    """The shortest prefix of `path` that is not an ancestor of a block."""
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        p = ".".join(parts[:i])
+        if p not in ancestors:
+            return p
+    return path
+
+
+def group_keys(
+    gm: fx.GraphModule, model: torch.nn.Module, paths: dict[str, str], granularity: str
+) -> tuple[dict[str, str | None], dict[str, str]]:
+    """(group key per compute node name (None = glue), label: the module path naming it)."""
+    mode, depth = parse_granularity(granularity)
+    modules = dict(model.named_modules())
+    blocks, ancestors = natural_blocks(model) if mode == "blocks" else ([], set())
+    block_set = set(blocks)
+    keys: dict[str, str | None] = {}
+    labels: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        p = paths.get(node.name, "")
+        is_leaf = node.op == "call_module" or (p in modules and not any(True for _ in modules[p].children()))
+        key: str | None
+        label = p
+        if mode == "blocks":
+            b = _under(p, block_set)
+            if b is not None:
+                key = label = b
+            elif p in ancestors:
+                key = None
+            else:
+                key, label = RUN, _top_outside(p, ancestors)
+        elif mode == "modules":
+            key = p if (p and is_leaf) else None
+        else:
+            parts = p.split(".") if p else []
+            key = label = ".".join(parts[:depth]) if (len(parts) >= depth or (p and is_leaf)) else None
+        keys[node.name] = key
+        if key is not None:
+            labels[node.name] = label or ""
+    return keys, labels
+
+
+def is_random(node: fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return bool(_RANDOM.search(str(name)))
+
+
+def classify(gm: fx.GraphModule, is_tensor: dict[str, bool]) -> dict[str, str]:
+    """Per node: input | attr | free (derived from inputs only: recomputed where needed) |
+    recompute (a non-tensor value recomputed where needed) | value (a tensor, or a non-tensor
+    that cannot be recomputed) | output."""
+    kind: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        ins = [a.name for a in node.all_input_nodes]
+        if node.op == "placeholder":
+            kind[node.name] = "input"
+        elif node.op == "output":
+            kind[node.name] = "output"
+        elif node.op == "get_attr":
+            kind[node.name] = "attr"
+        elif node.op in ("call_function", "call_method") and not is_random(node):
+            if all(kind[i] in ("input", "free") for i in ins):
+                kind[node.name] = "free"
+            elif (
+                not is_tensor.get(node.name, True)
+                and not str(node.target).endswith("_")
+                and all(kind[i] != "value" or is_tensor.get(i, True) for i in ins)
+            ):
+                kind[node.name] = "recompute"
+            else:
+                kind[node.name] = "value"
+        else:
+            kind[node.name] = "value"
+    return kind
+
+
+def segment(gm: fx.GraphModule, keys: dict[str, str | None], kind: dict[str, str],
+            labels: dict[str, str]) -> tuple[list[Segment], dict[str, int]]:
+    """Split the node order into segments; return them and each node's segment index."""
+    segs: list[Segment] = []
+    owner: dict[str, int] = {}
+    deferred: list[fx.Node] = []
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        k = kind[node.name]
+        if k in ("input", "output"):
+            continue
+        key = keys.get(node.name)
+        if key is not None:
+            if not segs or segs[-1].key != key:
+                segs.append(Segment(key))
+            owner[node.name] = len(segs) - 1
+            continue
+        anchors = [owner[a.name] for a in node.all_input_nodes
+                   if a.name in owner and kind[a.name] in ("value", "recompute")]
+        if anchors:
+            owner[node.name] = max(anchors)
+        else:
+            deferred.append(node)
+    if not segs:
+        segs.append(Segment("model"))
+    for node in reversed(deferred):
+        users = [owner[u.name] for u in node.users if u.name in owner]
+        owner[node.name] = min(users) if users else 0
+    for node in nodes:
+        if node.name in owner:
+            seg = segs[owner[node.name]]
+            seg.nodes.append(node.name)
+            p = labels.get(node.name)
+            if p is not None and p not in seg.paths:
+                seg.paths.append(p)
+    return segs, owner
+
+
+def merge_untransferable(segs: list[Segment], owner: dict[str, int], gm: fx.GraphModule,
+                         kind: dict[str, str], is_tensor: dict[str, bool]) -> tuple[list[Segment], dict[str, int]]:
+    """A non-tensor value that cannot be recomputed (a tuple returned by a module, ...) must not
+    cross a layer boundary: merge the layers from its producer to its last consumer."""
+    parent = list(range(len(segs)))
+    for node in gm.graph.nodes:
+        if kind[node.name] != "value" or node.name not in owner:
+            continue
+        s = owner[node.name]
+        for u in node.users:
+            t = owner.get(u.name, len(segs) - 1)
+            if t != s and not is_tensor.get(node.name, True):
+                for i in range(min(s, t) + 1, max(s, t) + 1):
+                    parent[i] = parent[i - 1]
+    if parent == list(range(len(segs))):
+        return segs, owner
+    merged: list[Segment] = []
+    remap: dict[int, int] = {}
+    for i, seg in enumerate(segs):
+        if parent[i] == i:
+            merged.append(Segment(seg.key, list(seg.nodes), list(seg.paths)))
+        else:
+            m = merged[-1]
+            m.key = f"{m.key}|{seg.key}"
+            m.nodes.extend(seg.nodes)
+            m.paths.extend(p for p in seg.paths if p not in m.paths)
+        remap[i] = len(merged) - 1
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for m in merged:
+        m.nodes.sort(key=order.__getitem__)
+    return merged, {n: remap[s] for n, s in owner.items()}
+
+
+def name_segments(segs: list[Segment], model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(name, kind) per segment: its module path (several joined by '+'), made unique."""
+    modules = dict(model.named_modules())
+    out: list[tuple[str, str]] = []
+    seen: dict[str, int] = {}
+    for seg in segs:
+        labels = [p or "model" for p in seg.paths] or ["model"]
+        name = "+".join(labels)
+        kinds: list[str] = []
+        for p in seg.paths or [""]:
+            k = type(modules[p]).__name__ if p in modules else "ops"
+            if k not in kinds:
+                kinds.append(k)
+        n = seen.get(name, 0) + 1
+        seen[name] = n
+        out.append((name if n == 1 else f"{name}#{n}", "+".join(kinds)))
+    return out

@@ -1,0 +1,147 @@
+"""The layer graph and its stages: layers, edges and cut bytes against brute force, and
+stages that reproduce the whole model's forward and gradients exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from profiler_helpers import load_example, run_pipeline
+
+from planner.formats import INPUT_NODE
+from profiler.graph import build_stage, trace
+
+
+def _setup(name: str, env: dict[str, str], batch: int = 2, **extra: str):
+    mf = load_example(name, **{**env, **extra})
+    torch.manual_seed(0)
+    ref = mf.build_model()
+    torch.manual_seed(0)
+    model = mf.build_model()
+    torch.manual_seed(1)
+    inputs, target = mf.make_batch(batch)
+    return mf, ref, model, inputs, target
+
+
+def _partitions(n: int, rng: random.Random) -> list[list[int]]:
+    """Every layer alone, everything in one stage, and a few random contiguous splits."""
+    out = [[1] * n, [n]]
+    for _ in range(3):
+        cuts = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(1, 3))))
+        bounds = [0, *cuts, n]
+        out.append([b - a for a, b in zip(bounds, bounds[1:], strict=False)])
+    return out
+
+
+@pytest.mark.parametrize("name,extra", [("mlp", {}), ("gpt", {}), ("gpt", {"PIPEPLAN_GPT_TIED": "1"}),
+                                        ("unet", {})])
+def test_stages_reproduce_forward_and_gradients_exactly(small_env, name, extra) -> None:
+    mf, ref, model, inputs, target = _setup(name, small_env, **extra)
+    ref_out = ref(*inputs)
+    mf.loss_fn(ref_out, target).backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False)}
+    lg = trace(model, inputs)
+    names = lg.layer_names()
+    rng = random.Random(0)
+    for sizes in _partitions(len(names), rng):
+        model.zero_grad(set_to_none=True)
+        parts, i = [], 0
+        for s in sizes:
+            parts.append(names[i:i + s])
+            i += s
+        out, _, stages = run_pipeline(lg, parts, inputs, target, mf.loss_fn)
+        assert torch.equal(out, ref_out), sizes
+        keys = set()
+        for st in stages.values():
+            for k, p in st.named_parameters(remove_duplicate=False):
+                keys.add(k)
+                assert p.grad is not None and torch.equal(p.grad, ref_grads[k]), (sizes, k)
+        merged = {}
+        for st in stages.values():
+            merged.update(st.state_dict())
+        full = lg.complete_state_dict(merged)
+        assert set(full) == set(ref.state_dict())
+        fresh = mf.build_model()
+        fresh.load_state_dict(full)  # strict
+
+
+def test_stage_holds_only_its_layers_parameters(small_env) -> None:
+    mf, _, model, inputs, _ = _setup("gpt", small_env)
+    lg = trace(model, inputs)
+    st = build_stage(lg, ["blocks.1"])
+    assert set(st.state_dict()) == {f"blocks.1.{k}" for k in model.blocks[1].state_dict()}
+    assert st.input_keys and st.output_keys and "<output>" not in st.output_keys
+    last = build_stage(lg, lg.layer_names()[-1:])
+    assert last.output_keys == ["<output>"]
+
+
+def test_gpt_layers_are_embedding_blocks_head_and_tied_weight_is_shared(small_env) -> None:
+    mf, _, model, inputs, _ = _setup("gpt", small_env, PIPEPLAN_GPT_TIED="1")
+    lg = trace(model, inputs)
+    assert lg.layer_names() == ["tok_emb+pos_emb", "blocks.0", "blocks.1", "ln_f+head"]
+    assert len(lg.shared_parameters) == 1
+    sp = lg.shared_parameters[0]
+    assert set(sp.keys) == {"tok_emb.weight", "head.weight"}
+    assert sp.layers == ["tok_emb+pos_emb", "ln_f+head"]
+
+
+def test_unet_skip_edges_carry_the_encoder_features(small_env) -> None:
+    mf, _, model, inputs, _ = _setup("unet", small_env, batch=3)
+    lg = trace(model, inputs)
+    assert lg.layer_names() == ["stem", "down.0", "down.1", "mid", "up.0", "up.1", "head"]
+    b, ch, size = 3, 4, 8  # SMALL_ENV: CH=4, SIZE=8, DEPTH=2
+    # skip connections: stem -> up.1 (full resolution, CH channels), down.0 -> up.0 (half, 2CH)
+    skip = {(e.src, e.dst): e.bytes for e in lg.edges()}
+    assert skip[("stem", "up.1")] == b * ch * size * size * 4
+    assert skip[("down.0", "up.0")] == b * 2 * ch * (size // 2) ** 2 * 4
+    assert lg.graph.has_edge("stem", "up.1") and lg.graph.edges["stem", "up.1"]["bytes"] == skip[("stem", "up.1")]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "unet"])
+def test_cut_bytes_equal_bytes_actually_crossing(small_env, name) -> None:
+    """Brute force: split the model after layer i, run both halves, and add up the bytes of
+    every tensor the first half hands to the second."""
+    from planner.formats import DeviceInfo, LayerProfile, ModelRef, Profile
+
+    mf, _, model, inputs, _ = _setup(name, small_env)
+    lg = trace(model, inputs)
+    names = lg.layer_names()
+    profile = Profile(
+        model=ModelRef(path="x", sha256="0"), device=DeviceInfo(type="cpu", name="cpu"), batch_size=2,
+        layers=[LayerProfile(name=n, fwd_ms=0, bwd_ms=0, param_bytes=0, activation_bytes=0, output_bytes=0)
+                for n in names],
+        edges=[e for e in lg.edges() if e.src != INPUT_NODE],
+    )
+    expected = []
+    for i in range(len(names) - 1):
+        first, second = build_stage(lg, names[: i + 1]), build_stage(lg, names[i + 1:])
+        values = {f"<input>:{j}": t for j, t in enumerate(inputs)}
+        with torch.no_grad():
+            out = first({k: values[k] for k in first.input_keys})
+        crossing = [k for k in second.input_keys if not k.startswith("<input>")]
+        assert set(crossing) <= set(out)
+        expected.append(sum(out[k].numel() * out[k].element_size() for k in crossing))
+    assert profile.cut_bytes() == expected
+    assert lg.cut_bytes() == expected
+
+
+@pytest.mark.parametrize("granularity", ["modules", "depth:1", "depth:2"])
+def test_other_granularities_reproduce_the_model(small_env, granularity) -> None:
+    mf, ref, model, inputs, target = _setup("gpt", small_env)
+    lg = trace(model, inputs, granularity=granularity)
+    names = lg.layer_names()
+    if granularity == "depth:1":
+        assert names == ["tok_emb", "pos_emb", "blocks", "ln_f", "head"]
+    if granularity == "modules":
+        assert "blocks.0.attn.qkv" in names and "blocks.0.mlp.0" in names
+    out, _, _ = run_pipeline(lg, [[n] for n in names], inputs, target, mf.loss_fn)
+    assert torch.equal(out, ref(*inputs))
+
+
+def test_bad_granularity_is_a_clear_error(small_env) -> None:
+    from planner.errors import PipeplanError
+
+    _, _, model, inputs, _ = _setup("mlp", small_env)
+    with pytest.raises(PipeplanError, match="granularity"):
+        trace(model, inputs, granularity="tiny")

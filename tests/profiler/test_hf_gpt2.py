@@ -1,0 +1,47 @@
+"""A GPT-2 from `transformers` (small config, random weights, no download) traces at block
+granularity and its stages reproduce it; skipped when transformers is not installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from profiler_helpers import run_pipeline
+
+from profiler.graph import trace
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(n_layer: int = 2) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=32, n_head=2, vocab_size=96, n_positions=32, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _loss(out, target):
+    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1))
+
+
+def test_gpt2_traces_into_embedding_blocks_head_and_stages_match() -> None:
+    torch.manual_seed(0)
+    ref = _gpt2(3)
+    torch.manual_seed(0)
+    model = _gpt2(3)
+    tokens = torch.randint(0, 96, (2, 13))
+    inputs, target = (tokens[:, :-1],), tokens[:, 1:]
+    lg = trace(model, inputs, granularity="blocks")
+    names = lg.layer_names()
+    assert names[1:4] == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    assert names[0].startswith("transformer.wte") and names[-1].endswith("lm_head")
+    # the head is tied to the token embedding: reported as shared between first and last layer
+    assert any({"transformer.wte.weight", "lm_head.weight"} <= set(s.keys) for s in lg.shared_parameters)
+    ref_out = ref(*inputs)
+    _loss(ref_out, target).backward()
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    out, _, stages = run_pipeline(lg, [names[:2], names[2:]], inputs, target, _loss)
+    assert torch.equal(out.logits, ref_out.logits)
+    for st in stages.values():
+        for k, p in st.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(p.grad, ref_grads[k].grad, rtol=0, atol=1e-6)
