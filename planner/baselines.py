@@ -85,7 +85,9 @@ def block_partition(costs: Sequence[float], num_stages: int) -> Bounds:
     """torchgpipe's `balance_by_time` partition (torchgpipe.balance.blockpartition.solve), the
     algorithm of Bárány and Grinberg, "Block partitions of sequences" (Israel J. Math. 2015):
     normalise the costs to [0, 1], start from equal layer counts, and repeatedly move one layer
-    from the neighbour of a lightest block towards a heaviest block until max <= min + 1."""
+    from the neighbour of a lightest block towards a heaviest block until max <= min + 1.
+    Unlike torchgpipe, the lightest block taken is the one closest to the heaviest, as in the
+    paper; blocks the search left empty then take a layer from the nearest block that has two."""
     n = len(costs)
     if num_stages > n:
         raise ValueError("more stages than layers")
@@ -102,24 +104,43 @@ def block_partition(costs: Sequence[float], num_stages: int) -> Bounds:
 
     for _ in range(10 * n * num_stages + 100):  # Bárány's argument bounds the moves; be safe
         max_size, p = max((size(i), i) for i in range(num_stages))
+        done = False
         while True:
-            min_size, q = min((size(i), i) for i in range(num_stages))
+            min_size = min(size(i) for i in range(num_stages))
             if max_size <= min_size + 1:
-                return [0] + splits
-            if p < q:
+                done = True
+                break
+            q = min((i for i in range(num_stages) if size(i) <= min_size),
+                    key=lambda i: (abs(i - p), i))
+            if p < q:  # move the last element of B(q-1) to Bq
                 h = q - 1
-                if splits[h] - (splits[h - 1] if h > 0 else 0) <= 1:
-                    return [0] + splits  # would empty a block
                 splits[h] -= 1
-            else:
+            else:  # move the first element of B(q+1) to Bq
                 h = q + 1
-                if splits[h] - splits[q] <= 1:
-                    return [0] + splits
                 splits[q] += 1
             if p == h:
                 break
             max_size = size(p)
-    return [0] + splits
+        if done:
+            break
+    return _fill_empty_blocks([0] + splits)
+
+
+def _fill_empty_blocks(bounds: Bounds) -> Bounds:
+    """Give every empty block a layer from the nearest block with two or more, shifting the
+    blocks in between. An empty block means min = 0, so every block is <= 1 (normalised); the
+    blocks that change end no heavier than 1 (one element, or fewer than before), so a partition
+    with max <= min + 1 keeps that bound."""
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    while 0 in lengths:
+        i = lengths.index(0)
+        j = min((k for k in range(len(lengths)) if lengths[k] >= 2), key=lambda k: abs(k - i))
+        lengths[j] -= 1
+        lengths[i] += 1
+    out = [0]
+    for x in lengths:
+        out.append(out[-1] + x)
+    return out
 
 
 def _candidate(bounds: Bounds, stage_devices: list[tuple[int, ...]], b: int, m: int,

@@ -1,0 +1,81 @@
+"""`python -m planner plan profile.json --cluster cluster.json ... -o plan.json`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from planner.errors import PipeplanError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan pipeline-parallel training of a profiled model",
+                       description="Choose stages, replicas and devices for a profiled model on a "
+                       "cluster; write plan.json and print the plan.")
+    p.add_argument("profile", help="profile.json (python -m planner profile / import-pipedream)")
+    p.add_argument("--cluster", required=True, help="cluster.json")
+    p.add_argument("--global-batch", type=int, default=64, help="samples per iteration (64)")
+    p.add_argument("--microbatch-size", type=int, help="samples per microbatch (default: the "
+                   "largest divisor of the global batch up to the profile's batch size)")
+    p.add_argument("--microbatch-sizes", type=_ints, help="cpsat: sizes it may choose among, e.g. 4,8,16")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--method", help="cpsat (default when available), pipedream, blocks, params, "
+                   "uniform, or manual (with --split)")
+    p.add_argument("--objective", choices=["iteration", "throughput"], default="iteration")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
+    p.add_argument("--time-limit", type=float, default=10.0, help="cpsat time limit, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--powers-of-two", action="store_true", help="cpsat: replica counts 1, 2, 4, ...")
+    p.add_argument("--split", type=_ints, help="manual: layers per stage, e.g. 3,3,2")
+    p.add_argument("--replicas", type=_ints, help="manual: replicas per stage, e.g. 1,1,2")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (plan.json)")
+    p.add_argument("--trace", help="also write the predicted timeline as a Chrome trace JSON")
+    p.add_argument("--timeline", action="store_true", help="also print a text timeline")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.formats import Cluster, PlanOptions, Profile
+    from planner.io import load_model, parse_model, save_model
+    from planner.report_table import format_plan
+    from planner.simulator import simulate
+    from planner.solve import default_method, make_plan
+    from planner.trace import chrome_trace, text_timeline
+
+    profile = load_model(args.profile, Profile, f"profile {args.profile}")
+    cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
+    if args.replicas and not args.split:
+        raise PipeplanError("--replicas needs --split (the layers per stage)")
+    method = args.method or ("manual" if args.split else default_method())
+    if args.split and method != "manual":
+        raise PipeplanError(f"--split is for --method manual, not {method}")
+    options = parse_model({
+        "global_batch": args.global_batch, "microbatch_size": args.microbatch_size,
+        "microbatch_sizes": args.microbatch_sizes, "schedule": args.schedule, "method": method,
+        "objective": args.objective, "optimizer": args.optimizer, "time_limit_s": args.time_limit,
+        "seed": args.seed, "powers_of_two": args.powers_of_two, "split": args.split,
+        "replicas": args.replicas,
+    }, PlanOptions, "options")
+    plan = make_plan(profile, cluster, options)
+    save_model(plan, args.output)
+    print(format_plan(plan))
+    print(f"wrote {args.output}")
+    if args.trace or args.timeline:
+        sim = simulate(plan)
+        if args.trace:
+            Path(args.trace).write_text(json.dumps(chrome_trace(sim, {"plan": args.output})))
+            print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if args.timeline:
+            print(text_timeline(sim))
+    return 0

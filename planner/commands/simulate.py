@@ -1,0 +1,36 @@
+"""`python -m planner simulate plan.json [--trace trace.json]`: re-simulate a plan file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="re-simulate a plan.json and draw its timeline",
+                       description="Simulate a plan's schedule with the costs it carries; print "
+                       "per-rank busy and idle time, optionally write a Chrome trace.")
+    p.add_argument("plan", help="plan.json")
+    p.add_argument("--trace", help="write a Chrome trace JSON (Perfetto, chrome://tracing)")
+    p.add_argument("--timeline", action="store_true", help="print a text timeline")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.formats import Plan
+    from planner.io import load_model
+    from planner.report_table import format_simulation
+    from planner.simulator import simulate
+    from planner.trace import chrome_trace, text_timeline
+
+    plan = load_model(args.plan, Plan, f"plan {args.plan}")
+    sim = simulate(plan)
+    print(format_simulation(sim))
+    print(f"plan predicted {plan.predicted.iteration_ms:.2f} ms")
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(chrome_trace(sim, {"plan": args.plan})))
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.timeline:
+        print(text_timeline(sim))
+    return 0

@@ -1,0 +1,1 @@
+"""Importers that turn other tools' profiles into pipeplan profiles."""

@@ -1,0 +1,125 @@
+"""Import PipeDream's per-layer GPU profiles (msr-fiddle/pipedream `graph.txt`) as pipeplan
+profiles, their DAGs included.
+
+Format, one line per node, then one line per edge:
+    nodeID -- description -- forward_compute_time=F, backward_compute_time=B, activation_size=A, parameter_size=P
+    \\tnodeX -- nodeY
+Times are ms per minibatch, sizes bytes; `activation_size` is the size of the node's output
+(`[a; b; c]` for several outputs, summed). PipeDream records output sizes only, so the imported
+`activation_bytes` (bytes kept for backward) is estimated as the output size; the profile says
+so in its `activation_estimate` field. `Input*` nodes become model inputs (`<input>` edges).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import re
+from pathlib import Path
+
+from planner.errors import PipeplanError
+from planner.formats import INPUT_NODE, Profile
+from planner.io import parse_model
+
+_NODE = re.compile(
+    r"^(?P<id>\S+) -- (?P<desc>.*) -- forward_compute_time=(?P<f>[^,]+), "
+    r"backward_compute_time=(?P<b>[^,]+), activation_size=(?P<a>\[[^\]]*\]|[^,]+), "
+    r"parameter_size=(?P<p>\S+)\s*$")
+_EDGE = re.compile(r"^\s+(?P<src>\S+) -- (?P<dst>\S+)\s*$")
+
+
+def _size(text: str) -> float:
+    text = text.strip()
+    if text.startswith("["):
+        return sum(float(x) for x in text.strip("[]").split(";") if x.strip())
+    return float(text)
+
+
+def parse_graph(text: str, where: str = "graph") -> tuple[dict[str, dict], list[tuple[str, str]]]:
+    """Nodes (id -> fields) in file order and edges (src, dst)."""
+    nodes: dict[str, dict] = {}
+    edges: list[tuple[str, str]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if m := _EDGE.match(line):
+            edges.append((m["src"], m["dst"]))
+            continue
+        m = _NODE.match(line)
+        if not m:
+            raise PipeplanError(f"{where}:{lineno}: not a PipeDream node or edge line: {line[:80]!r}")
+        try:
+            nodes[m["id"]] = {"desc": m["desc"].strip(), "fwd_ms": float(m["f"]), "bwd_ms": float(m["b"]),
+                              "output_bytes": _size(m["a"]), "param_bytes": float(m["p"])}
+        except ValueError:
+            raise PipeplanError(f"{where}:{lineno}: a number does not parse: {line[:80]!r}") from None
+    for src, dst in edges:
+        for x in (src, dst):
+            if x not in nodes:
+                raise PipeplanError(f"{where}: edge {src} -- {dst} names unknown node {x}")
+    if not nodes:
+        raise PipeplanError(f"{where}: no nodes found; is this a PipeDream graph.txt?")
+    return nodes, list(dict.fromkeys(edges))
+
+
+def _topological(nodes: dict[str, dict], edges: list[tuple[str, str]], where: str) -> list[str]:
+    """Kahn's algorithm; among ready nodes the one first in the file goes first."""
+    order = {n: i for i, n in enumerate(nodes)}
+    indeg = dict.fromkeys(nodes, 0)
+    succ: dict[str, list[str]] = {n: [] for n in nodes}
+    for s, d in edges:
+        succ[s].append(d)
+        indeg[d] += 1
+    ready = [(order[n], n) for n, k in indeg.items() if k == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        out.append(n)
+        for d in succ[n]:
+            indeg[d] -= 1
+            if indeg[d] == 0:
+                heapq.heappush(ready, (order[d], d))
+    if len(out) != len(nodes):
+        raise PipeplanError(f"{where}: the graph has a cycle; PipeDream graphs are DAGs")
+    return out
+
+
+def is_input(node: dict) -> bool:
+    return node["desc"].startswith("Input")
+
+
+def import_pipedream(text: str, batch_size: int, source: str = "graph.txt") -> Profile:
+    """A pipeplan Profile from the text of a PipeDream graph file profiled at `batch_size`."""
+    nodes, edges = parse_graph(text, source)
+    order = [n for n in _topological(nodes, edges, source) if not is_input(nodes[n])]
+    layers = [{
+        "name": n, "kind": nodes[n]["desc"], "fwd_ms": nodes[n]["fwd_ms"], "bwd_ms": nodes[n]["bwd_ms"],
+        "param_bytes": round(nodes[n]["param_bytes"]), "output_bytes": round(nodes[n]["output_bytes"]),
+        "activation_bytes": round(nodes[n]["output_bytes"]),
+    } for n in order]
+    out_edges = []
+    for s, d in edges:
+        if is_input(nodes[d]):
+            continue
+        if is_input(nodes[s]):
+            out_edges.append({"src": INPUT_NODE, "dst": d, "bytes": round(nodes[s]["output_bytes"]),
+                              "tensor": s})
+        else:
+            out_edges.append({"src": s, "dst": d, "bytes": round(nodes[s]["output_bytes"])})
+    data = {
+        "model": {"path": source, "sha256": hashlib.sha256(text.encode()).hexdigest()},
+        "device": {"type": "gpu", "name": "pipedream-profile"},
+        "batch_size": batch_size, "dtype": "float32", "layers": layers, "edges": out_edges,
+        "source": "pipedream",
+        "activation_estimate": "output_bytes: PipeDream records each node's output size only; "
+                               "activation_bytes is that size",
+    }
+    return parse_model(data, Profile, source)
+
+
+def import_pipedream_file(path: str | Path, batch_size: int) -> Profile:
+    path = Path(path)
+    if not path.is_file():
+        raise PipeplanError(f"{path}: no such file")
+    return import_pipedream(path.read_text(), batch_size, str(path))

@@ -1,0 +1,66 @@
+"""Plain-text tables of plans and simulations for the CLI (pure functions returning strings)."""
+
+from __future__ import annotations
+
+from planner.formats import GB, Plan
+from planner.simulator import Simulation
+
+
+def _layers(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)})"
+
+
+def _devices(devs: list[int]) -> str:
+    if len(devs) > 1 and devs == list(range(devs[0], devs[-1] + 1)):
+        return f"{devs[0]}-{devs[-1]}"
+    text = ",".join(map(str, devs))
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def format_plan(plan: Plan, max_stages: int = 64) -> str:
+    rows = []
+    for st in plan.stages[:max_stages]:
+        p = st.predicted
+        rows.append([
+            str(st.index), _layers(st.layers), str(st.replicas), _devices(st.devices),
+            f"{p.fwd_ms:.2f}", f"{p.bwd_ms:.2f}", f"{p.allreduce_ms:.2f}",
+            f"{p.memory_bytes / GB:.2f} / {p.memory_limit_bytes / GB:.1f} GB",
+        ])
+    text = format_table(["stage", "layers", "replicas", "devices", "fwd ms", "bwd ms",
+                         "allreduce ms", "memory / limit"], rows)
+    if len(plan.stages) > max_stages:
+        text += f"\n... {len(plan.stages) - max_stages} more stages"
+    pr, sv = plan.predicted, plan.solver
+    gap = f", gap {sv.gap:.1%}" if sv.gap is not None else ""
+    unused = getattr(pr, "unused_devices", 0) or 0
+    text += (
+        f"\n\n{plan.schedule} · {plan.num_microbatches} microbatches of {plan.microbatch_size} "
+        f"(global batch {plan.global_batch}) · {plan.world_size} of {plan.cluster.num_devices} devices"
+        + (f" ({unused} unused)" if unused else "")
+        + f"\npredicted iteration {pr.iteration_ms:.2f} ms · throughput "
+        f"{pr.throughput_samples_per_s:.1f} samples/s · bubble {pr.bubble_fraction:.1%}"
+        f"\nlower bound {pr.lower_bound_ms:.2f} ms · predicted / lower bound "
+        f"{pr.ratio_to_lower_bound:.3f}"
+        f"\nmethod {sv.name} · status {sv.status}{gap} · wall {sv.wall_s:.2f} s"
+    )
+    return text
+
+
+def format_simulation(sim: Simulation, max_ranks: int = 32) -> str:
+    ranks = sorted(sim.busy_ms)
+    rows = [[str(r), str(sim.stage_of_rank.get(r, "")), f"{sim.busy_ms[r]:.2f}",
+             f"{sim.comm_ms[r]:.2f}", f"{sim.idle_ms[r]:.2f}", str(sim.peak_inflight[r]),
+             f"{sim.peak_memory_bytes.get(r, 0.0) / GB:.2f}"] for r in ranks[:max_ranks]]
+    text = format_table(["rank", "stage", "busy ms", "allreduce ms", "idle ms", "peak in-flight",
+                         "peak memory GB"], rows)
+    if len(ranks) > max_ranks:
+        text += f"\n... {len(ranks) - max_ranks} more ranks"
+    return text + (f"\n\niteration {sim.iteration_ms:.2f} ms · bubble {sim.bubble_fraction:.1%}")
