@@ -1,0 +1,59 @@
+import json
+
+import pytest
+
+from planner.build import build_plan
+from planner.formats import Plan, PlanOptions
+from planner.partition import Candidate, StageChoice
+from planner.schedules import actions_for_rank, generate
+from planner.simulator import simulate
+from planner.solve import make_plan
+from planner.validate import validate
+from tests.planner.helpers import chain_profile, cluster
+
+
+def test_plan_fields_and_json_roundtrip(tmp_path) -> None:
+    p = chain_profile([1.0, 2.0, 3.0, 4.0, 2.0, 1.0], batch_size=8, skips=[(0, 4)])
+    c = cluster(nodes=2, per_node=2, intra=100.0, inter=1.0, latency_us=3.0)
+    cand = Candidate((StageChoice(0, 2, (0,)), StageChoice(2, 4, (1, 2)), StageChoice(4, 6, (3,))), 4, 6)
+    opts = PlanOptions(global_batch=24, microbatch_size=4, method="manual", schedule="1f1b")
+    plan = build_plan(p, c, cand, opts)
+    assert [s.layers for s in plan.stages] == [["l0", "l1"], ["l2", "l3"], ["l4", "l5"]]
+    assert plan.stages[1].replicas == 2 and plan.stages[1].devices == [1, 2]
+    assert plan.predicted.throughput_samples_per_s == pytest.approx(24 / plan.predicted.iteration_ms * 1e3)
+    assert plan.predicted.ratio_to_lower_bound == pytest.approx(
+        plan.predicted.iteration_ms / plan.predicted.lower_bound_ms)
+    assert plan.predicted.lower_bound_ms == pytest.approx(6 * 0.5 * 3 * 13.0 / 4)
+    # the skip l0 -> l4 is a send from stage 0 straight to stage 2
+    assert {snd["to"] for snd in plan.stages[0].predicted.sends} == {1, 2}
+    assert plan.rank_actions is not None and plan.rank_actions["3"][:2] == ["2F0", "2B0"]
+    validate({int(r): a for r, a in plan.rank_actions.items()}, 3, 6, deps=[(0, 1), (1, 2), (0, 2)])
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    again = Plan.model_validate(json.loads(path.read_text()))
+    assert simulate(again).iteration_ms == pytest.approx(plan.predicted.iteration_ms)
+    assert simulate(again).bubble_fraction == pytest.approx(plan.predicted.bubble_fraction)
+
+
+def test_large_plans_store_the_generator() -> None:
+    p = chain_profile([1.0] * 256, batch_size=1)
+    c = cluster(nodes=16, per_node=8, memory_gb=80.0)
+    plan = make_plan(p, c, PlanOptions(global_batch=128, microbatch_size=1, method="manual",
+                                       split=[2] * 128))
+    assert plan.rank_actions is None and plan.generator is not None
+    full = generate("1f1b", [s.devices for s in plan.stages], 128)
+    for r in (0, 77, 127):
+        assert actions_for_rank(plan, r) == full[r]
+    again = Plan.model_validate_json(plan.model_dump_json())
+    assert simulate(again).iteration_ms == pytest.approx(plan.predicted.iteration_ms)
+
+
+def test_gpipe_plan_memory_counts_all_microbatches() -> None:
+    p = chain_profile([1.0] * 4, act=[10**6] * 4, params=[0] * 4, batch_size=8)
+    c = cluster(nodes=1, per_node=2)
+    one = make_plan(p, c, PlanOptions(global_batch=64, microbatch_size=8, method="manual",
+                                      split=[2, 2], schedule="1f1b"))
+    gp = make_plan(p, c, PlanOptions(global_batch=64, microbatch_size=8, method="manual",
+                                     split=[2, 2], schedule="gpipe"))
+    assert one.stages[0].predicted.memory_bytes == 2 * 2 * 10**6
+    assert gp.stages[0].predicted.memory_bytes == 8 * 2 * 10**6

@@ -1,0 +1,99 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.formats import Plan
+from tests.planner.helpers import chain_profile
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "pipedream-profiles"
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    prof = tmp_path / "profile.json"
+    prof.write_text(chain_profile([1.0, 2.0, 3.0, 2.0, 1.0, 3.0], params=[10**7] * 6,
+                                  batch_size=8).model_dump_json())
+    cl = tmp_path / "cluster.json"
+    cl.write_text(json.dumps({"nodes": 2, "devices_per_node": 2, "device_memory_gb": 16,
+                              "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}))
+    return {"profile": prof, "cluster": cl, "dir": tmp_path}
+
+
+def test_plan_then_simulate(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    out = files["dir"] / "plan.json"
+    trace = files["dir"] / "trace.json"
+    rc = main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--global-batch",
+               "32", "--microbatch-size", "4", "--method", "pipedream", "-o", str(out),
+               "--trace", str(trace)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for word in ("stage", "replicas", "memory / limit", "predicted iteration", "throughput",
+                 "bubble", "lower bound"):
+        assert word in text
+    plan = Plan.model_validate_json(out.read_text())
+    assert plan.solver.name == "pipedream"
+    assert json.loads(trace.read_text())["traceEvents"]
+    rc = main(["simulate", str(out), "--timeline"])
+    text = capsys.readouterr().out
+    assert rc == 0 and f"{plan.predicted.iteration_ms:.2f} ms" in text and "rank" in text
+
+
+def test_manual_split_from_the_command_line(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    out = files["dir"] / "plan.json"
+    rc = main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--global-batch",
+               "16", "--microbatch-size", "4", "--split", "2,2,2", "--replicas", "1,1,2",
+               "--schedule", "gpipe", "-o", str(out)])
+    assert rc == 0
+    plan = Plan.model_validate_json(out.read_text())
+    assert [s.replicas for s in plan.stages] == [1, 1, 2] and plan.schedule == "gpipe"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--global-batch", "30", "--microbatch-size", "4"], "not a multiple of microbatch size"),
+    (["--method", "magic"], "unknown method 'magic'"),
+    (["--split", "2,2"], "covers 4 layers but the profile has 6"),
+    (["--replicas", "1,1"], "--replicas needs --split"),
+    (["--split", "2,2,2", "--replicas", "2,2,2"], "needs 6 devices"),
+])
+def test_bad_input_gives_a_clear_message(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                         args: list[str], message: str) -> None:
+    rc = main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "-o",
+               str(files["dir"] / "p.json"), *args])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_files(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    bad = files["dir"] / "bad.json"
+    bad.write_text(json.dumps({"nodes": 0, "devices_per_node": 2, "device_memory_gb": 16,
+                               "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}))
+    assert main(["plan", str(files["profile"]), "--cluster", str(bad)]) == 2
+    assert "nodes" in capsys.readouterr().err
+    assert main(["plan", str(files["dir"] / "missing.json"), "--cluster", str(files["cluster"])]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["simulate", str(files["cluster"])]) == 2
+    assert "not a valid Plan" in capsys.readouterr().err
+
+
+def test_tight_memory_says_what_it_needs(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    prof = files["dir"] / "big.json"
+    prof.write_text(chain_profile([1.0] * 4, params=[5 * 10**9] * 4, batch_size=8).model_dump_json())
+    rc = main(["plan", str(prof), "--cluster", str(files["cluster"]), "--method", "uniform"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "GB per device" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not (DATA / "vgg16.txt").is_file(), reason="no PipeDream profiles")
+def test_import_pipedream_as_a_process(tmp_path: Path) -> None:
+    out = tmp_path / "vgg16.json"
+    r = subprocess.run([sys.executable, "-m", "planner", "import-pipedream", str(DATA / "vgg16.txt"),
+                        "--batch-size", "128", "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "40 layers" in r.stdout and json.loads(out.read_text())["batch_size"] == 128
+    r = subprocess.run([sys.executable, "-m", "planner", "import-pipedream", str(DATA / "vgg16.txt"),
+                        "--batch-size", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--batch-size" in r.stderr

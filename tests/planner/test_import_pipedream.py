@@ -1,0 +1,53 @@
+from pathlib import Path
+
+import pytest
+
+from planner.errors import PipeplanError
+from planner.formats import INPUT_NODE
+from planner.importers.pipedream import import_pipedream, import_pipedream_file, parse_graph
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "pipedream-profiles"
+FILES = sorted(p for p in DATA.glob("*.txt") if p.name != "LICENSE.txt") if DATA.is_dir() else []
+
+
+@pytest.mark.skipif(not FILES, reason="no PipeDream profiles in ../shared/data")
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_every_profile_imports_with_its_dag(path: Path) -> None:
+    profile = import_pipedream_file(path, 64)
+    nodes, edges = parse_graph(path.read_text())
+    inputs = {n for n, v in nodes.items() if v["desc"].startswith("Input")}
+    assert len(profile.layers) == len(nodes) - len(inputs)
+    assert len(profile.edges) == len([e for e in edges if e[1] not in inputs])
+    idx = profile.layer_index()
+    for e in profile.edges:  # topological (the Profile validator also checks this)
+        assert e.src == INPUT_NODE or idx[e.src] < idx[e.dst]
+    # input nodes carry data-loading time (alexnet: 636 ms), which is not model compute
+    total = sum(v["fwd_ms"] + v["bwd_ms"] for n, v in nodes.items() if n not in inputs)
+    assert sum(x.fwd_ms + x.bwd_ms for x in profile.layers) == pytest.approx(total)
+    assert all(x.activation_bytes == x.output_bytes for x in profile.layers)
+    assert "output" in profile.activation_estimate
+
+
+def test_multi_output_sizes_sum_and_inputs_become_model_inputs() -> None:
+    text = (
+        "node2 -- LSTM(4, 4) -- forward_compute_time=1.0, backward_compute_time=2.0, "
+        "activation_size=[10.0; 5.0], parameter_size=8.000\n"
+        "node1 -- Input0 -- forward_compute_time=0.0, backward_compute_time=0.0, "
+        "activation_size=7.0, parameter_size=0.0\n"
+        "node3 -- Linear -- forward_compute_time=1.0, backward_compute_time=1.0, "
+        "activation_size=3.0, parameter_size=4.0\n"
+        "\tnode1 -- node2\n\tnode2 -- node3\n\tnode1 -- node3\n"
+    )
+    p = import_pipedream(text, 16)
+    assert [x.name for x in p.layers] == ["node2", "node3"]
+    assert p.layers[0].output_bytes == 15 and p.layers[0].param_bytes == 8
+    assert {(e.src, e.dst, e.bytes) for e in p.edges} == {
+        (INPUT_NODE, "node2", 7), (INPUT_NODE, "node3", 7), ("node2", "node3", 15)}
+
+
+def test_bad_files_say_what_is_wrong() -> None:
+    with pytest.raises(PipeplanError, match="not a PipeDream node or edge line"):
+        import_pipedream("hello world\n", 1)
+    with pytest.raises(PipeplanError, match="unknown node"):
+        import_pipedream("node1 -- X -- forward_compute_time=1, backward_compute_time=1, "
+                         "activation_size=1, parameter_size=1\n\tnode1 -- node9\n", 1)
