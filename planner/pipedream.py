@@ -5,7 +5,7 @@ The DP chooses stage boundaries and a replica count per stage to minimise the ti
 slowest stage per microbatch, hierarchically over the cluster's levels (devices in a node, then
 nodes), exactly as the paper's recurrences:
 
-    T(i..j, r) = max(compute(i..j) / r, sync(i..j, r))          one stage on r units
+    T(i..j, r) = compute(i..j) / r + sync(i..j, r)              one stage on r units
     A(j, m)    = min( T(0..j, m),
                       min_{k<j, 1<=m'<m} max(A(k, m - m'), 2 * transfer(cut_k) / m', T(k+1..j, m')) )
 
@@ -13,13 +13,19 @@ Units at level 1 are devices (compute = per-microbatch fwd + bwd on one device, 
 bandwidth); at level 2 they are whole nodes running a level-1 pipeline (compute = that
 pipeline's A, inter-node bandwidth, sync divided by the devices per node as PipeDream's code
 does). `sync` is the ring all-reduce of ARCHITECTURE.md amortised over the iteration's
-microbatches. Like PipeDream, a pipeline may leave units unused when that is faster.
+microbatches. The paper takes max(compute / r, sync) because PipeDream's asynchronous weight
+sync overlaps compute; with a flush (this project's 1F1B and GPipe) the all-reduce follows the
+last backward, so, as issue 3 specifies, the two add. Transfers stay a separate max term: they
+delay, they do not occupy a device. Like PipeDream, a pipeline may leave units unused when that
+is faster.
 
 Memory check (PipeDream's, with this project's memory formula): a stage fits if
 `param * (2 + k) + act * inflight <= device memory`, with `inflight` bounded by the schedule:
 GPipe `ceil(m / r)`, 1F1B `min(ceil(m / r), ceil((r + downstream) / r))` where `downstream` is
-the number of devices that can follow the stage (at level 1 of a multi-node cluster every
-device of the other nodes counts, a conservative bound).
+the number of devices that can follow the stage. On a multi-node cluster the level-1 check first
+counts the node's own devices only (PipeDream checks each level locally); if the plan then does
+not fit under the full cost model, the DP reruns counting every device of the other nodes too
+(an upper bound, so that plan fits whenever the DP finds one).
 
 Models with more than `max_groups` layers are first coarsened into groups of consecutive
 layers of about equal compute (the DP is cubic in the number of layers); stages then cut only
@@ -131,7 +137,7 @@ def _device_stage_time(inp: DPInput, gb_per_s: float, units: int, downstream_ext
         params = W[j + 1] - W[: j + 1]
         act = Act[j + 1] - Act[: j + 1]
         sync = allreduce_vec_ms(params[None, :], r, gb_per_s, inp.latency_us) / inp.num_microbatches
-        t = np.maximum(comp[None, :] / r, sync)
+        t = comp[None, :] / r + sync
         inflight = inflight_bound(inp.schedule, inp.num_microbatches, r, units - used + downstream_extra)
         mem = params[None, :] * (2 + k) + act[None, :] * inflight
         return np.where(mem <= inp.memory_limit_bytes, t, INF)
@@ -161,13 +167,16 @@ def solve_flat(inp: DPInput, devices: int, gb_per_s: float) -> DPResult:
 
 
 def solve_hierarchical(inp: DPInput, nodes: int, per_node: int, intra_gb_per_s: float,
-                       inter_gb_per_s: float) -> DPResult:
+                       inter_gb_per_s: float, downstream_extra: int | None = None) -> DPResult:
     """Two levels: level-1 pipelines inside a node for every layer range, then the level-2 DP
-    over nodes with those pipelines as its stages' compute."""
+    over nodes with those pipelines as its stages' compute. Level-1 memory checks count
+    `downstream_extra` devices after the node (default: all other nodes' devices)."""
+    if downstream_extra is None:
+        downstream_extra = (nodes - 1) * per_node
     n = len(inp.compute_ms)
     bnd1 = 2 * np.array([transfer_ms(b, intra_gb_per_s, inp.latency_us) for b in inp.cut_bytes])
     bnd2 = 2 * np.array([transfer_ms(b, inter_gb_per_s, inp.latency_us) for b in inp.cut_bytes])
-    raw1 = _device_stage_time(inp, intra_gb_per_s, per_node, (nodes - 1) * per_node)
+    raw1 = _device_stage_time(inp, intra_gb_per_s, per_node, downstream_extra)
     cache: dict[tuple[int, int], np.ndarray] = {}
 
     def st1(j: int, used: int) -> np.ndarray:  # the same for every start: compute once
@@ -190,7 +199,7 @@ def solve_hierarchical(inp: DPInput, nodes: int, per_node: int, intra_gb_per_s: 
     def stage_time2(j: int, used: int) -> np.ndarray:
         params = (W[j + 1] - W[: j + 1]) / per_node
         sync = allreduce_vec_ms(params[None, :], r, inter_gb_per_s, inp.latency_us) / inp.num_microbatches
-        return np.maximum(best1[: j + 1, j][None, :] / r, sync)
+        return best1[: j + 1, j][None, :] / r + sync
 
     A2, choice2 = pipeline_table(stage_time2, bnd2, n, nodes, 0)
     m = int(np.argmin(A2[n - 1, 1:])) + 1
@@ -253,9 +262,15 @@ def solve_pipedream(profile: Profile, cluster: Cluster, options: PlanOptions, mi
     inp = dp_input(table, bounds, microbatch_scale(profile.batch_size, microbatch_size), speed, m,
                    limit, options.optimizer, options.schedule, cluster.latency_us)
     per_node = {s.devices for s in specs}
+    check = "local"
     if len(specs) > 1 and len(per_node) == 1:
-        res = solve_hierarchical(inp, len(specs), specs[0].devices, cluster.intra_node_gb_per_s,
-                                 cluster.inter_node_gb_per_s)
+        d = specs[0].devices
+        res = solve_hierarchical(inp, len(specs), d, cluster.intra_node_gb_per_s,
+                                 cluster.inter_node_gb_per_s, 0)
+        if res.stages and not _fits(profile, cluster, options, bounds, res, microbatch_size, m):
+            check = "conservative"
+            res = solve_hierarchical(inp, len(specs), d, cluster.intra_node_gb_per_s,
+                                     cluster.inter_node_gb_per_s, (len(specs) - 1) * d)
     else:
         bw = cluster.intra_node_gb_per_s if len(specs) == 1 else cluster.inter_node_gb_per_s
         res = solve_flat(inp, len(devices), bw)
@@ -267,5 +282,13 @@ def solve_pipedream(profile: Profile, cluster: Cluster, options: PlanOptions, mi
     stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
     return Candidate(stages, microbatch_size, m, solver={
         "name": "pipedream", "status": "HEURISTIC", "objective": res.objective_ms,
-        "wall_s": time.perf_counter() - t0, "groups": len(bounds) - 1,
+        "wall_s": time.perf_counter() - t0, "groups": len(bounds) - 1, "memory_check": check,
     })
+
+
+def _fits(profile: Profile, cluster: Cluster, options: PlanOptions, bounds: list[int],
+          res: DPResult, microbatch_size: int, m: int) -> bool:
+    from planner.build import evaluate  # build does not import this module; keep it that way
+
+    stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
+    return evaluate(layer_table(profile), cluster, Candidate(stages, microbatch_size, m), options).fits

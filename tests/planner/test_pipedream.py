@@ -30,7 +30,7 @@ def _stage_time(inp: DPInput, i: int, j: int, r: int, used: int, units: int, ext
     per = math.ceil(inp.num_microbatches / r)
     inflight = per if inp.schedule == "gpipe" else min(per, math.ceil((r + units - used + extra) / r))
     mem = params * (2 + OPTIMIZER_EXTRA_COPIES[inp.optimizer]) + act * inflight
-    return max(comp / r, sync) if mem <= inp.memory_limit_bytes else math.inf
+    return comp / r + sync if mem <= inp.memory_limit_bytes else math.inf
 
 
 def _brute_flat(inp: DPInput, lo: int, hi: int, units: int, extra: int, bw: float) -> float:
@@ -83,8 +83,8 @@ def test_hierarchical_dp_equals_brute_force() -> None:
         n, nodes, per_node = rng.randint(1, 5), rng.randint(1, 3), rng.randint(1, 2)
         inp = _random_input(rng, n, rng.choice([1.0, 1.5, 3.0, 100.0]), "1f1b")
         intra, inter = 100.0, rng.choice([1.0, 10.0])
-        res = solve_hierarchical(inp, nodes, per_node, intra, inter)
-        extra = (nodes - 1) * per_node
+        extra = rng.choice([0, (nodes - 1) * per_node])
+        res = solve_hierarchical(inp, nodes, per_node, intra, inter, extra)
         best1 = {(i, j): _brute_flat(inp, i, j, per_node, extra, intra)
                  for i in range(n) for j in range(i, n)}
         want = math.inf
@@ -99,7 +99,7 @@ def test_hierarchical_dp_equals_brute_force() -> None:
                     if r > 1 and params > 0:
                         sync = (2 * (r - 1) / r * params / (inter * GB) * 1e3
                                 + 2 * (r - 1) * inp.latency_us / 1e3) / inp.num_microbatches
-                    worst = max(worst, best1[(i, j)] / r, sync)
+                    worst = max(worst, best1[(i, j)] / r + sync)
                     if q > 0:
                         worst = max(worst, 2 * transfer_ms(inp.cut_bytes[i - 1], inter, inp.latency_us) / r)
                 want = min(want, worst)
