@@ -1,0 +1,66 @@
+"""Checkpoints of a pipeline run: the full model state dict plus optimizer state, by name.
+
+A checkpoint directory holds
+- `model.pt`: the full state dict of the model (`build_model().load_state_dict(torch.load(...))`
+  accepts it), merged from the stages;
+- `optimizer.pt`: `{"state": {parameter name: optimizer state of that parameter}, ...}` keyed by
+  the original model's parameter names (a tied parameter under each of its names), so a run on
+  a different plan can resume from it;
+- `meta.json`: steps done, seed, optimizer and learning rate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from planner.errors import PipeplanError
+
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+META_FILE = "meta.json"
+
+
+def optimizer_state_by_name(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]
+                            ) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for name, p in params.items():
+        if p in opt.state:
+            out[name] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                         for k, v in opt.state[p].items()}
+    return out
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+                         state: dict[str, dict[str, torch.Tensor]]) -> None:
+    for name, p in params.items():
+        if name in state:
+            opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step" else v)
+                            for k, v in state[name].items()}
+
+
+def save(directory: str | Path, model_state: dict[str, torch.Tensor],
+         optimizer_state: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]) -> None:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for name, obj in ((MODEL_FILE, model_state), (OPTIMIZER_FILE, {"state": optimizer_state})):
+        tmp = d / (name + ".tmp")
+        torch.save(obj, tmp)
+        tmp.replace(d / name)
+    (d / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict]:
+    d = Path(directory)
+    missing = [n for n in (MODEL_FILE, OPTIMIZER_FILE, META_FILE) if not (d / n).is_file()]
+    if missing:
+        raise PipeplanError(
+            f"--resume {d}: not a checkpoint written by --save (missing {', '.join(missing)})"
+        )
+    model_state = torch.load(d / MODEL_FILE, map_location="cpu", weights_only=True)
+    opt = torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    meta = json.loads((d / META_FILE).read_text())
+    return model_state, opt["state"], meta

@@ -1,0 +1,156 @@
+"""`python -m runtime plan.json --model model.py --steps N ...`: run a plan.
+
+Without a torch.distributed environment it checks the plan against the model (pre-flight),
+then starts one process per device of the plan on this machine and waits for them. Under
+torchrun (RANK, WORLD_SIZE, ... set) it is one rank: it checks the world size and runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from planner.errors import PipeplanError
+from planner.formats import Plan
+from planner.io import load_model
+from runtime.options import RunOptions
+
+log = logging.getLogger("runtime")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m runtime",
+        description="Train a model with a pipeline-parallel plan (one process per device of the "
+                    "plan on this machine, or one rank under torchrun).",
+    )
+    p.add_argument("plan", help="plan.json written by `python -m planner plan`")
+    p.add_argument("--model", required=True, help="the model.py the plan was made for")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None,
+                   help="optimizer (default: the one the plan was made for)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
+    p.add_argument("--save", metavar="DIR", help="write the trained state dict (+ optimizer state)")
+    p.add_argument("--resume", metavar="DIR", help="continue from a --save directory")
+    p.add_argument("--report", metavar="FILE", help="write report.json")
+    p.add_argument("--trace", metavar="FILE", help="write the measured last step as a Chrome trace")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a rank waits for a peer before it gives up (default 300)")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="run even if the model file changed since it was profiled")
+    p.add_argument("--granularity", default=None,
+                   help="layer granularity of the profile (default: the plan's, else 'blocks')")
+    return p
+
+
+def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
+    if args.steps < 1:
+        raise PipeplanError("--steps must be at least 1")
+    if args.timeout <= 0:
+        raise PipeplanError("--timeout must be positive (seconds)")
+    granularity = args.granularity or getattr(plan, "granularity", None) or "blocks"
+    return RunOptions(
+        plan=args.plan, model=args.model, steps=args.steps, lr=args.lr,
+        optimizer=args.optimizer or plan.options.optimizer, seed=args.seed, save=args.save,
+        resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
+        allow_mismatch=args.allow_mismatch, granularity=str(granularity),
+    )
+
+
+def check_model_hash(plan: Plan, model_path: str, allow_mismatch: bool, quiet: bool) -> None:
+    from profiler.loader import file_sha256
+
+    if not os.path.isfile(model_path):
+        raise PipeplanError(f"--model {model_path}: no such file")
+    actual = file_sha256(model_path)
+    if actual == plan.model.sha256:
+        return
+    text = (f"{model_path} has sha256 {actual[:12]}…, but the plan was made from a profile of a "
+            f"file with sha256 {plan.model.sha256[:12]}… ({plan.model.path})")
+    if not allow_mismatch:
+        raise PipeplanError(f"{text}: profile the model again and make a new plan, or pass "
+                            "--allow-mismatch to run the plan anyway")
+    if not quiet:
+        print(f"warning: {text}; running anyway (--allow-mismatch)", file=sys.stderr)
+
+
+def preflight(plan: Plan, opts: RunOptions) -> None:
+    """Before any process starts: the model file matches and has every layer the plan names."""
+    import torch
+
+    from profiler.loader import load_model_file
+    from runtime import stages
+    from runtime.worker import split_batch
+
+    check_model_hash(plan, opts.model, opts.allow_mismatch, quiet=False)
+    if opts.resume and not os.path.isdir(opts.resume):
+        raise PipeplanError(f"--resume {opts.resume}: no such directory")
+    mf = load_model_file(opts.model)
+    torch.manual_seed(opts.seed)
+    model = mf.build_model()
+    example, _ = split_batch(mf.make_batch(plan.microbatch_size), plan.microbatch_size, 1)
+    graph = stages.trace_model(model, example[0], opts.granularity)
+    stages.check_layers(plan, stages.layer_names(graph), opts.model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from runtime.launch import ERROR_FILE_ENV
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _rank_main(args, os.environ.get(ERROR_FILE_ENV))
+    try:
+        plan = load_model(args.plan, Plan, "plan")
+        opts = options_from_args(args, plan)
+        preflight(plan, opts)
+    except PipeplanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from runtime.launch import launch
+
+    print(f"running {plan.world_size} ranks on this machine "
+          f"({len(plan.stages)} stages, {plan.num_microbatches} microbatches of "
+          f"{plan.microbatch_size}, schedule {plan.schedule})", flush=True)
+    try:
+        failures = launch(argv + (["--allow-mismatch"] if opts.allow_mismatch else []),
+                          plan.world_size)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if not failures:
+        return 0
+    first = failures[0]
+    print(f"error: {first.message}", file=sys.stderr)
+    if first.kind == "crash":
+        for f in failures[1:2]:
+            print(f"  (then {f.message})", file=sys.stderr)
+    return 2 if first.kind == "user" else 1
+
+
+def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
+    from runtime.worker import DistEnv, report_failure, run
+
+    env = DistEnv.from_environ()
+    try:
+        plan = load_model(args.plan, Plan, "plan")
+        opts = options_from_args(args, plan)
+        if env.world_size != plan.world_size:
+            raise PipeplanError(
+                f"the plan needs {plan.world_size} processes (one per device of its "
+                f"{len(plan.stages)} stages) but WORLD_SIZE is {env.world_size}; start torchrun "
+                f"with --nnodes × --nproc-per-node = {plan.world_size}"
+            )
+        check_model_hash(plan, opts.model, opts.allow_mismatch,
+                         quiet=error_file is not None or env.rank != 0)
+        run(plan, opts, env)
+    except BaseException as exc:  # noqa: BLE001 - every failure must end this rank promptly
+        report_failure(env, exc, error_file)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(exc, PipeplanError) else 1)
+    return 0

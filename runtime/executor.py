@@ -1,0 +1,182 @@
+"""Execute one rank's action list for one training step (forward/backward of its microbatches).
+
+Internal module. `F(s, j)` gathers the stage's inputs for microbatch j (model inputs sliced
+locally, other tensors received from the stage that produced them), runs the stage and sends
+its outputs straight to every later stage that reads them; on the last stage it computes
+`loss_fn(output, target_j) / m`, so the gradients summed over microbatches are those of the
+mean loss. `B(s, j)` receives the gradients of the outputs (summed over consumers), runs
+autograd and sends the inputs' gradients back to their producers. Gradients accumulate in the
+parameters' `.grad` until the flush.
+
+Bookkeeping for the report: compute time of each forward and backward, the number of
+microbatches in flight (forward done, backward not) and the bytes autograd saved for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from planner.actions import Action
+from runtime.comm import P2P
+from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
+
+
+@dataclass
+class TimedEvent:
+    name: str
+    kind: str  # "F" | "B" | "allreduce"
+    stage: int
+    mb: int
+    start_s: float  # time.time()
+    end_s: float
+
+
+@dataclass
+class Stats:
+    fwd_ms: list[float] = field(default_factory=list)
+    bwd_ms: list[float] = field(default_factory=list)
+    peak_inflight: int = 0
+    peak_saved_bytes: int = 0
+
+
+@dataclass
+class _InFlight:
+    received: dict[str, torch.Tensor]  # float inputs from other stages (requires grad)
+    outputs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None
+    saved_bytes: int
+
+
+class StageExecutor:
+    """Runs the actions of one rank (one replica of one stage)."""
+
+    def __init__(self, module: nn.Module, stage: int, routing: Routing,
+                 stage_devices: Sequence[Sequence[int]], p2p: P2P,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 num_microbatches: int, device: torch.device) -> None:
+        self.module = module
+        self.stage = stage
+        self.routing = routing
+        self.stage_devices = stage_devices
+        self.p2p = p2p
+        self.loss_fn = loss_fn
+        self.m = num_microbatches
+        self.device = device
+        self.is_last = OUTPUT_KEY in routing.output_keys[stage]
+        self._sends = routing.sends(stage)
+        self._recvs = routing.recvs(stage)
+        self._param_ptrs = {p.data_ptr() for p in module.parameters()}
+        self.stats = Stats()
+        self.events: list[TimedEvent] = []
+        self._inflight: dict[int, _InFlight] = {}
+        self._saved_now = 0
+
+    def rank_of(self, stage: int, mb: int) -> int:
+        devs = self.stage_devices[stage]
+        return devs[mb % len(devs)]
+
+    # ------------------------------------------------------------------ receives
+    def _post(self, action: Action) -> None:
+        """Post this action's receives early where the shapes are known."""
+        j = action.mb
+        if action.kind == "F":
+            for key, src in self._recvs:
+                self.p2p.post_recv(self.rank_of(src, j), j, key, grad=False)
+        else:
+            for key, dsts in self._sends:
+                for t in dsts:
+                    self.p2p.post_recv(self.rank_of(t, j), j, key, grad=True)
+
+    # ------------------------------------------------------------------ one step
+    def run(self, actions: Sequence[Action], inputs: Sequence[Sequence[torch.Tensor]],
+            targets: Sequence[torch.Tensor]) -> float:
+        """Execute `actions`; `inputs[j]`, `targets[j]` are microbatch j's. Returns the sum of
+        this rank's scaled microbatch losses (0 on other stages than the last)."""
+        total = 0.0
+        for i, a in enumerate(actions):
+            if a.stage != self.stage:
+                raise RuntimeError(f"action {a} is for stage {a.stage}, but this rank runs stage {self.stage}")
+            self._post(a)
+            if i + 1 < len(actions):
+                self._post(actions[i + 1])
+            if a.kind == "F":
+                total += self.forward(a.mb, inputs[a.mb], targets[a.mb])
+            else:
+                self.backward(a.mb)
+        if self._inflight:
+            raise RuntimeError(f"microbatches {sorted(self._inflight)} have a forward but no backward")
+        return total
+
+    def forward(self, j: int, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> float:
+        feed: dict[str, torch.Tensor] = {}
+        received: dict[str, torch.Tensor] = {}
+        for key in self.routing.input_keys[self.stage]:
+            if key.startswith(INPUT_PREFIX):
+                feed[key] = inputs[int(key[len(INPUT_PREFIX):])].to(self.device)
+        for key, src in self._recvs:
+            t = self.p2p.recv(self.rank_of(src, j), j, key, grad=False)
+            if t.is_floating_point():
+                t.requires_grad_(True)
+                received[key] = t
+            feed[key] = t
+        saved = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in self._param_ptrs:
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        t0 = time.time()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.module(feed)
+            loss = None
+            if self.is_last:
+                loss = self.loss_fn(out[OUTPUT_KEY], target.to(self.device)) / self.m
+        t1 = time.time()
+        self.stats.fwd_ms.append((t1 - t0) * 1e3)
+        self.events.append(TimedEvent(f"{self.stage}F{j}", "F", self.stage, j, t0, t1))
+        for key, dsts in self._sends:
+            for t in dsts:
+                self.p2p.send(out[key], self.rank_of(t, j), j, key, grad=False)
+        self._inflight[j] = _InFlight(received, out, loss, saved[0])
+        self._saved_now += saved[0]
+        self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
+        self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, self._saved_now)
+        return float(loss.detach()) if loss is not None else 0.0
+
+    def backward(self, j: int) -> None:
+        st = self._inflight.pop(j)
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if st.loss is not None:
+            tensors.append(st.loss)
+            grads.append(None)
+        for key, dsts in self._sends:
+            out = st.outputs[key]
+            if not out.is_floating_point():
+                continue
+            g = None
+            for t in dsts:
+                gt = self.p2p.recv(self.rank_of(t, j), j, key, grad=True)
+                g = gt if g is None else g + gt
+            if out.requires_grad:
+                tensors.append(out)
+                grads.append(g)
+        t0 = time.time()
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        t1 = time.time()
+        self.stats.bwd_ms.append((t1 - t0) * 1e3)
+        self.events.append(TimedEvent(f"{self.stage}B{j}", "B", self.stage, j, t0, t1))
+        for key, src in self._recvs:
+            x = st.received.get(key)
+            if x is None:
+                continue
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            self.p2p.send(g, self.rank_of(src, j), j, key, grad=True)
+        self._saved_now -= st.saved_bytes

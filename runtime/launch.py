@@ -1,0 +1,107 @@
+"""Start one process per rank of a plan on this machine and wait for them (a small torchrun).
+
+Each child is `python -m runtime <same arguments>` with the standard torch.distributed
+environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
+MASTER_PORT) — exactly what torchrun would set — plus PIPEPLAN_ERROR_FILE, where a failing
+rank writes its error. When any rank fails, the others are stopped at once and the error of the
+rank that failed first on its own (not because a peer went away) is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ERROR_FILE_ENV = "PIPEPLAN_ERROR_FILE"
+_GRACE_S = 1.0  # after a failure, how long the other ranks get to write their own errors
+
+
+@dataclass
+class Failure:
+    rank: int
+    exit_code: int
+    kind: str  # "user" | "error" | "peer" | "crash"
+    message: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _read_error(path: Path, rank: int, code: int) -> Failure:
+    try:
+        data = json.loads(path.read_text())
+        return Failure(rank, code, data["kind"], data["message"])
+    except (OSError, ValueError, KeyError):
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return Failure(rank, code, "crash", f"rank {rank} {how} without reporting an error")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + 3.0
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(argv: list[str], world_size: int) -> list[Failure]:
+    """Run `python -m runtime *argv` on `world_size` local ranks; the failures, most telling
+    first (empty when every rank succeeded)."""
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
+        procs = []
+        for rank in range(world_size):
+            env = dict(os.environ)
+            env.update({
+                "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(threads),
+                ERROR_FILE_ENV: str(Path(tmp) / f"rank{rank}.json"),
+            })
+            procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env))
+        try:
+            failed_at = None
+            while True:
+                codes = [p.poll() for p in procs]
+                if all(c == 0 for c in codes):
+                    return []
+                if any(c not in (None, 0) for c in codes):
+                    failed_at = failed_at or time.time()
+                    if all(c is not None for c in codes) or time.time() - failed_at > _GRACE_S:
+                        break
+                time.sleep(0.02)
+        except KeyboardInterrupt:
+            _stop(procs)
+            raise
+        own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)}
+        _stop(procs)  # the rest: stopped by us, their exit says nothing
+        failures = [_read_error(Path(tmp) / f"rank{r}.json", r, code) for r, code in own.items()]
+        files = {f.rank: Path(tmp) / f"rank{f.rank}.json" for f in failures}
+        order = {"user": 0, "error": 0, "crash": 1, "peer": 2}
+
+        def when(f: Failure) -> float:
+            try:
+                return float(json.loads(files[f.rank].read_text())["time"])
+            except (OSError, ValueError, KeyError):
+                return float("inf")
+
+        failures.sort(key=lambda f: (order.get(f.kind, 3), when(f)))
+        return failures

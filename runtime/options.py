@@ -1,0 +1,22 @@
+"""The options of a run (`python -m runtime ...`), shared by the launcher and every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    plan: str
+    model: str
+    steps: int = 5
+    lr: float = 0.01
+    optimizer: str = "sgd"  # sgd | momentum | adam
+    seed: int = 0
+    save: str | None = None
+    resume: str | None = None
+    report: str | None = None
+    trace: str | None = None
+    timeout: float = 300.0  # seconds a rank waits for a peer before giving up
+    allow_mismatch: bool = False
+    granularity: str = "blocks"  # how the profiler traced the model into layers

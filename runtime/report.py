@@ -1,0 +1,129 @@
+"""The run report (planner.formats.Report) and the measured Chrome trace, from per-rank records.
+
+Internal module. Definitions used in report.json:
+- `iteration_ms`: median over steps after the first (all steps if only one) of rank 0's wall
+  time per step, from drawing the batch to the end of the optimizer step. Rank 0 holds stage 0,
+  whose last backward closes every step, so this is the pipeline's period.
+- per rank, per iteration (medians over the same steps): `fwd_ms_per_microbatch`,
+  `bwd_ms_per_microbatch` (compute only); `comm_ms` = time posting sends, waiting for their
+  delivery at the flush and in gradient all-reduces; `idle_ms` = the rest of the rank's step
+  (mostly waiting for a peer's activations or gradients: the pipeline bubble).
+- `peak_memory_bytes`: on CUDA `torch.cuda.max_memory_allocated`; on CPU the sum of parameter,
+  gradient and optimizer-state bytes of the stage plus the peak bytes autograd held saved for
+  the microbatches in flight (`memory_measure` says which).
+- `peak_inflight_microbatches`: the most microbatches whose forward was done and backward not;
+  `schedule_peak_inflight` is the planner simulator's figure for the same rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from planner.formats import Plan, RankReport, Report
+
+
+@dataclass
+class RankRecord:
+    """What each rank sends to rank 0 at the end of a run."""
+
+    rank: int
+    stage: int
+    replica: int
+    step_ms: list[float]
+    fwd_ms: list[float]  # every microbatch forward, all steps
+    bwd_ms: list[float]
+    comm_ms: list[float]  # per step
+    idle_ms: list[float]  # per step
+    peak_memory_bytes: int
+    memory_measure: str
+    peak_inflight: int
+    events: list[tuple[str, str, int, int, float, float]] = field(default_factory=list)  # last step
+
+
+def _steady(xs: list[float]) -> list[float]:
+    return xs[1:] if len(xs) > 1 else xs
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def build_report(plan: Plan, records: list[RankRecord], losses: list[float], steps: int,
+                 schedule_peak: dict[int, int]) -> Report:
+    records = sorted(records, key=lambda r: r.rank)
+    it_ms = _median(_steady(records[0].step_ms))
+    per_mb = plan.num_microbatches
+    ranks = []
+    for r in records:
+        skip = len(r.fwd_ms) // max(len(r.step_ms), 1) if len(r.step_ms) > 1 else 0
+        ranks.append(RankReport(
+            rank=r.rank, stage=r.stage, replica=r.replica,
+            fwd_ms_per_microbatch=_median(r.fwd_ms[skip:]),
+            bwd_ms_per_microbatch=_median(r.bwd_ms[skip:]),
+            comm_ms=_median(_steady(r.comm_ms)),
+            idle_ms=_median(_steady(r.idle_ms)),
+            peak_memory_bytes=r.peak_memory_bytes,
+            peak_inflight_microbatches=r.peak_inflight,
+            schedule_peak_inflight=schedule_peak.get(r.rank),
+            memory_measure=r.memory_measure,
+            predicted_memory_bytes=plan.stages[r.stage].predicted.memory_bytes,
+        ))
+    return Report(
+        plan_profile_sha256=plan.profile_sha256,
+        steps=steps,
+        iteration_ms=it_ms,
+        samples_per_s=plan.global_batch / (it_ms / 1e3) if it_ms > 0 else 0.0,
+        predicted_iteration_ms=plan.predicted.iteration_ms,
+        predicted_samples_per_s=plan.predicted.throughput_samples_per_s,
+        num_microbatches=per_mb,
+        schedule=plan.schedule,
+        step_ms=records[0].step_ms,
+        losses=losses,
+        ranks=ranks,
+    )
+
+
+def measured_simulation(records: list[RankRecord], iteration_ms: float) -> object:
+    """The last step's measured events as a planner Simulation, so the simulator's Chrome trace
+    writer lays predicted and measured out the same way."""
+    from planner.simulator import Event, Simulation
+
+    t0 = min((e[4] for r in records for e in r.events), default=0.0)
+    events = [
+        Event(rank=r.rank, name=name, kind=kind, stage=stage, mb=mb,
+              start_ms=(s - t0) * 1e3, end_ms=(e - t0) * 1e3)
+        for r in records for (name, kind, stage, mb, s, e) in r.events
+    ]
+    end = max((ev.end_ms for ev in events), default=0.0)
+    busy = {r.rank: sum(ev.end_ms - ev.start_ms for ev in events
+                        if ev.rank == r.rank and ev.kind in "FB") for r in records}
+    comm = {r.rank: sum(ev.end_ms - ev.start_ms for ev in events
+                        if ev.rank == r.rank and ev.kind == "allreduce") for r in records}
+    idle = {k: max(end - busy[k] - comm[k], 0.0) for k in busy}
+    total = end * len(records)
+    return Simulation(
+        events=sorted(events, key=lambda ev: (ev.rank, ev.start_ms)),
+        iteration_ms=end, busy_ms=busy, comm_ms=comm, idle_ms=idle,
+        bubble_fraction=sum(idle.values()) / total if total > 0 else 0.0,
+        peak_inflight={r.rank: r.peak_inflight for r in records},
+        peak_memory_bytes={r.rank: float(r.peak_memory_bytes) for r in records},
+        stage_of_rank={r.rank: r.stage for r in records},
+    )
+
+
+def chrome_trace(sim: object) -> dict:
+    """planner.trace.chrome_trace when present, else the same minimal layout (one row per rank)."""
+    try:
+        from planner.trace import chrome_trace as planner_trace
+    except ImportError:
+        planner_trace = None
+    if planner_trace is not None:
+        return planner_trace(sim)
+    events = [
+        {"name": ev.name, "cat": ev.kind, "ph": "X", "pid": 0, "tid": ev.rank,
+         "ts": ev.start_ms * 1e3, "dur": (ev.end_ms - ev.start_ms) * 1e3,
+         "args": {"stage": ev.stage, "mb": ev.mb}}
+        for ev in sim.events  # type: ignore[attr-defined]
+    ]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -1,0 +1,156 @@
+"""Build the pipeline stages of a plan from a user's model, with the profiler's tracing code.
+
+Internal module. Every rank builds the full model (same seed, so the same weights), traces it,
+builds a `StageModule` for every stage of the plan to learn which tensor keys each stage reads
+and writes (the routing: who sends what to whom), keeps its own stage and drops the rest.
+Parameters tied across stages (one `nn.Parameter` under several names held by different
+stages) are found here as well, so their gradients can be summed between those stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from planner.errors import PipeplanError
+from planner.formats import Plan
+
+OUTPUT_KEY = "<output>"
+INPUT_PREFIX = "<input>:"
+
+
+@dataclass
+class Routing:
+    """Which stage produces each tensor key and which stages consume it."""
+
+    input_keys: list[list[str]]  # per stage
+    output_keys: list[list[str]]  # per stage
+    producer: dict[str, int] = field(default_factory=dict)
+    consumers: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_keys(cls, input_keys: list[list[str]], output_keys: list[list[str]]) -> Routing:
+        r = cls([list(k) for k in input_keys], [list(k) for k in output_keys])
+        for s, keys in enumerate(output_keys):
+            for k in keys:
+                if k in input_keys[s] or k.startswith(INPUT_PREFIX):
+                    continue  # passed through: the original producer sends it straight on
+                r.producer.setdefault(k, s)
+        for s, keys in enumerate(input_keys):
+            for k in keys:
+                if k.startswith(INPUT_PREFIX):
+                    continue
+                if k not in r.producer:
+                    raise PipeplanError(
+                        f"stage {s} reads tensor {k!r} that no earlier stage produces; "
+                        "the plan's stages do not fit this model (re-profile and re-plan)"
+                    )
+                if r.producer[k] >= s:
+                    raise PipeplanError(f"stage {s} reads {k!r} produced by a later stage {r.producer[k]}")
+                r.consumers.setdefault(k, []).append(s)
+        return r
+
+    def keys(self) -> list[str]:
+        """Every key, in one order all ranks agree on."""
+        out = sorted({k for ks in self.input_keys + self.output_keys for k in ks})
+        return out + ["<loss>"]
+
+    def sends(self, stage: int) -> list[tuple[str, list[int]]]:
+        """(key, consumer stages) for every tensor this stage sends forward."""
+        return [(k, self.consumers[k]) for k in self.output_keys[stage]
+                if self.producer.get(k) == stage and k in self.consumers]
+
+    def recvs(self, stage: int) -> list[tuple[str, int]]:
+        """(key, producer stage) for every tensor this stage receives."""
+        return [(k, self.producer[k]) for k in self.input_keys[stage] if not k.startswith(INPUT_PREFIX)]
+
+
+def layer_names(graph: object) -> list[str]:
+    return list(graph.layer_names())  # type: ignore[attr-defined]
+
+
+def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], granularity: str) -> object:
+    """The profiler's layer graph; buffers (e.g. batch-norm statistics) are restored afterwards
+    so tracing leaves the model exactly as `build_model()` made it."""
+    from profiler.graph import trace
+
+    saved = {k: v.detach().clone() for k, v in model.named_buffers()}
+    try:
+        graph = trace(model, example_inputs, granularity=granularity)
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                if k in saved:
+                    v.copy_(saved[k])
+    return graph
+
+
+def check_layers(plan: Plan, names: list[str], model_path: str) -> None:
+    known = set(names)
+    missing = [n for s in plan.stages for n in s.layers if n not in known]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise PipeplanError(
+            f"the plan names layers that {model_path} does not have: {shown} "
+            f"(the traced model has {len(names)} layers, e.g. {', '.join(names[:3])}); "
+            "profile this model again and make a new plan"
+        )
+    planned = [n for s in plan.stages for n in s.layers]
+    if planned != names:
+        raise PipeplanError(
+            f"the plan's stages cover {len(planned)} layers but {model_path} traces into "
+            f"{len(names)} layers in a different order or number; profile it again and re-plan"
+        )
+
+
+def build_all_stages(graph: object, plan: Plan) -> list[nn.Module]:
+    from profiler.graph import build_stage
+
+    return [build_stage(graph, list(s.layers)) for s in plan.stages]
+
+
+def routing_of(stages: list[nn.Module]) -> Routing:
+    return Routing.from_keys([list(m.input_keys) for m in stages],  # type: ignore[arg-type]
+                             [list(m.output_keys) for m in stages])  # type: ignore[arg-type]
+
+
+def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of a stage under the original model's names (its state_dict keys)."""
+    return dict(module.state_dict(keep_vars=True))
+
+
+def stage_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Trainable parameters of a stage by original name; a parameter tied within the stage is
+    listed under every name it has (same object)."""
+    return {k: v for k, v in named_tensors(module).items() if isinstance(v, nn.Parameter)}
+
+
+def tie_sets(model: nn.Module) -> list[list[str]]:
+    """State-dict keys of each tensor (parameter or buffer) the model holds under several names."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def complete_aliases(state: dict[str, object], ties: list[list[str]]) -> dict[str, object]:
+    """Add every other name of a tied tensor (a stage holds it under one name)."""
+    out = dict(state)
+    for names in ties:
+        have = [k for k in names if k in out]
+        for k in names:
+            if have:
+                out.setdefault(k, out[have[0]])
+    return out
+
+
+def cross_stage_ties(ties: list[list[str]], stage_names: list[set[str]]) -> list[tuple[list[str], list[int]]]:
+    """(names, stages holding it) for every tied parameter held by more than one stage."""
+    out = []
+    for names in ties:
+        holders = [s for s, have in enumerate(stage_names) if have & set(names)]
+        if len(holders) > 1:
+            out.append((names, holders))
+    return out

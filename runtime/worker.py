@@ -1,0 +1,331 @@
+"""One rank of a pipeline run: set up torch.distributed, build the stage, train, report.
+
+Internal module, entered by `python -m runtime` when the torch.distributed environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; set by torchrun or by runtime.launch) is present.
+Semantics are those of single-device training (see runtime/__init__.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.errors import PipeplanError
+from planner.formats import Plan
+from runtime import checkpoint, stages
+from runtime.comm import P2P, PeerError
+from runtime.executor import StageExecutor, TimedEvent
+from runtime.options import RunOptions
+from runtime.report import RankRecord, build_report, chrome_trace, measured_simulation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return cls(rank, world, int(os.environ.get("LOCAL_RANK", rank)),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def _device(env: DistEnv) -> tuple[torch.device, str]:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= env.local_world_size:
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.SGD(params, lr=lr)
+
+
+def split_batch(batch: object, microbatch_size: int, m: int
+                ) -> tuple[list[tuple[torch.Tensor, ...]], list[torch.Tensor]]:
+    """Microbatch j = rows [j*b, (j+1)*b) of every input and of the target."""
+    inputs, target = batch  # type: ignore[misc]
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    parts = [x.split(microbatch_size) for x in inputs]
+    return [tuple(p[j] for p in parts) for j in range(m)], list(target.split(microbatch_size))
+
+
+def _wait(work: object, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+    except Exception as exc:
+        raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
+                            f"({str(exc).splitlines()[0][:200]})") from None
+
+
+class Worker:
+    """Everything one rank holds during a run."""
+
+    def __init__(self, plan: Plan, opts: RunOptions, env: DistEnv) -> None:
+        from profiler.loader import load_model_file
+
+        self.plan, self.opts, self.env = plan, opts, env
+        self.rank = env.rank
+        self.stage = next(s.index for s in plan.stages if self.rank in s.devices)
+        self.replica = plan.stages[self.stage].devices.index(self.rank)
+        self.device, self.backend = _device(env)
+        self.mf = load_model_file(opts.model)
+        self.b, self.m = plan.microbatch_size, plan.num_microbatches
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        plan, opts = self.plan, self.opts
+        torch.manual_seed(opts.seed)
+        model = self.mf.build_model()
+        self.start_step = 0
+        opt_state: dict = {}
+        if opts.resume:
+            model_state, opt_state, meta = checkpoint.load(opts.resume)
+            model.load_state_dict(model_state)
+            self.start_step = int(meta["step"])
+        torch.manual_seed(opts.seed)
+        example, _ = split_batch(self.mf.make_batch(self.b), self.b, 1)
+        graph = stages.trace_model(model, example[0], opts.granularity)
+        stages.check_layers(plan, stages.layer_names(graph), opts.model)
+        modules = stages.build_all_stages(graph, plan)
+        self.routing = stages.routing_of(modules)
+        names = [set(stages.named_tensors(mod)) for mod in modules]
+        self.aliases = stages.tie_sets(model)
+        param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self.ties = stages.cross_stage_ties(
+            [t for t in self.aliases if t[0] in param_names], names)
+        self.module = modules[self.stage].to(self.device)
+        self.module.train()
+        del modules, graph, model  # keep only this rank's stage
+
+        # process groups: every rank creates every group, in the same order
+        self.stage_group = None
+        for st in plan.stages:
+            g = dist.new_group(list(st.devices)) if st.replicas > 1 else None
+            if st.index == self.stage:
+                self.stage_group = g
+        self.tie_groups = []
+        for tie_names, holders in self.ties:
+            ranks = sorted(d for s in holders for d in plan.stages[s].devices)
+            g = dist.new_group(ranks)
+            if self.stage in holders:
+                self.tie_groups.append((tie_names, g))
+
+        self.params = stages.stage_parameters(self.module)
+        self.tied_ids = {id(self.params[n]) for names, _ in self.tie_groups for n in names
+                         if n in self.params}
+        unique: dict[int, nn.Parameter] = {}
+        for p in self.params.values():
+            unique.setdefault(id(p), p)
+        self.unique_params = list(unique.values())
+        self.optimizer = make_optimizer(opts.optimizer, self.unique_params, opts.lr)
+        if opt_state:
+            checkpoint.load_optimizer_state(self.optimizer, self.params, opt_state)
+
+        keys = self.routing.keys()
+        describe = {d: f"rank {d} (stage {st.index})" for st in plan.stages for d in st.devices}
+        self.p2p = P2P(self.rank, self.device, {k: i for i, k in enumerate(keys)}, opts.timeout,
+                       describe)
+        self.executor = StageExecutor(self.module, self.stage, self.routing,
+                                      [list(s.devices) for s in plan.stages], self.p2p,
+                                      self.mf.loss_fn, self.m, self.device)
+        from planner.schedules import actions_for_rank
+
+        self.actions = actions_for_rank(plan, self.rank)
+        wrong = [str(a) for a in self.actions if a.stage != self.stage]
+        if wrong:
+            raise PipeplanError(f"rank {self.rank} holds stage {self.stage} but its actions include "
+                                f"{', '.join(wrong[:3])}; this runtime runs one stage per rank")
+        self.last_stage_ranks = list(plan.stages[-1].devices)
+
+    # ------------------------------------------------------------------ gradients
+    def sync_grads(self) -> list[TimedEvent]:
+        events = []
+        t0 = time.time()
+        if self.stage_group is not None:
+            own = [p for p in self.unique_params if id(p) not in self.tied_ids]
+            if own:
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in own])
+                _wait(dist.all_reduce(flat, group=self.stage_group, async_op=True),
+                      self.opts.timeout, f"gradient all-reduce of stage {self.stage}")
+                i = 0
+                for p in own:
+                    n = p.numel()
+                    p.grad = flat[i:i + n].view_as(p).clone()
+                    i += n
+        for tie_names, g in self.tie_groups:
+            p = next(self.params[n] for n in tie_names if n in self.params)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            _wait(dist.all_reduce(grad, group=g, async_op=True), self.opts.timeout,
+                  f"gradient sum of tied parameter {tie_names[0]!r}")
+            p.grad = grad
+        t1 = time.time()
+        if self.stage_group is not None or self.tie_groups:
+            events.append(TimedEvent(f"allreduce {self.stage}", "allreduce", self.stage, -1, t0, t1))
+        return events
+
+    # ------------------------------------------------------------------ training
+    def train(self) -> RankRecord:
+        plan, opts = self.plan, self.opts
+        step_ms, comm_ms, idle_ms = [], [], []
+        self.losses: list[float] = []
+        last_events: list[TimedEvent] = []
+        for s in range(self.start_step, self.start_step + opts.steps):
+            t0 = time.time()
+            self.executor.events = []
+            c0 = self.p2p.comm_ms
+            f0, b0 = len(self.executor.stats.fwd_ms), len(self.executor.stats.bwd_ms)
+            torch.manual_seed(opts.seed + s)
+            inputs, targets = split_batch(self.mf.make_batch(plan.global_batch), self.b, self.m)
+            loss = self.executor.run(self.actions, inputs, targets)
+            self.p2p.flush()
+            ar = self.sync_grads()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            step_loss = self._gather_loss(loss)
+            t1 = time.time()
+            ms = (t1 - t0) * 1e3
+            step_ms.append(ms)
+            busy = sum(self.executor.stats.fwd_ms[f0:]) + sum(self.executor.stats.bwd_ms[b0:])
+            comm = self.p2p.comm_ms - c0 + sum((e.end_s - e.start_s) * 1e3 for e in ar)
+            comm_ms.append(comm)
+            idle_ms.append(max(ms - busy - comm, 0.0))
+            last_events = self.executor.events + ar
+            if self.rank == 0:
+                self.losses.append(step_loss)
+                print(f"step {s + 1}: loss {step_loss:.6f}  {ms:.1f} ms  "
+                      f"{plan.global_batch / (ms / 1e3):.1f} samples/s", flush=True)
+        self.p2p.flush()
+        st = self.executor.stats
+        if self.device.type == "cuda":
+            peak, measure = int(torch.cuda.max_memory_allocated(self.device)), "cuda_max_allocated"
+        else:
+            state_bytes = sum(v.numel() * v.element_size() for stt in self.optimizer.state.values()
+                              for v in stt.values() if torch.is_tensor(v))
+            pbytes = sum(p.numel() * p.element_size() for p in self.unique_params)
+            peak = 2 * pbytes + state_bytes + st.peak_saved_bytes
+            measure = "params+grads+optimizer_state+saved_activations"
+        return RankRecord(
+            rank=self.rank, stage=self.stage, replica=self.replica, step_ms=step_ms,
+            fwd_ms=st.fwd_ms, bwd_ms=st.bwd_ms, comm_ms=comm_ms, idle_ms=idle_ms,
+            peak_memory_bytes=peak, memory_measure=measure, peak_inflight=st.peak_inflight,
+            events=[(e.name, e.kind, e.stage, e.mb, e.start_s, e.end_s) for e in last_events],
+        )
+
+    def _gather_loss(self, loss: float) -> float:
+        """Last-stage ranks send their share of the step's loss to rank 0 (non-blocking)."""
+        t = torch.tensor([loss], dtype=torch.float64)
+        total = 0.0
+        if self.rank in self.last_stage_ranks and self.rank != 0:
+            self.p2p.send(t, 0, 0, "<loss>", grad=False)
+        if self.rank == 0:
+            for r in self.last_stage_ranks:
+                total += loss if r == 0 else float(self.p2p.recv(r, 0, "<loss>", grad=False)[0])
+        return total
+
+    # ------------------------------------------------------------------ end of run
+    def finish(self, record: RankRecord) -> None:
+        plan, opts = self.plan, self.opts
+        records: list[RankRecord | None] = [None] * self.env.world_size
+        dist.gather_object(record, records if self.rank == 0 else None, dst=0)
+        if opts.save:
+            mine = None
+            if self.replica == 0:
+                state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+                mine = (state, checkpoint.optimizer_state_by_name(self.optimizer, self.params))
+            parts: list[object] = [None] * self.env.world_size
+            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
+            if self.rank == 0:
+                model_state: dict = {}
+                opt_state: dict = {}
+                for part in parts:
+                    if part is not None:
+                        model_state.update(part[0])  # type: ignore[index]
+                        opt_state.update(part[1])  # type: ignore[index]
+                model_state = stages.complete_aliases(model_state, self.aliases)
+                opt_state = stages.complete_aliases(opt_state, self.aliases)
+                checkpoint.save(opts.save, model_state, opt_state, {
+                    "step": self.start_step + opts.steps, "seed": opts.seed,
+                    "optimizer": opts.optimizer, "lr": opts.lr,
+                    "profile_sha256": plan.profile_sha256,
+                })
+        if self.rank == 0:
+            self._write_outputs([r for r in records if r is not None])
+
+    def _write_outputs(self, records: list[RankRecord]) -> None:
+        from planner.io import save_model
+        from planner.simulator import simulate
+
+        plan, opts = self.plan, self.opts
+        try:
+            schedule_peak = dict(simulate(plan).peak_inflight)
+        except Exception as exc:  # a plan the simulator cannot handle still runs
+            log.warning("simulating the plan failed: %s", exc)
+            schedule_peak = {}
+        report = build_report(plan, records, self.losses, opts.steps, schedule_peak)
+        if opts.report:
+            save_model(report, opts.report)
+        if opts.trace:
+            sim = measured_simulation(records, report.iteration_ms)
+            Path(opts.trace).parent.mkdir(parents=True, exist_ok=True)
+            Path(opts.trace).write_text(json.dumps(chrome_trace(sim)))
+        pred = plan.predicted.iteration_ms
+        meas = report.iteration_ms
+        print(f"iteration time: predicted {pred:.1f} ms, measured {meas:.1f} ms "
+              f"(median of steps after the first; measured/predicted = {meas / pred:.2f}); "
+              f"throughput: predicted {plan.predicted.throughput_samples_per_s:.1f} samples/s, "
+              f"measured {report.samples_per_s:.1f} samples/s", flush=True)
+        for r in report.ranks:
+            print(f"  rank {r.rank} stage {r.stage} replica {r.replica}: "
+                  f"fwd {r.fwd_ms_per_microbatch:.2f} ms/mb, bwd {r.bwd_ms_per_microbatch:.2f} ms/mb, "
+                  f"comm {r.comm_ms:.1f} ms, idle {r.idle_ms:.1f} ms, "
+                  f"peak in-flight {r.peak_inflight_microbatches}, "
+                  f"peak memory {r.peak_memory_bytes / 1e6:.2f} MB", flush=True)
+
+
+def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
+    """Run one rank to the end; exceptions propagate (the caller reports them)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    worker = Worker(plan, opts, env)
+    dist.init_process_group(worker.backend, init_method="env://", rank=env.rank,
+                            world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=opts.timeout))
+    worker.setup()
+    record = worker.train()
+    worker.finish(record)
+    dist.destroy_process_group()
+
+
+def report_failure(env: DistEnv, exc: BaseException, error_file: str | None) -> None:
+    """Tell the launcher (error file) or the user (stderr) what failed on this rank."""
+    import traceback
+
+    kind = "peer" if isinstance(exc, PeerError) else "user" if isinstance(exc, PipeplanError) else "error"
+    text = str(exc) if kind != "error" else "".join(traceback.format_exception(exc)).rstrip()
+    if error_file:
+        Path(error_file).write_text(json.dumps({
+            "rank": env.rank, "kind": kind, "message": f"rank {env.rank}: {text}", "time": time.time(),
+        }))
+    else:
+        print(f"error: rank {env.rank}: {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,61 @@
+"""Shared helpers of the runtime tests: plans over a model's traced layers, and running
+`python -m runtime` (the launcher runs in the test process; the ranks are real processes)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from plans import make_plan, write_plan  # noqa: E402
+
+from profiler.loader import load_model_file  # noqa: E402
+from runtime import stages  # noqa: E402
+from runtime.cli import main  # noqa: E402
+
+MODELS = HERE / "models"
+EXAMPLES = HERE.parent.parent / "examples"
+
+
+def traced_layers(model_path: str | Path, microbatch_size: int = 2) -> list[str]:
+    mf = load_model_file(model_path)
+    torch.manual_seed(0)
+    inputs, _ = mf.make_batch(microbatch_size)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    graph = stages.trace_model(mf.build_model(), inputs, "blocks")
+    return stages.layer_names(graph)
+
+
+def split_evenly(n: int, stages_: int) -> list[int]:
+    return [n // stages_ + (1 if i < n % stages_ else 0) for i in range(stages_)]
+
+
+class Runner:
+    def __init__(self, tmp: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        self.tmp, self.capfd = tmp, capfd
+
+    def plan(self, model: str | Path, split: list[int] | int, replicas: list[int] | None = None,
+             name: str = "plan.json", **kw: object) -> Path:
+        layers = traced_layers(model, int(kw.get("microbatch_size", 2)))  # type: ignore[arg-type]
+        if isinstance(split, int):
+            split = split_evenly(len(layers), split)
+        plan = make_plan(model, layers, split, replicas or [1] * len(split), **kw)  # type: ignore[arg-type]
+        return write_plan(plan, self.tmp / name)
+
+    def __call__(self, *argv: str | Path) -> tuple[int, str, str, float]:
+        self.capfd.readouterr()
+        t0 = time.time()
+        rc = main([str(a) for a in argv])
+        out, err = self.capfd.readouterr()
+        return rc, out, err, time.time() - t0
+
+
+@pytest.fixture
+def run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> Runner:
+    return Runner(tmp_path, capfd)

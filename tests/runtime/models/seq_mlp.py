@@ -1,0 +1,42 @@
+"""A tiny sequential MLP for the runtime tests.
+
+PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's second layer's
+forward: `raise` (an exception), `die` (the process vanishes) or `hang` (sleeps for ever).
+"""
+
+import os
+import time
+
+import torch
+from torch import nn
+
+
+class Faulty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind, _, rank = os.environ.get("PIPEPLAN_TEST_FAULT", "::").partition(":")
+        # only while training (grad enabled), not while the model is traced
+        if rank and os.environ.get("RANK") == rank and torch.is_grad_enabled():
+            if kind == "raise":
+                raise ValueError("deliberate failure in Faulty.forward")
+            if kind == "die":
+                os._exit(17)
+            if kind == "hang":
+                time.sleep(3600)
+        return torch.tanh(self.lin(x))
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Faulty(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def make_batch(batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 4)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()

@@ -1,0 +1,54 @@
+"""Plans for the runtime tests: explicit stages over a model's traced layers, with the
+planner's own schedule generator (the runtime must execute exactly these action lists)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from planner.formats import (
+    Cluster,
+    ModelRef,
+    Plan,
+    PlanOptions,
+    PlanStage,
+    Predicted,
+    SolverInfo,
+    StagePredicted,
+)
+from planner.io import save_model
+from planner.schedules import plan_schedule_fields
+from profiler.loader import file_sha256
+
+
+def make_plan(model_path: str | Path, layers: list[str], split: list[int], replicas: list[int],
+              *, schedule: str = "1f1b", global_batch: int = 8, microbatch_size: int = 2) -> Plan:
+    assert sum(split) == len(layers)
+    stages, start, rank = [], 0, 0
+    for s, (n, r) in enumerate(zip(split, replicas, strict=True)):
+        stages.append(PlanStage(
+            index=s, layers=layers[start:start + n], replicas=r, devices=list(range(rank, rank + r)),
+            predicted=StagePredicted(fwd_ms=1.0, bwd_ms=2.0, compute_ms=3.0, memory_bytes=0,
+                                     memory_limit_bytes=10**9),
+        ))
+        start += n
+        rank += r
+    m = global_batch // microbatch_size
+    rank_actions, generator = plan_schedule_fields(schedule, [s.devices for s in stages], m)
+    return Plan(
+        profile_sha256="test", model=ModelRef(path=str(model_path), sha256=file_sha256(model_path)),
+        cluster=Cluster(nodes=1, devices_per_node=rank, device_memory_gb=1, intra_node_gb_per_s=10,
+                        inter_node_gb_per_s=1),
+        options=PlanOptions(global_batch=global_batch, microbatch_size=microbatch_size,
+                            schedule=schedule, method="manual", optimizer="sgd"),  # type: ignore[arg-type]
+        schedule=schedule, global_batch=global_batch, microbatch_size=microbatch_size,  # type: ignore[arg-type]
+        num_microbatches=m, stages=stages,
+        predicted=Predicted(iteration_ms=10.0, throughput_samples_per_s=1.0, lower_bound_ms=1.0,
+                            bubble_fraction=0.0, ratio_to_lower_bound=1.0),
+        solver=SolverInfo(name="manual", status="MANUAL"),
+        rank_actions=rank_actions, generator=generator,
+    )
+
+
+def write_plan(plan: Plan, path: Path) -> Path:
+    save_model(plan, path)
+    return path

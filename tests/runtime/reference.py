@@ -1,0 +1,38 @@
+"""Single-process training, the reference the pipeline runs must match: the same seed, the same
+batches, microbatch gradient accumulation (loss / m per microbatch), one optimizer step per
+iteration."""
+
+from __future__ import annotations
+
+import torch
+
+from profiler.loader import load_model_file
+
+
+def reference_train(model_path: str, steps: int, *, seed: int = 0, global_batch: int = 8,
+                    microbatch_size: int = 2, optimizer: str = "sgd", lr: float = 0.01
+                    ) -> dict[str, torch.Tensor]:
+    mf = load_model_file(model_path)
+    torch.manual_seed(seed)
+    model = mf.build_model()
+    params = list(model.parameters())
+    opt = (torch.optim.Adam(params, lr=lr) if optimizer == "adam"
+           else torch.optim.SGD(params, lr=lr, momentum=0.9 if optimizer == "momentum" else 0.0))
+    m = global_batch // microbatch_size
+    for s in range(steps):
+        torch.manual_seed(seed + s)
+        inputs, target = mf.make_batch(global_batch)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        for j in range(m):
+            rows = slice(j * microbatch_size, (j + 1) * microbatch_size)
+            out = model(*[x[rows] for x in inputs])
+            (mf.loss_fn(out, target[rows]) / m).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)

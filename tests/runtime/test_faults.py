@@ -1,0 +1,81 @@
+"""Faults end the run promptly with the failing rank's error; mismatches stop it before it starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import MODELS
+
+
+@pytest.fixture
+def fault(monkeypatch):
+    def set_fault(kind: str, rank: int) -> None:
+        monkeypatch.setenv("PIPEPLAN_TEST_FAULT", f"{kind}:{rank}")
+    return set_fault
+
+
+def test_a_rank_that_raises_stops_every_rank_with_its_error(run, fault):
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [3, 2, 1])  # Faulty is layer 2: on rank 0
+    fault("raise", 0)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 3, "--timeout", 60)
+    assert rc == 1
+    assert "rank 0" in err and "deliberate failure in Faulty.forward" in err
+    assert wall < 40  # not the 60 s timeout: the other ranks were stopped at once
+
+
+def test_a_hung_rank_is_detected_by_the_timeout_and_named(run, fault):
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [1, 3, 2])  # Faulty is layer 2: on rank 1
+    fault("hang", 1)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 2, "--timeout", 3)
+    assert rc == 1
+    assert "rank 1 (stage 1)" in err and "3 s" in err, err
+    assert wall < 40
+
+
+def test_a_dead_rank_is_reported(run, fault):
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [1, 3, 2])
+    fault("die", 1)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 2, "--timeout", 30)
+    assert rc != 0
+    assert "rank 1 exited with status 17" in err, err
+
+
+def test_model_hash_mismatch_is_a_clear_error_before_any_process(run, tmp_path):
+    model = tmp_path / "m.py"
+    model.write_text((MODELS / "seq_mlp.py").read_text())
+    plan = run.plan(model, 2)
+    model.write_text(model.read_text() + "\n# edited\n")
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1)
+    assert rc == 2
+    assert "sha256" in err and "--allow-mismatch" in err and "profile" in err
+    assert "running" not in out and "Traceback" not in err
+
+
+def test_unknown_layer_names_are_a_clear_error(run, tmp_path):
+    import json
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    data = json.loads(plan.read_text())
+    data["stages"][1]["layers"][0] = "no_such_layer"
+    plan.write_text(json.dumps(data))
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1)
+    assert rc == 2 and "'no_such_layer'" in err and "Traceback" not in err
+
+
+def test_world_size_must_match_under_torchrun(run):
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29999")
+    env.pop("PIPEPLAN_ERROR_FILE", None)
+    p = subprocess.run([sys.executable, "-m", "runtime", str(plan), "--model", str(model)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "needs 2 processes" in p.stderr and "WORLD_SIZE is 3" in p.stderr
