@@ -1,0 +1,110 @@
+"""`python -m planner profile model.py --batch-size 8 -o profile.json`: measure every layer.
+
+torch and the profiler are imported inside `run`, so the planner stays importable without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from planner.errors import PipeplanError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile", help="measure a model layer by layer (needs torch)",
+        description="Load model.py (build_model, make_batch, loss_fn), trace it into layers, "
+        "measure each layer's forward/backward time, parameter, activation and output bytes on "
+        "one device, time the whole model, and write profile.json.",
+    )
+    p.add_argument("model", help="model file defining build_model(), make_batch(n), loss_fn(out, y)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per profiled batch (8)")
+    p.add_argument("-o", "--output", default="profile.json", help="where to write the profile")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer first (2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer; the median is kept (5)")
+    p.add_argument("--granularity", default="blocks",
+                   help="blocks (natural blocks, default) | modules (every leaf module) | "
+                   "depth:N (module paths cut to N components)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed for build_model and make_batch")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
+    p.set_defaults(func=run)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f}"
+
+
+def format_profile(profile: Any) -> str:
+    """The table printed after profiling: per layer, totals, and the sum-vs-whole ratio."""
+    rows = [("layer", "kind", "fwd ms", "bwd ms", "params MB", "activ MB", "out MB")]
+    for layer in profile.layers:
+        rows.append((layer.name, layer.kind or "", f"{layer.fwd_ms:.3f}", f"{layer.bwd_ms:.3f}",
+                     _mb(layer.param_bytes), _mb(layer.activation_bytes), _mb(layer.output_bytes)))
+    fwd = sum(x.fwd_ms for x in profile.layers)
+    bwd = sum(x.bwd_ms for x in profile.layers)
+    rows.append(("total (sum of layers)", "", f"{fwd:.3f}", f"{bwd:.3f}",
+                 _mb(sum(x.param_bytes for x in profile.layers)),
+                 _mb(sum(x.activation_bytes for x in profile.layers)), ""))
+    m = profile.measured
+    if m is not None:
+        rows.append(("whole model", "", f"{m.fwd_ms:.3f}", f"{m.bwd_ms:.3f}", "",
+                     _mb(getattr(m, "activation_bytes", 0) or 0), ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths[1] = min(widths[1], 24)
+    lines = []
+    for i, r in enumerate(rows):
+        cells = [r[0].ljust(widths[0]), r[1][:24].ljust(widths[1])]
+        cells += [c.rjust(w) for c, w in zip(r[2:], widths[2:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0 or i == len(profile.layers):
+            lines.append("-" * len(lines[0]))
+    head = (f"{profile.model.path}  batch {profile.batch_size}  {profile.dtype}  on "
+            f"{profile.device.type} ({profile.device.name})  {len(profile.layers)} layers")
+    out = [head, *lines]
+    if m is not None and (m.fwd_ms + m.bwd_ms) > 0:
+        ratio = (fwd + bwd) / (m.fwd_ms + m.bwd_ms)
+        out.append(f"per-layer sum / whole model (fwd+bwd): {ratio:.3f}")
+    if m is not None and m.peak_memory_bytes:
+        out.append(f"whole-model peak memory: {_mb(m.peak_memory_bytes)} MB")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise PipeplanError("profiling needs torch: pip install torch") from None
+    from tqdm import tqdm
+
+    from planner.io import save_model
+    from profiler.profile import profile_model_file
+
+    bar: list[Any] = []
+
+    def on_traced(lg: Any) -> None:
+        if not args.quiet:
+            bar.append(tqdm(total=len(lg.layers), desc="profiling layers", unit="layer",
+                            file=sys.stderr, leave=False))
+
+    def on_layer(name: str) -> None:
+        if bar:
+            bar[0].set_postfix_str(name[:40])
+            bar[0].update(1)
+
+    try:
+        profile = profile_model_file(
+            args.model, args.batch_size, device=args.device, warmup=args.warmup,
+            repeats=args.repeats, granularity=args.granularity, on_layer=on_layer,
+            on_traced=on_traced, seed=args.seed,
+        )
+    finally:
+        if bar:
+            bar[0].close()
+    save_model(profile, args.output)
+    if not args.quiet:
+        print(format_profile(profile))
+        print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,129 @@
+"""Profile a model file end to end: load, trace, measure every layer and the whole model,
+and return a `planner.formats.Profile` (what `python -m planner profile` writes)."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.errors import PipeplanError
+from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
+from profiler.graph import LayerGraph, trace
+from profiler.loader import batch_checked, build_checked, call_user, load_model_file
+from profiler.measure import measure_layers, measure_whole
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise PipeplanError(
+                f"--device {name}: no CUDA device is available (torch {torch.__version__}, "
+                f"CUDA build: {torch.version.cuda or 'no'}). Profile with --device cpu, or run "
+                "on a machine with a GPU and a CUDA build of torch."
+            )
+        return torch.device(name)
+    raise PipeplanError(f"--device {name!r}: use 'cpu' or 'cuda'")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value
+    )
+
+
+def _dtype(model: torch.nn.Module) -> str:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def profile_model_file(
+    path: str | Path,
+    batch_size: int,
+    device: str = "cpu",
+    warmup: int = 2,
+    repeats: int = 5,
+    granularity: str = "blocks",
+    on_layer: Callable[[str], None] | None = None,
+    on_traced: Callable[[LayerGraph], None] | None = None,
+    seed: int = 0,
+) -> Profile:
+    """Profile `path` at `batch_size`; `on_traced(lg)` and `on_layer(name)` report progress."""
+    if batch_size < 1:
+        raise PipeplanError(f"--batch-size {batch_size}: must be at least 1")
+    if warmup < 0 or repeats < 1:
+        raise PipeplanError("--warmup must be >= 0 and --repeats >= 1")
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    mf = load_model_file(path)
+    torch.manual_seed(seed)
+    model = build_checked(mf).to(dev).train()
+    inputs, target = batch_checked(mf, batch_size)
+    inputs, target = _to(inputs, dev), _to(target, dev)
+    try:
+        with torch.no_grad():
+            out = model(*inputs)
+    except Exception as exc:  # noqa: BLE001
+        raise PipeplanError(
+            f"{mf.path}: build_model()(*make_batch({batch_size})[0]) raised "
+            f"{type(exc).__name__}: {exc}. make_batch's inputs must be the model's positional "
+            "arguments."
+        ) from exc
+    call_user(mf.path, "loss_fn", mf.loss_fn, out, target)
+    del out
+    lg = trace(model, inputs, granularity=granularity)
+    if on_traced:
+        on_traced(lg)
+    layers = measure_layers(lg, inputs, dev, warmup, repeats, on_layer=on_layer)
+    whole = measure_whole(model, inputs, target, lambda o, t: call_user(mf.path, "loss_fn", mf.loss_fn, o, t),
+                          dev, warmup, repeats)
+    layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
+    whole_ms = whole.fwd_ms + whole.bwd_ms
+    return Profile(
+        model=ModelRef(path=mf.path, sha256=mf.sha256),
+        device=DeviceInfo(type=dev.type, name=device_name(dev)),
+        batch_size=batch_size,
+        dtype=_dtype(model),
+        layers=[
+            LayerProfile(
+                name=m.name, kind=m.kind, fwd_ms=m.fwd_ms, bwd_ms=m.bwd_ms,
+                param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
+                output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
+            )
+            for m in layers
+        ],
+        edges=lg.edges(),
+        measured=Measured(
+            fwd_ms=whole.fwd_ms, bwd_ms=whole.bwd_ms, peak_memory_bytes=whole.peak_memory_bytes,
+            activation_bytes=whole.activation_bytes,
+            layer_sum_ratio=(layer_sum / whole_ms) if whole_ms > 0 else None,
+        ),
+        granularity=granularity,
+        trace_method=lg.method,
+        shared_parameters=[{"keys": s.keys, "layers": s.layers} for s in lg.shared_parameters],
+        warmup=warmup,
+        repeats=repeats,
+        seed=seed,
+        torch_version=torch.__version__,
+        profiler_wall_s=round(time.perf_counter() - started, 3),
+    )

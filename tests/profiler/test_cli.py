@@ -1,0 +1,84 @@
+"""`python -m planner profile` end to end on every example, and on every kind of bad input:
+exit status 2 and a message naming the file, the function and what to do (no traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from profiler_helpers import EXAMPLES, ROOT
+
+from planner.formats import Profile
+from planner.io import load_model
+
+
+def _profile(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "planner", "profile", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "unet"])
+def test_profile_each_example(small_env, tmp_path, name) -> None:
+    out = tmp_path / "profile.json"
+    r = _profile([str(EXAMPLES / f"{name}.py"), "--batch-size", "4", "-o", str(out),
+                  "--warmup", "0", "--repeats", "2"])
+    assert r.returncode == 0, r.stderr
+    profile = load_model(out, Profile)
+    assert profile.batch_size == 4 and profile.device.type == "cpu"
+    assert profile.measured is not None and profile.measured.fwd_ms > 0
+    assert "per-layer sum / whole model" in r.stdout
+    for layer in profile.layers:
+        assert layer.name in r.stdout
+    if name == "unet":  # skip edges make it a DAG
+        assert any(e.src == "stem" and e.dst.startswith("up.") for e in profile.edges)
+
+
+GOOD = """
+import torch
+def build_model():
+    return torch.nn.Linear(4, 2)
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 2)
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+"""
+
+
+@pytest.mark.parametrize(
+    "case,source,expected",
+    [
+        ("missing_function", GOOD.replace("def build_model", "def make_model"),
+         ["missing function build_model", "def build_model() -> torch.nn.Module"]),
+        ("raising_function", GOOD.replace("return (torch.randn(n, 4),), torch.randn(n, 2)", "raise ValueError('no data')"),
+         ["make_batch(4) raised ValueError: no data", "line 6", "Fix make_batch"]),
+        ("syntax_error", GOOD + "\ndef broken(:\n", ["syntax error at line", "Fix the file"]),
+        ("not_a_module", GOOD.replace("return torch.nn.Linear(4, 2)", "return 3"),
+         ["build_model() returned int, not a torch.nn.Module"]),
+        ("wrong_inputs", GOOD.replace("torch.randn(n, 4),", "torch.randn(n, 5),"),
+         ["make_batch's inputs must be the model's positional arguments"]),
+    ],
+)
+def test_bad_model_files_are_clear_errors(tmp_path, case, source, expected) -> None:
+    path = tmp_path / f"{case}.py"
+    path.write_text(source)
+    r = _profile([str(path), "--batch-size", "4", "-o", str(tmp_path / "p.json")])
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert str(path) in r.stderr
+    for text in expected:
+        assert text in r.stderr, r.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_missing_file_is_a_clear_error(tmp_path) -> None:
+    r = _profile([str(tmp_path / "nope.py")])
+    assert r.returncode == 2 and "no such model file" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_gpu_is_a_clear_error(small_env, tmp_path) -> None:
+    r = _profile([str(EXAMPLES / "mlp.py"), "--device", "cuda", "-o", str(tmp_path / "p.json")])
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "--device cpu" in r.stderr

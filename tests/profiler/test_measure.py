@@ -1,0 +1,107 @@
+"""Measured bytes against analytic values, and a whole profile against the schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from profiler_helpers import EXAMPLES
+from torch import nn
+
+from planner.formats import Profile
+from profiler.graph import build_stage, trace
+from profiler.measure import count_saved_bytes, measure_layers, measure_whole
+from profiler.profile import profile_model_file
+
+B = 5
+F32 = 4
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(16, 4)
+        self.sig = nn.Sigmoid()
+        self.gelu = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gelu(self.sig(self.fc2(self.relu(self.fc1(x)))))
+
+
+def _layers(model: nn.Module, x: torch.Tensor):
+    lg = trace(model, (x,), granularity="modules")
+    return lg, {m.name: m for m in measure_layers(lg, (x,), torch.device("cpu"), warmup=0, repeats=1)}
+
+
+def test_activation_bytes_of_known_layers_match_analytic_values() -> None:
+    torch.manual_seed(0)
+    lg, m = _layers(Net(), torch.randn(B, 8))
+    assert lg.layer_names() == ["fc1", "relu", "fc2", "sig", "gelu"]
+    assert m["fc1"].activation_bytes == B * 8 * F32  # Linear keeps its input (weight excluded)
+    assert m["relu"].activation_bytes == B * 16 * F32  # ReLU keeps its output
+    assert m["fc2"].activation_bytes == B * 16 * F32  # its input
+    assert m["sig"].activation_bytes == B * 4 * F32  # Sigmoid keeps its output
+    assert m["gelu"].activation_bytes == B * 4 * F32  # GELU keeps its input
+    for name, out_features in [("fc1", 16), ("relu", 16), ("fc2", 4), ("sig", 4), ("gelu", 4)]:
+        assert m[name].output_bytes == B * out_features * F32
+
+
+def test_saved_storage_counted_once_in_the_whole_model() -> None:
+    """ReLU's output is also fc2's input, Sigmoid's output GELU's input: each storage is counted
+    once for the whole model (the per-layer numbers count it in both layers)."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(B, 8)
+    whole = measure_whole(model, (x,), torch.zeros(B, 4), nn.functional.mse_loss, torch.device("cpu"),
+                          warmup=0, repeats=1)
+    assert whole.activation_bytes == (B * 8 + B * 16 + B * 4) * F32
+
+
+def test_views_keep_their_whole_storage() -> None:
+    x = torch.randn(B, 8, requires_grad=True)
+    with count_saved_bytes() as seen:
+        y = x * 2  # saves nothing for x (scalar multiply)
+        (y[:, :2] * y[:, :2]).sum()  # mul saves its (view) inputs: the storage of y, B*8 floats
+    assert sum(seen.values()) == B * 8 * F32
+
+
+def test_param_bytes_are_exact_per_layer_and_in_total(small_env) -> None:
+    from profiler.loader import load_model_file
+
+    for name in ["mlp", "gpt", "unet"]:
+        mf = load_model_file(EXAMPLES / f"{name}.py")
+        torch.manual_seed(0)
+        model = mf.build_model()
+        inputs, _ = mf.make_batch(2)
+        lg = trace(model, inputs)
+        ms = measure_layers(lg, inputs, torch.device("cpu"), warmup=0, repeats=1)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert sum(m.param_bytes for m in ms) == total, name
+        for m in ms:
+            stage = build_stage(lg, [m.name])
+            assert m.param_bytes == sum(p.numel() * p.element_size() for p in stage.parameters())
+
+
+def test_profile_round_trips_and_bytes_repeat_exactly(small_env) -> None:
+    first = profile_model_file(EXAMPLES / "unet.py", 2, warmup=0, repeats=1)
+    again = Profile.model_validate(json.loads(first.model_dump_json()))
+    assert again == first
+    second = profile_model_file(EXAMPLES / "unet.py", 2, warmup=1, repeats=2)
+    strip = ("fwd_ms", "bwd_ms")
+    for a, b in zip(first.layers, second.layers, strict=True):
+        assert {k: v for k, v in a.model_dump().items() if k not in strip} == \
+               {k: v for k, v in b.model_dump().items() if k not in strip}
+    assert first.edges == second.edges
+    assert first.measured.activation_bytes == second.measured.activation_bytes
+    assert first.cut_bytes() == second.cut_bytes()
+    assert all(layer.fwd_ms > 0 and layer.bwd_ms > 0 for layer in first.layers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_gpu_is_a_clear_error(small_env) -> None:
+    from planner.errors import PipeplanError
+
+    with pytest.raises(PipeplanError, match="no CUDA device"):
+        profile_model_file(EXAMPLES / "mlp.py", 2, device="cuda")
