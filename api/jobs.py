@@ -31,7 +31,7 @@ from api.storage import JobRow, Storage
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ["api.worker", "planner.solve"]  # imported once in the forkserver, inherited by every solve
+PRELOAD = ["api.worker", "planner.solve", "planner.cpsat"]  # imported once in the forkserver, inherited by every solve
 
 
 class QueueFull(Exception):

@@ -8,6 +8,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.formats import Cluster, Plan, PlanOptions, Profile
+from planner.solve import METHODS
+
+MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type]
+
+EXAMPLE_PROFILE = {
+    "model": {"path": "model.py", "sha256": "0" * 64},
+    "device": {"type": "cpu", "name": "example"},
+    "batch_size": 8,
+    "layers": [{"name": f"l{i}", "fwd_ms": 1.0 + i % 3, "bwd_ms": 2.0 + 2 * (i % 3),
+                "param_bytes": 400_000_000, "activation_bytes": 200_000, "output_bytes": 50_000}
+               for i in range(6)],
+    "edges": [{"src": "<input>", "dst": "l0", "bytes": 10_000}]
+    + [{"src": f"l{i}", "dst": f"l{i + 1}", "bytes": 50_000} for i in range(5)],
+}
+EXAMPLE_CLUSTER = {"nodes": 1, "devices_per_node": 4, "device_memory_gb": 16,
+                   "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}
+EXAMPLE_OPTIONS = {"global_batch": 32, "microbatch_size": 8, "method": "blocks", "time_limit_s": 2}
 
 
 class _Request(BaseModel):
@@ -17,13 +34,24 @@ class _Request(BaseModel):
 # ---------------------------------------------------------------- requests
 
 
+class PlanOptionsIn(PlanOptions):
+    """PlanOptions whose method must be one the planner knows (listed in the schema)."""
+
+    method: MethodName = "cpsat"
+
+
 class PlanRequest(_Request):
     """A profile (inline, or one stored earlier by id), a cluster, and the plan options."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "oneOf": [{"required": ["profile"]}, {"required": ["profile_id"]}],
+        "examples": [{"profile": EXAMPLE_PROFILE, "cluster": EXAMPLE_CLUSTER, "options": EXAMPLE_OPTIONS}],
+    })
 
     profile: Profile | None = Field(default=None, description="the profile.json itself")
     profile_id: str | None = Field(default=None, description="id of a profile stored with POST /v1/profiles")
     cluster: Cluster
-    options: PlanOptions = Field(default_factory=PlanOptions)
+    options: PlanOptionsIn = Field(default_factory=PlanOptionsIn)
 
     @model_validator(mode="after")
     def _one_profile(self) -> PlanRequest:
@@ -35,7 +63,13 @@ class PlanRequest(_Request):
 class CompareRequest(PlanRequest):
     """Like PlanRequest, solved once per method (options.method is ignored)."""
 
-    methods: list[str] | None = Field(
+    model_config = ConfigDict(json_schema_extra={
+        "oneOf": [{"required": ["profile"]}, {"required": ["profile_id"]}],
+        "examples": [{"profile": EXAMPLE_PROFILE, "cluster": EXAMPLE_CLUSTER, "options": EXAMPLE_OPTIONS,
+                      "methods": ["pipedream", "blocks", "uniform"]}],
+    })
+
+    methods: list[MethodName] | None = Field(
         default=None, min_length=1, max_length=16,
         description="methods to compare; default: every method this server knows",
     )

@@ -37,10 +37,28 @@ def limit_error(loc: list[str | int], msg: str) -> HTTPException:
     return HTTPException(422, detail=[{"loc": loc, "msg": msg, "type": "limit"}])
 
 
-def nonfinite_path(obj: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
-    """Where `obj` holds an infinite or NaN number (JSON cannot carry one), or None."""
-    if isinstance(obj, float):
-        return None if math.isfinite(obj) else path
+MAX_INT = 2**53  # 9 PB, 104 days in ms: beyond any real profile, and exact in a float
+MAX_FLOAT = 1e15
+MIN_POSITIVE = 1e-6  # smallest bandwidth (GB/s), memory (GB) or speed a cluster may state
+
+
+def out_of_range(obj: Any, path: tuple[str | int, ...] = (), min_positive: float = 0.0
+                 ) -> tuple[tuple[str | int, ...], str] | None:
+    """The first number in a JSON document outside what the planner can compute with (an
+    infinite or NaN float, a huge magnitude, or a positive number below `min_positive`), with
+    the reason; None if all are fine. Requests are checked so absurd numbers get a 422 instead
+    of overflowing inside a solver."""
+    if isinstance(obj, bool):
+        return None
+    if isinstance(obj, int | float):
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return path, "numbers must be finite"
+        limit = MAX_INT if isinstance(obj, int) else MAX_FLOAT
+        if abs(obj) > limit:
+            return path, f"{obj:g} is out of range (at most {limit:g} in magnitude)"
+        if 0 < obj < min_positive:
+            return path, f"{obj:g} is too small (at least {min_positive:g} when positive)"
+        return None
     if isinstance(obj, dict):
         items: Any = obj.items()
     elif isinstance(obj, list | tuple):
@@ -48,10 +66,16 @@ def nonfinite_path(obj: Any, path: tuple[str | int, ...] = ()) -> tuple[str | in
     else:
         return None
     for k, v in items:
-        found = nonfinite_path(v, (*path, k))
+        found = out_of_range(v, (*path, k), min_positive)
         if found is not None:
             return found
     return None
+
+
+def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> None:
+    bad = out_of_range(doc, min_positive=min_positive)
+    if bad is not None:
+        raise limit_error([*loc, *bad[0]], bad[1])
 
 
 def known_methods() -> list[str] | None:
@@ -73,9 +97,7 @@ def store_profile(storage: Storage, settings: Settings, profile: Profile,
         raise limit_error([*loc, "layers"], f"{len(profile.layers)} layers; this server accepts "
                           f"at most {settings.max_layers} (PIPEPLAN_MAX_LAYERS)")
     body = profile.model_dump(mode="json")
-    bad = nonfinite_path(body)
-    if bad is not None:
-        raise limit_error([*loc, *bad], "numbers must be finite")
+    check_range(body, loc)
     sha = digest(profile)
     row = storage.get_profile_by_sha(sha)
     if row is not None:
@@ -113,9 +135,8 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
     if cluster.num_devices > settings.max_devices:
         raise limit_error(["body", "cluster"], f"{cluster.num_devices} devices; this server plans "
                           f"for at most {settings.max_devices} (PIPEPLAN_MAX_DEVICES)")
-    bad = nonfinite_path(cluster.model_dump(mode="json"))
-    if bad is not None:
-        raise limit_error(["body", "cluster", *bad], "numbers must be finite")
+    check_range(cluster.model_dump(mode="json"), ["body", "cluster"], MIN_POSITIVE)
+    check_range(options.model_dump(mode="json"), ["body", "options"])
     sizes = [options.microbatch_size or profile.batch_size, *(options.microbatch_sizes or [])]
     microbatches = -(-options.global_batch // min(sizes))
     if microbatches > settings.max_microbatches:
@@ -163,10 +184,10 @@ def _solver_failure(status: str, value: Any) -> Outcome:
 
 def _store_plan(storage: Storage, key: str, profile_id: str, method: str, doc: dict[str, Any]) -> PlanRow | str:
     """Store a solved plan; a plan whose numbers overflowed is refused with a message."""
-    bad = nonfinite_path(doc)
+    bad = out_of_range(doc)
     if bad is not None:
-        where = ".".join(str(p) for p in bad)
-        return f"the plan's {where} is not a finite number: the profile's or cluster's numbers are out of range"
+        where = ".".join(str(p) for p in bad[0])
+        return f"the plan's {where}: {bad[1]}; the profile's or cluster's numbers are out of range"
     return storage.put_plan(key, profile_id, method, doc, meta={})
 
 

@@ -43,7 +43,7 @@ def render(sim: Simulation, fmt: str, title: str = "", max_events: int = 200_000
     row_of = {r: i for i, r in enumerate(ranks)}
     makespan = max([sim.iteration_ms, *(e.end_ms for e in sim.events)], default=0.0) or 1.0
     height = min(1.6 + 0.38 * len(ranks), 60.0)
-    with _lock:
+    with _lock, matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "pipeplan"}):
         fig = Figure(figsize=(12, height), layout="constrained")
         ax = fig.add_subplot()
         for r in ranks:  # idle background: whatever the work does not cover is a bubble
@@ -66,7 +66,7 @@ def render(sim: Simulation, fmt: str, title: str = "", max_events: int = 200_000
         ax.set_xlim(0.0, makespan)
         ax.set_xlabel("time (ms)")
         ax.set_title(f"{title}iteration {sim.iteration_ms:.3f} ms, bubble fraction "
-                     f"{sim.bubble_fraction:.1%}", fontsize=10)
+                     f"{sim.bubble_fraction + 0.0:.1%}", fontsize=10)
         handles = [Patch(color=c, label=LABELS[k]) for k, c in COLORS.items()]
         handles.append(Patch(color=IDLE, label="idle (bubble)"))
         fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)

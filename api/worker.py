@@ -10,6 +10,8 @@ A task is a plain dict — `{"kind": "plan", "profile", "cluster", "options"}` o
 from __future__ import annotations
 
 import os
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -42,8 +44,22 @@ def execute(task: dict[str, Any]) -> Any:
     raise ValueError(f"unknown task kind {task['kind']!r}")
 
 
+def _exit_with_parent() -> None:
+    """If the process that started us goes away (the server was killed), stop: an orphaned
+    solve would only burn CPU."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def child_main(conn: Any, task: dict[str, Any]) -> None:
     """Entry point of a solver process: lower priority (HTTP stays responsive), run, reply."""
+    _exit_with_parent()
     try:
         os.nice(5)
     except OSError:  # not permitted here; run at normal priority

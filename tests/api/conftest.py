@@ -15,7 +15,7 @@ from api.settings import Settings
 INPUT = "<input>"
 
 
-def profile_doc(n_layers: int = 8, fwd_ms: float = 1.0, param_bytes: int = 4_000_000,
+def profile_doc(n_layers: int = 8, fwd_ms: float = 1.0, param_bytes: int = 400_000_000,
                 batch_size: int = 8, name: str = "tiny") -> dict[str, Any]:
     """A chain of n layers with uneven times (so partitioners have something to balance)."""
     layers = [{"name": f"l{i}", "fwd_ms": fwd_ms * (1 + i % 3), "bwd_ms": 2 * fwd_ms * (1 + i % 3),
@@ -37,6 +37,14 @@ def plan_body(method: str = "blocks", global_batch: int = 32, **kw: Any) -> dict
     body = {"profile": profile_doc(), "cluster": cluster_doc(),
             "options": {"method": method, "global_batch": global_batch, "time_limit_s": 2.0}}
     body.update(kw)
+    return body
+
+
+def slow_body(time_limit_s: float = 20.0) -> dict[str, Any]:
+    """A request that keeps a worker busy for its whole time limit: CP-SAT on a deep profile
+    and a big cluster, which it cannot prove optimal quickly."""
+    body = plan_body("cpsat", profile=profile_doc(n_layers=120), cluster=cluster_doc(per_node=16))
+    body["options"]["time_limit_s"] = time_limit_s
     return body
 
 

@@ -1,0 +1,74 @@
+"""The job queue under pressure (TestClient): a full queue answers 503 with Retry-After, the same
+request joins the job in flight, DELETE cancels a queued job and kills a running solve."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from planner.solve import cpsat_available
+from tests.api.conftest import make_settings, plan_body, slow_body
+
+needs_cpsat = pytest.mark.skipif(not cpsat_available(), reason="needs planner.cpsat for a long solve")
+
+
+def wait_for(client: TestClient, job_id: str, statuses: set[str], timeout_s: float = 30.0) -> dict:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} never reached {statuses}: {job}")
+
+
+@needs_cpsat
+def test_queue_full_join_and_cancel(tmp_path) -> None:
+    settings = make_settings(tmp_path, workers=1, queue_size=1, sync_wait_s=0.0, retry_after_s=7,
+                             max_time_limit_s=60.0)
+    with TestClient(create_app(settings)) as c:
+        first = c.post("/v1/plans", json=slow_body(50.0))
+        assert first.status_code == 202, first.text
+        running = wait_for(c, first.json()["id"], {"running"})
+        second = c.post("/v1/plans", json=slow_body(49.0))  # another key: waits in the queue
+        assert second.status_code == 202 and second.json()["status"] == "queued"
+        assert c.get("/healthz").json() | {"capacity": 2} == {
+            "status": "ok", "workers": 1, "running": 1, "queued": 1, "capacity": 2}
+
+        full = c.post("/v1/plans", json=plan_body("blocks"))
+        assert full.status_code == 503 and full.headers["retry-after"] == "7"
+        assert "queue is full" in full.json()["detail"]
+
+        joined = c.post("/v1/plans", json=slow_body(50.0))  # same request: joins the first job
+        assert joined.status_code == 202 and joined.json()["id"] == running["id"]
+
+        cancelled = c.delete(f"/v1/jobs/{second.json()['id']}")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        gone = c.delete(f"/v1/jobs/{running['id']}")
+        assert gone.status_code == 200 and gone.json()["status"] == "cancelled"
+        # the running solve (50 s time limit) was killed: the worker frees up long before that
+        end = time.monotonic() + 20.0
+        while c.get("/healthz").json()["running"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert c.get("/healthz").json()["running"] == 0
+        assert wait_for(c, running["id"], {"cancelled"})["error_kind"] == "cancelled"
+
+        ok = c.post("/v1/plans", json=plan_body("blocks"))
+        assert ok.status_code == 202  # sync_wait_s = 0: every new solve is a job
+        assert wait_for(c, ok.json()["id"], {"succeeded"})["plan_id"]
+
+
+@needs_cpsat
+def test_cpsat_plan_with_a_short_time_limit(client: TestClient) -> None:
+    body = plan_body("cpsat")
+    body["options"]["time_limit_s"] = 2.0
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 201, r.text
+    plan = r.json()["plan"]
+    assert plan["solver"]["name"] == "cpsat" and plan["options"]["time_limit_s"] == 2.0
+    # CP-SAT is never worse than the baselines it is hinted with (minimising iteration time)
+    blocks = client.post("/v1/plans", json=plan_body("blocks")).json()["plan"]
+    assert plan["predicted"]["iteration_ms"] <= blocks["predicted"]["iteration_ms"] + 1e-6

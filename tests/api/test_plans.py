@@ -1,0 +1,221 @@
+"""Plans over HTTP (TestClient), checked against the planner called directly: the same plan,
+cached on the second request, listed, deleted, drawn, traced, compared; bad requests get the
+right status with the field or the planner's message."""
+
+from __future__ import annotations
+
+import io
+import time
+import xml.etree.ElementTree as ET
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.storage import Storage
+from planner.errors import PipeplanError
+from planner.formats import Cluster, Plan, PlanOptions, Profile
+from planner.simulator import simulate
+from planner.solve import make_plan
+from tests.api.conftest import cluster_doc, make_settings, plan_body, profile_doc
+
+
+def direct(body: dict[str, Any]) -> dict[str, Any]:
+    """The planner's own answer to a request body (the independent reference)."""
+    plan = make_plan(Profile.model_validate(body["profile"]), Cluster.model_validate(body["cluster"]),
+                     PlanOptions.model_validate(body["options"]))
+    return plan.model_dump(mode="json")
+
+
+def without_wall(plan: dict[str, Any]) -> dict[str, Any]:
+    out = dict(plan)
+    out["solver"] = {k: v for k, v in plan["solver"].items() if k != "wall_s"}
+    return out
+
+
+def wait_job(client: TestClient, job_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] not in ("queued", "running"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still unfinished after {timeout_s} s")
+
+
+@pytest.mark.parametrize("method", ["blocks", "uniform", "pipedream"])
+def test_plan_equals_planner_and_is_cached(client: TestClient, method: str) -> None:
+    body = plan_body(method)
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 201, r.text
+    out = r.json()
+    assert out["cached"] is False and out["method"] == method and out["warnings"] == []
+    assert without_wall(out["plan"]) == without_wall(direct(body))
+    assert r.headers["location"] == f"/v1/plans/{out['id']}"
+
+    again = client.post("/v1/plans", json=body)
+    assert again.status_code == 200 and again.json()["cached"] is True
+    assert again.json()["id"] == out["id"] and again.json()["plan"] == out["plan"]
+
+    by_id = {"profile_id": out["profile_id"], "cluster": body["cluster"], "options": body["options"]}
+    r = client.post("/v1/plans", json=by_id)
+    assert r.status_code == 200 and r.json()["id"] == out["id"]
+    assert client.get(f"/v1/plans/{out['id']}").json()["plan"] == out["plan"]
+
+
+def test_list_filter_delete(client: TestClient) -> None:
+    a = [client.post("/v1/plans", json=plan_body(m)).json() for m in ("blocks", "uniform")]
+    other = plan_body("blocks", profile=profile_doc(n_layers=5))
+    b = client.post("/v1/plans", json=other).json()
+    assert a[0]["profile_id"] == a[1]["profile_id"] != b["profile_id"]
+
+    page = client.get("/v1/plans").json()
+    assert page["total"] == 3 and [p["id"] for p in page["items"]] == [a[0]["id"], a[1]["id"], b["id"]]
+    only_a = client.get("/v1/plans", params={"profile_id": a[0]["profile_id"]}).json()
+    assert [p["id"] for p in only_a["items"]] == [a[0]["id"], a[1]["id"]]
+    second = client.get("/v1/plans", params={"limit": 1, "offset": 1}).json()
+    assert [p["id"] for p in second["items"]] == [a[1]["id"]]
+
+    assert client.delete(f"/v1/plans/{a[0]['id']}").status_code == 204
+    assert client.get(f"/v1/plans/{a[0]['id']}").status_code == 404
+    assert client.delete(f"/v1/plans/{a[0]['id']}").status_code == 404
+    assert client.get("/v1/plans").json()["total"] == 2
+    # deleted from the cache too: the same request is solved again, under a new id
+    r = client.post("/v1/plans", json=plan_body("blocks"))
+    assert r.status_code == 201 and r.json()["id"] != a[0]["id"]
+
+
+def test_timeline_and_trace(client: TestClient) -> None:
+    out = client.post("/v1/plans", json=plan_body("blocks")).json()
+    plan = Plan.model_validate(out["plan"])
+    sim = simulate(plan)
+
+    svg = client.get(out["links"]["timeline_svg"])
+    assert svg.status_code == 200 and svg.headers["content-type"] == "image/svg+xml"
+    root = ET.fromstring(svg.content)
+    texts = ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    for rank, stage in sim.stage_of_rank.items():
+        assert f"rank {rank} (stage {stage})" in texts
+    assert any(f"iteration {sim.iteration_ms:.3f} ms" in t for t in texts)
+    assert {"forward", "backward", "idle (bubble)"} <= set(texts)
+
+    png = client.get(out["links"]["timeline_png"])
+    assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(io.BytesIO(png.content), format="png")
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+    trace = client.get(out["links"]["trace"])
+    from planner.trace import chrome_trace
+
+    assert trace.status_code == 200 and trace.json() == chrome_trace(sim)
+    assert client.get("/v1/plans/nope/timeline.svg").status_code == 404
+    assert client.get("/v1/plans/nope/trace.json").status_code == 404
+
+
+def test_time_limit_clamped_and_reported(client: TestClient, settings) -> None:
+    body = plan_body("blocks")
+    body["options"]["time_limit_s"] = 999.0
+    out = client.post("/v1/plans", json=body).json()
+    assert out["plan"]["options"]["time_limit_s"] == settings.max_time_limit_s == 5.0
+    [warning] = out["warnings"]
+    assert "999" in warning and "clamped to 5" in warning
+
+
+def test_unfittable_cluster_is_422_with_memory_needed(client: TestClient) -> None:
+    body = plan_body("blocks", cluster=cluster_doc(per_node=2, memory_gb=0.01))
+    with pytest.raises(PipeplanError) as expected:
+        direct(body)
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 422
+    assert r.json()["detail"] == str(expected.value)
+    assert "memory" in r.json()["detail"].lower()
+
+
+def test_bad_plan_requests(client: TestClient) -> None:
+    r = client.post("/v1/plans", json={"profile_id": "nope", "cluster": cluster_doc()})
+    assert r.status_code == 404 and "nope" in r.json()["detail"]
+
+    r = client.post("/v1/plans", json={"cluster": cluster_doc()})
+    assert r.status_code == 422 and "exactly one of profile" in r.text
+
+    body = plan_body()
+    body["cluster"]["intra_node_gb_per_s"] = 0
+    [err] = client.post("/v1/plans", json=body).json()["detail"]
+    assert err["loc"] == ["body", "cluster", "intra_node_gb_per_s"] and "greater than 0" in err["msg"]
+
+    body = plan_body()
+    body["options"]["global_batch"] = 30
+    body["options"]["microbatch_size"] = 4
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 422 and "not a multiple of microbatch size 4" in r.text
+
+    body = plan_body(global_batch=8 * 10_000)  # 10 000 microbatches > the cap of 4 096
+    [err] = client.post("/v1/plans", json=body).json()["detail"]
+    assert err["loc"] == ["body", "options", "global_batch"] and "10000 microbatches" in err["msg"]
+
+    body = plan_body("no-such-method")
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 422 and "no-such-method" in r.text
+
+
+def test_slow_request_becomes_a_job(tmp_path) -> None:
+    with TestClient(create_app(make_settings(tmp_path, sync_wait_s=0.0))) as c:
+        body = plan_body("pipedream")
+        r = c.post("/v1/plans", json=body)
+        assert r.status_code == 202, r.text
+        job = r.json()
+        assert r.headers["location"] == f"/v1/jobs/{job['id']}" and job["kind"] == "plan"
+        done = wait_job(c, job["id"])
+        assert done["status"] == "succeeded" and done["error"] is None
+        plan = c.get(f"/v1/plans/{done['plan_id']}").json()["plan"]
+        assert without_wall(plan) == without_wall(direct(body))
+        assert c.delete(f"/v1/jobs/{job['id']}").status_code == 409  # already finished
+        assert c.get("/v1/jobs/nope").status_code == 404
+        assert c.delete("/v1/jobs/nope").status_code == 404
+
+        bad = c.post("/v1/plans", json=plan_body("blocks", cluster=cluster_doc(memory_gb=0.01)))
+        failed = wait_job(c, bad.json()["id"])
+        assert failed["status"] == "failed" and failed["error_kind"] == "user"
+        assert "memory" in failed["error"].lower()
+
+
+def test_compare_matches_each_method(client: TestClient) -> None:
+    methods = ["blocks", "uniform", "pipedream"]
+    body = {**plan_body(), "methods": methods}
+    r = client.post("/v1/plans/compare", json=body)
+    assert r.status_code == 200, r.text
+    table = r.json()
+    assert [row["method"] for row in table["rows"]] == methods
+    for row in table["rows"]:
+        ref = direct({**body, "options": {**body["options"], "method": row["method"]}})
+        assert row["status"] == "ok"
+        assert row["iteration_ms"] == ref["predicted"]["iteration_ms"]
+        assert row["replicas"] == [s["replicas"] for s in ref["stages"]]
+        plan = client.get(f"/v1/plans/{row['plan_id']}").json()
+        assert plan["method"] == row["method"]
+    best = min(table["rows"], key=lambda row: row["iteration_ms"])
+    assert table["best_method"] == best["method"]
+
+    # the plans are cached: a single-method request and a second comparison reuse them
+    single = client.post("/v1/plans", json=plan_body("uniform"))
+    assert single.status_code == 200 and single.json()["id"] == table["rows"][1]["plan_id"]
+    assert client.post("/v1/plans/compare", json=body).json() == table
+
+
+def test_plans_and_jobs_survive_restart(tmp_path) -> None:
+    settings = make_settings(tmp_path)
+    with TestClient(create_app(settings)) as c:
+        out = c.post("/v1/plans", json=plan_body("blocks")).json()
+    # what a crashed server leaves behind: a job still marked running
+    storage = Storage(settings.db)
+    lost = storage.create_job("plan", "k", out["profile_id"], {"warnings": []})
+    assert storage.mark_running(lost.id)
+    storage.close()
+    with TestClient(create_app(settings)) as c:
+        assert c.get(f"/v1/plans/{out['id']}").json()["plan"] == out["plan"]
+        job = c.get(f"/v1/jobs/{lost.id}").json()
+        assert job["status"] == "failed" and job["error_kind"] == "lost"
+        assert "send the request again" in job["error"]

@@ -1,0 +1,48 @@
+"""A real uvicorn on 127.0.0.1: plan over HTTP with httpx, restart, read the plan back; a job the
+server was running when it was killed is reported failed after the restart, not lost."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+
+from tests.api.conftest import plan_body, slow_body
+from tests.api.server import Server
+
+
+def test_plan_over_http_survives_restart(tmp_path: Path) -> None:
+    server = Server(tmp_path / "pipeplan.db")
+    with server:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            assert http.get("/healthz").json()["workers"] == 2
+            r = http.post("/v1/plans", json=plan_body("blocks"))
+            assert r.status_code == 201, r.text
+            plan = r.json()
+            again = http.post("/v1/plans", json=plan_body("blocks"))
+            assert again.status_code == 200 and again.json()["id"] == plan["id"]
+            assert http.get("/docs").status_code == 200
+            assert http.get("/openapi.json").json()["paths"].keys() >= {"/v1/plans", "/healthz"}
+    # stopped (SIGTERM); a new server on the same database and another port
+    with Server(tmp_path / "pipeplan.db") as restarted:
+        with httpx.Client(base_url=restarted.url, timeout=60) as http:
+            back = http.get(f"/v1/plans/{plan['id']}")
+            assert back.status_code == 200 and back.json()["plan"] == plan["plan"]
+            assert http.get("/v1/plans").json()["total"] == 1
+            assert http.post("/v1/plans", json=plan_body("blocks")).json()["cached"] is True
+
+
+def test_job_running_at_a_crash_is_reported_failed(tmp_path: Path) -> None:
+    server = Server(tmp_path / "pipeplan.db", sync_wait_s="0", workers=1)
+    with server:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            # a long solve: CP-SAT on a deep profile, stopped by its time limit only
+            body = slow_body()
+            r = http.post("/v1/plans", json=body)
+            assert r.status_code == 202, r.text
+            job_id = r.json()["id"]
+        server.stop(signal.SIGKILL)  # no chance to clean up
+    with Server(tmp_path / "pipeplan.db") as restarted:
+        job = httpx.get(f"{restarted.url}/v1/jobs/{job_id}").json()
+        assert job["status"] == "failed" and job["error_kind"] == "lost"
