@@ -1,0 +1,130 @@
+"""Brute force over every plan of a small instance, judged by the core's simulator: the
+reference the CP-SAT planner is tested against. Independent of `planner.cpsat`.
+
+A plan is a split of the layers into contiguous stages, a replica count per stage and a
+placement. Devices of one node are identical, so a placement is fully described by how many
+devices each stage takes on each node; every such matrix that fits the nodes is tried (for the
+cost only the set of nodes a stage touches matters, so matrices with the same sets are
+simulated once). The only pruning is exact: a plan whose busiest rank is busy longer than the
+best simulated time so far cannot be better, since a rank's busy time never exceeds the
+makespan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from planner.build import evaluate
+from planner.cost import layer_table
+from planner.formats import Cluster, PlanOptions, Profile
+from planner.partition import Candidate, StageChoice
+
+
+@dataclass(frozen=True)
+class Best:
+    iteration_ms: float
+    candidate: Candidate | None
+    simulated: int  # plans simulated
+
+
+def splits(num_layers: int):
+    """Every split into contiguous stages, as boundary lists [0, ..., L]."""
+    for S in range(1, num_layers + 1):
+        for cuts in itertools.combinations(range(1, num_layers), S - 1):
+            yield [0, *cuts, num_layers]
+
+
+def _stage_options(free: list[int]):
+    """Every per-node device-count vector a stage can take from the free counts (>= 1 device)."""
+    ranges = [range(f + 1) for f in free]
+    for vec in itertools.product(*ranges):
+        if sum(vec) >= 1:
+            yield vec
+
+
+def _placements(num_stages: int, free: list[int]):
+    if num_stages == 0:
+        yield []
+        return
+    for vec in _stage_options(free):
+        rest = [f - v for f, v in zip(free, vec, strict=True)]
+        for tail in _placements(num_stages - 1, rest):
+            yield [vec, *tail]
+
+
+def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
+                microbatch_sizes: list[int]) -> Best:
+    """The smallest simulated iteration time over every plan that fits memory."""
+    table = layer_table(profile)
+    specs = cluster.node_specs()
+    devices = cluster.devices()
+    ranks_of_node: list[list[int]] = [[] for _ in specs]
+    for d in devices:
+        ranks_of_node[d.node].append(d.rank)
+    best_ms, best_c, simulated = float("inf"), None, 0
+    for b in microbatch_sizes:
+        m = options.global_batch // b
+        scale = b / profile.batch_size
+        for bounds in splits(table.num_layers):
+            S = len(bounds) - 1
+            seen: set[tuple] = set()
+            for placement in _placements(S, [s.devices for s in specs]):
+                key = tuple((tuple(n for n, v in enumerate(vec) if v), sum(vec)) for vec in placement)
+                if key in seen:
+                    continue
+                seen.add(key)
+                busy = 0.0
+                for s, vec in enumerate(placement):
+                    speed = min(specs[n].speed for n, v in enumerate(vec) if v)
+                    r = sum(vec)
+                    busy = max(busy, -(-m // r) * scale
+                               * table.compute_ms(bounds[s], bounds[s + 1]) / speed)
+                if busy >= best_ms:
+                    continue
+                used = [0] * len(specs)
+                stages = []
+                for s, vec in enumerate(placement):
+                    ranks: list[int] = []
+                    for n, v in enumerate(vec):
+                        ranks += ranks_of_node[n][used[n]:used[n] + v]
+                        used[n] += v
+                    stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(ranks)))
+                cand = Candidate(tuple(stages), b, m)
+                opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None})
+                ev = evaluate(table, cluster, cand, opts)
+                simulated += 1
+                if ev.fits and ev.iteration_ms < best_ms:
+                    best_ms, best_c = ev.iteration_ms, cand
+    return Best(best_ms, best_c, simulated)
+
+
+def brute_force_throughput(profile: Profile, cluster: Cluster, options: PlanOptions,
+                           microbatch_size: int) -> float:
+    """PipeDream's objective on one level (every device one unit, one bandwidth: intra-node on
+    one node, inter-node across nodes; chain cuts), minimised over every split and replica
+    vector: max over stages of compute / r, all-reduce / m and 2 transfer(cut) / r_next."""
+    from planner.cost import allreduce_ms, transfer_ms
+
+    table = layer_table(profile)
+    specs = cluster.node_specs()
+    bw = cluster.intra_node_gb_per_s if len(specs) == 1 else cluster.inter_node_gb_per_s
+    D = cluster.num_devices
+    m = options.global_batch // microbatch_size
+    scale = microbatch_size / profile.batch_size
+    best = float("inf")
+    for bounds in splits(table.num_layers):
+        S = len(bounds) - 1
+        for reps in itertools.product(range(1, D + 1), repeat=S):
+            if sum(reps) > D:
+                continue
+            worst = 0.0
+            for s in range(S):
+                a, z, r = bounds[s], bounds[s + 1], reps[s]
+                worst = max(worst, scale * table.compute_ms(a, z) / r,
+                            allreduce_ms(table.param_bytes(a, z), r, bw, cluster.latency_us) / m)
+                if s + 1 < S:
+                    cut = scale * table.cut_bytes(z - 1)
+                    worst = max(worst, 2 * transfer_ms(cut, bw, cluster.latency_us) / reps[s + 1])
+            best = min(best, worst)
+    return best
