@@ -20,7 +20,7 @@ from planner.cost import PipelineCosts, Send
 from planner.formats import Plan
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Event:
     """One timed piece of work on one rank; the runtime records the same from real runs."""
 
