@@ -122,7 +122,7 @@ class PlanSummary(BaseModel):
 
 
 class PlanOut(PlanSummary):
-    cached: bool = Field(description="true when the same request was solved before")
+    cached: bool = Field(description="false only in the response whose request solved this plan")
     warnings: list[str] = Field(default_factory=list, description="e.g. a time limit clamped to the cap")
     links: dict[str, str]
     plan: Plan

@@ -27,7 +27,8 @@ class Settings(BaseSettings):
     max_devices: int = Field(default=4_096, ge=1)
     max_microbatches: int = Field(default=4_096, ge=1)
     max_compare_methods: int = Field(default=8, ge=1)
-    timeline_max_events: int = Field(default=200_000, ge=1)  # larger schedules get 422, not a hang
+    timeline_max_events: int = Field(default=20_000, ge=1)  # larger schedules: 422 for the pictures
+    trace_max_events: int = Field(default=200_000, ge=1)  # and for trace.json
 
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key else None

@@ -1,11 +1,13 @@
 """Persistence for the service: profiles, plans, jobs and rendered timelines in one SQL database.
 
-A small module over the DB-API: plain SQL that SQLite and PostgreSQL both accept (parameters,
-`ON CONFLICT ... DO NOTHING`), JSON documents in text columns, and one class, `Storage`, that
-the rest of the service talks to. SQLite is the default: one connection per thread, WAL
+A small module over the DB-API: plain SQL that SQLite and PostgreSQL both accept (`ON CONFLICT
+... DO NOTHING`, no vendor functions), JSON documents in text columns, and one class, `Storage`,
+that the rest of the service talks to. SQLite is the default: one connection per thread, WAL
 journal (readers never block the writer, several processes may open the same file) and a busy
 timeout, so it is safe across threads and processes. To use another database, subclass
-`Storage` and override `_connect` (and `_setup` for its pragmas) — nothing else touches SQL.
+`Storage` and override `_connect` and `_setup` (connection and session settings), `PARAM` (the
+driver's placeholder, e.g. "%s"), `BEGIN` and `SCHEMA` (e.g. BYTEA for BLOB) — nothing else in
+the service touches SQL.
 """
 
 from __future__ import annotations
@@ -110,8 +112,30 @@ class JobRow:
     finished_at: str | None
 
 
+class _Cursor:
+    """A DB-API cursor that writes statements with `?` placeholders in the driver's style."""
+
+    def __init__(self, cur: Any, param: str) -> None:
+        self._cur, self._param = cur, param
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> _Cursor:
+        self._cur.execute(sql if self._param == "?" else sql.replace("?", self._param), params)
+        return self
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return self._cur.fetchall()
+
+    @property
+    def rowcount(self) -> int:
+        return self._cur.rowcount
+
+
 class Storage:
     """Every read and write of the service. Thread-safe: one connection per thread."""
+
+    PARAM = "?"
+    BEGIN = "BEGIN IMMEDIATE"  # take the write lock at once: two writers never deadlock on an upgrade
+    SCHEMA = SCHEMA
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -119,7 +143,7 @@ class Storage:
         self._all: list[Any] = []
         self._lock = threading.Lock()
         with self._tx() as cur:
-            for stmt in SCHEMA:
+            for stmt in self.SCHEMA:
                 cur.execute(stmt)
 
     # ------------------------------------------------------------ connections
@@ -144,11 +168,10 @@ class Storage:
         return conn
 
     @contextmanager
-    def _tx(self) -> Iterator[Any]:
-        """A write transaction (taken at once, so two writers never deadlock on an upgrade)."""
-        conn = self._conn()
-        cur = conn.cursor()
-        cur.execute("BEGIN IMMEDIATE")
+    def _tx(self) -> Iterator[_Cursor]:
+        """A write transaction."""
+        cur = _Cursor(self._conn().cursor(), self.PARAM)
+        cur.execute(self.BEGIN)
         try:
             yield cur
         except BaseException:
@@ -157,7 +180,7 @@ class Storage:
         cur.execute("COMMIT")
 
     def _query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        return self._conn().execute(sql, params).fetchall()
+        return _Cursor(self._conn().cursor(), self.PARAM).execute(sql, params).fetchall()
 
     def close(self) -> None:
         with self._lock:

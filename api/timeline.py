@@ -30,15 +30,23 @@ class TooLarge(ValueError):
     """The schedule has more events than a picture can show."""
 
 
-def simulate_plan(plan: Plan) -> Simulation:
+def estimated_events(plan: Plan) -> int:
+    """Events a simulation of `plan` produces: a forward and a backward per microbatch per stage,
+    one all-reduce per replica of a replicated stage (known before simulating)."""
+    return 2 * plan.num_microbatches * len(plan.stages) + sum(
+        s.replicas for s in plan.stages if s.replicas > 1)
+
+
+def simulate_plan(plan: Plan, max_events: int) -> Simulation:
+    n = estimated_events(plan)
+    if n > max_events:
+        raise TooLarge(f"this plan's schedule has {n} events, over this server's limit of "
+                       f"{max_events} for drawing or tracing; run `python -m planner simulate` locally")
     return simulate(plan)
 
 
-def render(sim: Simulation, fmt: str, title: str = "", max_events: int = 200_000) -> bytes:
+def render(sim: Simulation, fmt: str, title: str = "") -> bytes:
     """The Gantt chart as `fmt` ("svg" or "png") bytes."""
-    if len(sim.events) > max_events:
-        raise TooLarge(f"{len(sim.events)} events to draw (limit {max_events}); use trace.json "
-                       "in chrome://tracing or Perfetto instead")
     ranks = sorted({*sim.busy_ms, *(e.rank for e in sim.events)})
     row_of = {r: i for i, r in enumerate(ranks)}
     makespan = max([sim.iteration_ms, *(e.end_ms for e in sim.events)], default=0.0) or 1.0
@@ -48,13 +56,12 @@ def render(sim: Simulation, fmt: str, title: str = "", max_events: int = 200_000
         ax = fig.add_subplot()
         for r in ranks:  # idle background: whatever the work does not cover is a bubble
             ax.broken_barh([(0.0, makespan)], (row_of[r] - 0.4, 0.8), facecolors=IDLE)
-        for kind, color in COLORS.items():
-            for r in ranks:
-                spans = [(e.start_ms, e.end_ms - e.start_ms) for e in sim.events
-                         if e.rank == r and e.kind == kind]
-                if spans:
-                    ax.broken_barh(spans, (row_of[r] - 0.4, 0.8), facecolors=color,
-                                   edgecolors="white", linewidth=0.4)
+        spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for e in sim.events:
+            spans.setdefault((e.rank, e.kind), []).append((e.start_ms, e.end_ms - e.start_ms))
+        for (r, kind), bars in sorted(spans.items()):
+            ax.broken_barh(bars, (row_of[r] - 0.4, 0.8), facecolors=COLORS.get(kind, "#8c8c8c"),
+                           edgecolors="white", linewidth=0.4)
         if len(sim.events) <= MAX_LABELLED_EVENTS:
             for e in sim.events:
                 if e.kind in ("F", "B") and e.end_ms - e.start_ms > makespan / 150:

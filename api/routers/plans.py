@@ -171,15 +171,15 @@ def _render(storage: Storage, settings: Settings, plan_id: str, kind: str) -> by
         return cached
     row = _plan_row(storage, plan_id)
     plan = Plan.model_validate(row.body)
-    sim = timeline.simulate_plan(plan)
+    limit = settings.trace_max_events if kind == "trace" else settings.timeline_max_events
+    try:
+        sim = timeline.simulate_plan(plan, limit)
+    except timeline.TooLarge as exc:
+        raise HTTPException(422, detail=str(exc)) from None
     if kind == "trace":
         body = json.dumps(timeline.chrome_trace(sim)).encode()
     else:
-        try:
-            body = timeline.render(sim, kind, title=f"{row.method} plan {row.id[:8]}: ",
-                                   max_events=settings.timeline_max_events)
-        except timeline.TooLarge as exc:
-            raise HTTPException(422, detail=str(exc)) from None
+        body = timeline.render(sim, kind, title=f"{row.method} plan {row.id[:8]}: ")
     storage.put_render(plan_id, kind, body)
     return body
 
@@ -201,7 +201,7 @@ def timeline_png(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Re
     return Response(_render(storage, settings, plan_id, "png"), media_type="image/png")
 
 
-@router.get("/{plan_id}/trace.json", responses=errors(401, 404))
+@router.get("/{plan_id}/trace.json", responses=errors(401, 404, 422))
 def trace(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Response:
     """The Chrome trace (chrome://tracing, Perfetto) of the simulated schedule."""
     return Response(_render(storage, settings, plan_id, "trace"), media_type="application/json")

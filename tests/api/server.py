@@ -25,7 +25,8 @@ class Server:
     def __init__(self, db: Path, port: int | None = None, workers: int = 2, **env: str) -> None:
         self.db, self.port, self.workers = db, port or free_port(), workers
         self.env = {**os.environ, **{f"PIPEPLAN_{k.upper()}": str(v) for k, v in env.items()}}
-        self.env.pop("PIPEPLAN_API_KEY", None) if "api_key" not in env else None
+        if "api_key" not in env:
+            self.env.pop("PIPEPLAN_API_KEY", None)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

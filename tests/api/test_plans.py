@@ -115,6 +115,17 @@ def test_timeline_and_trace(client: TestClient) -> None:
     assert client.get("/v1/plans/nope/trace.json").status_code == 404
 
 
+def test_timeline_too_large_is_422(tmp_path) -> None:
+    with TestClient(create_app(make_settings(tmp_path, timeline_max_events=10))) as c:
+        out = c.post("/v1/plans", json=plan_body("blocks")).json()  # 4 microbatches x 2 stages
+        n = 2 * out["plan"]["num_microbatches"] * len(out["plan"]["stages"])
+        n += sum(s["replicas"] for s in out["plan"]["stages"] if s["replicas"] > 1)
+        assert n == len(simulate(Plan.model_validate(out["plan"])).events) > 10
+        r = c.get(out["links"]["timeline_svg"])
+        assert r.status_code == 422 and f"has {n} events" in r.json()["detail"]
+        assert c.get(out["links"]["trace"]).status_code == 200  # its own, larger limit
+
+
 def test_time_limit_clamped_and_reported(client: TestClient, settings) -> None:
     body = plan_body("blocks")
     body["options"]["time_limit_s"] = 999.0
