@@ -276,14 +276,34 @@ def solve_pipedream(profile: Profile, cluster: Cluster, options: PlanOptions, mi
         res = solve_flat(inp, len(devices), bw)
     if not res.stages:
         raise PipeplanError(
-            "pipedream: no partition fits in device memory "
-            f"({limit / GB:.1f} GB per device); try more devices, a smaller --microbatch-size, "
-            "--optimizer sgd or --schedule 1f1b")
+            f"pipedream: no partition fits in device memory ({limit / GB:.2f} GB per device); "
+            f"{_unlimited_need(profile, cluster, options, inp, bounds, microbatch_size, m)}"
+            "try more devices, a smaller --microbatch-size, --optimizer sgd or --schedule 1f1b")
     stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
     return Candidate(stages, microbatch_size, m, solver={
         "name": "pipedream", "status": "HEURISTIC", "objective": res.objective_ms,
         "wall_s": time.perf_counter() - t0, "groups": len(bounds) - 1, "memory_check": check,
     })
+
+
+def _unlimited_need(profile: Profile, cluster: Cluster, options: PlanOptions, inp: DPInput,
+                    bounds: list[int], microbatch_size: int, m: int) -> str:
+    """What the DP's plan would need per device without the memory limit, as a sentence."""
+    from dataclasses import replace
+
+    from planner.build import evaluate
+
+    free = replace(inp, memory_limit_bytes=math.inf)
+    specs = cluster.node_specs()
+    if len(specs) > 1 and len({s.devices for s in specs}) == 1:
+        res = solve_hierarchical(free, len(specs), specs[0].devices, cluster.intra_node_gb_per_s,
+                                 cluster.inter_node_gb_per_s, 0)
+    else:
+        res = solve_flat(free, cluster.num_devices, cluster.intra_node_gb_per_s
+                         if len(specs) == 1 else cluster.inter_node_gb_per_s)
+    stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
+    ev = evaluate(layer_table(profile), cluster, Candidate(stages, microbatch_size, m), options)
+    return f"its best plan without the limit would need {max(ev.stage_memory_bytes) / GB:.2f} GB per device; "
 
 
 def _fits(profile: Profile, cluster: Cluster, options: PlanOptions, bounds: list[int],
