@@ -61,3 +61,31 @@ def test_large_plan_simulates() -> None:
     assert len(sim.busy_ms) == 1024
     per_replica = 256 // 16
     assert sim.iteration_ms == pytest.approx((per_replica + 64 - 1) * 3.0, rel=0.5)
+
+
+def test_simulating_an_impossible_schedule_raises_the_grid() -> None:
+    from planner.actions import parse_actions
+    from planner.validate import ScheduleError
+
+    costs = equal_costs(2, 2)
+    sched = {0: parse_actions(["0F0", "0B0", "0F1", "0B1"]), 1: parse_actions(["1F0", "1F1", "1B0", "1B1"])}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(costs, sched)
+
+
+def test_mixed_hardware_uses_the_slowest_device_and_all_speeds_for_the_bound() -> None:
+    from planner.formats import Cluster, PlanOptions
+    from planner.solve import make_plan
+    from tests.planner.helpers import chain_profile
+
+    c = Cluster.model_validate({
+        "nodes": [{"name": "fast", "devices": 1, "device_memory_gb": 80, "speed": 2.0},
+                  {"name": "slow", "devices": 2, "device_memory_gb": 40, "speed": 0.5}],
+        "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10})
+    p = chain_profile([1.0, 1.0, 2.0, 2.0], batch_size=4)
+    plan = make_plan(p, c, PlanOptions(global_batch=8, microbatch_size=4, method="manual",
+                                       split=[2, 2], replicas=[1, 2]))
+    assert plan.stages[0].predicted.fwd_ms == pytest.approx(2.0 / 2.0)
+    assert plan.stages[1].predicted.fwd_ms == pytest.approx(4.0 / 0.5)
+    assert plan.stages[1].predicted.memory_limit_bytes == 40 * 10**9
+    assert plan.predicted.lower_bound_ms == pytest.approx(2 * 18.0 / 3.0)
