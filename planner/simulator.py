@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from planner.actions import Action
 from planner.cost import PipelineCosts, Send
 from planner.formats import Plan
 
 
-@dataclass(slots=True)
-class Event:
+class Event(NamedTuple):
     """One timed piece of work on one rank; the runtime records the same from real runs."""
 
     rank: int
