@@ -19,9 +19,9 @@ def _devices(devs: list[int]) -> str:
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()
     out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(out)
 
 
@@ -31,10 +31,10 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
         p = st.predicted
         rows.append([
             str(st.index), _layers(st.layers), str(st.replicas), _devices(st.devices),
-            f"{p.fwd_ms:.2f}", f"{p.bwd_ms:.2f}", f"{p.allreduce_ms:.2f}",
+            f"{p.compute_ms:.2f} ({p.fwd_ms:.2f}+{p.bwd_ms:.2f})", f"{p.allreduce_ms:.2f}",
             f"{p.memory_bytes / GB:.2f} / {p.memory_limit_bytes / GB:.1f} GB",
         ])
-    text = format_table(["stage", "layers", "replicas", "devices", "fwd ms", "bwd ms",
+    text = format_table(["stage", "layers", "replicas", "devices", "compute ms (fwd+bwd)",
                          "allreduce ms", "memory / limit"], rows)
     if len(plan.stages) > max_stages:
         text += f"\n... {len(plan.stages) - max_stages} more stages"
