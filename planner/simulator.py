@@ -186,13 +186,17 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
 
 
 def simulate(plan_or_costs: Plan | PipelineCosts,
-             schedule: Mapping[int, Sequence[Action]] | None = None) -> Simulation:
-    """Simulate a plan (its own costs and schedule) or costs with a given schedule."""
+             schedule: Mapping[int, Sequence[Action | str]] | None = None) -> Simulation:
+    """Simulate a plan (its own costs and schedule) or costs with a given schedule (actions or
+    their strings, "1F3")."""
+    if schedule is not None:
+        schedule = {r: [a if isinstance(a, Action) else Action.parse(a) for a in acts]
+                    for r, acts in schedule.items()}
     if isinstance(plan_or_costs, Plan):
         from planner.schedules import plan_actions
 
         costs = costs_from_plan(plan_or_costs)
-        return simulate_costs(costs, schedule if schedule is not None else plan_actions(plan_or_costs))
+        return simulate_costs(costs, schedule if schedule is not None else plan_actions(plan_or_costs))  # type: ignore[arg-type]
     if schedule is None:
         raise ValueError("simulate(costs) needs a schedule (planner.schedules.generate)")
-    return simulate_costs(plan_or_costs, schedule)
+    return simulate_costs(plan_or_costs, schedule)  # type: ignore[arg-type]

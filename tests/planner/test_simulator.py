@@ -89,3 +89,9 @@ def test_mixed_hardware_uses_the_slowest_device_and_all_speeds_for_the_bound() -
     assert plan.stages[1].predicted.fwd_ms == pytest.approx(4.0 / 0.5)
     assert plan.stages[1].predicted.memory_limit_bytes == 40 * 10**9
     assert plan.predicted.lower_bound_ms == pytest.approx(2 * 18.0 / 3.0)
+
+
+def test_schedules_written_as_strings() -> None:
+    costs = equal_costs(2, 2, 1.0, 2.0)
+    sim = simulate(costs, {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]})
+    assert sim.iteration_ms == pytest.approx((2 + 2 - 1) * 3.0)
