@@ -1,8 +1,9 @@
 """The job queue: a bounded pool of solver processes, so solves never run on the event loop.
 
-`workers` dispatcher threads each run at most one solver process at a time (forked from a
-forkserver that has the planner imported, so a start costs milliseconds, not an interpreter
-start). At most `workers + queue_size` jobs are in flight; `submit` raises `QueueFull` beyond
+`workers` dispatcher threads each drive one long-lived solver process (forked from a forkserver
+that has the planner imported, so a start costs milliseconds, not an interpreter start), which
+solves one task at a time; a cancelled or overdue solve is stopped by killing the process, and a
+fresh one replaces it (also after `TASKS_PER_PROCESS` tasks, to bound any memory growth). At most `workers + queue_size` jobs are in flight; `submit` raises `QueueFull` beyond
 that (the route answers 503 with Retry-After). The same request while one is in flight joins
 it instead of solving twice. `cancel` kills a running process or drops a queued job. Every
 state change is written to storage first, so a job is never silently lost: what a stopped
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 PRELOAD = ["api.worker", "planner.solve", "planner.cpsat"]  # imported once in the forkserver, inherited by every solve
 
 
+TASKS_PER_PROCESS = 500
+
+
 class QueueFull(Exception):
     """Every worker is busy and the queue is full."""
 
@@ -60,7 +64,32 @@ class Task:
     on_result: ResultHandler
     future: Future[Outcome] = field(default_factory=Future)
     cancel_reason: str | None = None  # set => stop as soon as possible
-    proc: multiprocessing.process.BaseProcess | None = None
+    proc: multiprocessing.process.BaseProcess | None = None  # the process solving it, once running
+
+
+class _Solver:
+    """One long-lived solver process and the parent's end of its pipe."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext) -> None:
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=worker.serve, args=(child,), daemon=True, name="pipeplan-solver")
+        self.proc.start()
+        child.close()
+        self.tasks = 0
+
+    def close(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        else:
+            try:
+                self.conn.send(None)
+            except OSError:
+                self.proc.kill()
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -156,10 +185,9 @@ class JobManager:
 
     # ------------------------------------------------------------ internals
     def _request_cancel(self, task: Task, reason: str) -> None:
+        """Flag the task; its dispatcher sees the flag within 50 ms and kills the solver process
+        (only the dispatcher kills, so a cancel can never hit the process's next task)."""
         task.cancel_reason = task.cancel_reason or reason
-        proc = task.proc
-        if proc is not None and proc.is_alive():
-            proc.kill()
 
     def _finish(self, task: Task, outcome: Outcome) -> None:
         """Record the outcome (first writer wins), forget the task, resolve its future."""
@@ -173,24 +201,36 @@ class JobManager:
             task.future.set_result(outcome)
 
     def _dispatch(self) -> None:
-        while True:
-            task = self._queue.get()
-            if task is None:
-                return
-            if task.cancel_reason is not None or not self.storage.mark_running(task.job_id):
-                self._finish(task, self._cancelled(task))
-                continue
-            with self._lock:
-                self._running += 1
-            try:
-                outcome = self._run(task)
-            except Exception as exc:  # noqa: BLE001 - never let a dispatcher thread die
-                log.exception("job %s failed in the dispatcher", task.job_id)
-                outcome = Outcome("failed", error=f"internal error: {exc}", error_kind="internal")
-            finally:
+        solver: _Solver | None = None
+        try:
+            while True:
+                task = self._queue.get()
+                if task is None:
+                    return
+                if task.cancel_reason is not None or not self.storage.mark_running(task.job_id):
+                    self._finish(task, self._cancelled(task))
+                    continue
                 with self._lock:
-                    self._running -= 1
-            self._finish(task, outcome)
+                    self._running += 1
+                try:
+                    if solver is None or not solver.proc.is_alive() or solver.tasks >= TASKS_PER_PROCESS:
+                        if solver is not None:
+                            solver.close()
+                        solver = _Solver(self._ctx)
+                    outcome, healthy = self._run(task, solver)
+                    if not healthy:  # killed (cancel, timeout) or died: start a fresh one next time
+                        solver.close(kill=True)
+                        solver = None
+                except Exception as exc:  # noqa: BLE001 - never let a dispatcher thread die
+                    log.exception("job %s failed in the dispatcher", task.job_id)
+                    outcome = Outcome("failed", error=f"internal error: {exc}", error_kind="internal")
+                finally:
+                    with self._lock:
+                        self._running -= 1
+                self._finish(task, outcome)
+        finally:
+            if solver is not None:
+                solver.close()
 
     @staticmethod
     def _cancelled(task: Task) -> Outcome:
@@ -199,48 +239,39 @@ class JobManager:
                            "send the request again", error_kind="shutdown")
         return Outcome("cancelled", error="cancelled by a DELETE request", error_kind="cancelled")
 
-    def _run(self, task: Task) -> Outcome:
-        recv, send = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=worker.child_main, args=(send, task.payload), daemon=True)
-        task.proc = proc
-        proc.start()
-        send.close()
+    def _run(self, task: Task, solver: _Solver) -> tuple[Outcome, bool]:
+        """Solve `task` on `solver`; returns the outcome and whether the solver can be reused."""
+        task.proc = solver.proc
+        solver.tasks += 1
+        solver.conn.send(task.payload)
         deadline = time.monotonic() + task.deadline_s
         message: tuple[str, Any] | None = None
-        try:
-            while True:
-                if task.cancel_reason is not None:
-                    proc.kill()
-                    return self._cancelled(task)
-                ready = multiprocessing.connection.wait([recv, proc.sentinel], timeout=0.05)
-                if recv in ready:
-                    try:
-                        message = recv.recv()
-                    except EOFError:
-                        message = None
-                    break
-                if proc.sentinel in ready:
-                    break
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    return Outcome("failed", error=f"the solve took longer than {task.deadline_s:.0f} s "
-                                   "and was stopped; lower time_limit_s or use a faster method",
-                                   error_kind="timeout")
-        finally:
-            recv.close()
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        while True:
+            if task.cancel_reason is not None:
+                return self._cancelled(task), False
+            ready = multiprocessing.connection.wait([solver.conn, solver.proc.sentinel], timeout=0.05)
+            if solver.conn in ready:
+                try:
+                    message = solver.conn.recv()
+                except (EOFError, OSError):
+                    message = None
+                break
+            if solver.proc.sentinel in ready:
+                break
+            if time.monotonic() > deadline:
+                return Outcome("failed", error=f"the solve took longer than {task.deadline_s:.0f} s "
+                               "and was stopped; lower time_limit_s or use a faster method",
+                               error_kind="timeout"), False
+        task.proc = None
         if task.cancel_reason is not None:
-            return self._cancelled(task)
+            return self._cancelled(task), message is not None
         if message is None:
-            return Outcome("failed", error=f"the solver process died (exit code {proc.exitcode})",
-                           error_kind="internal")
+            return Outcome("failed", error=f"the solver process died (exit code {solver.proc.exitcode})",
+                           error_kind="internal"), False
         status, value = message
         try:
-            return task.on_result(status, value)
+            return task.on_result(status, value), True
         except Exception as exc:  # noqa: BLE001 - a storage or result error fails this job only
             log.exception("storing the result of job %s failed", task.job_id)
             return Outcome("failed", error=f"internal error storing the result: {exc}",
-                           error_kind="internal")
+                           error_kind="internal"), True

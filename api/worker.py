@@ -1,6 +1,7 @@
 """What runs inside a solver process: one task in, one message out through a pipe.
 
-A task is a plain dict — `{"kind": "plan", "profile", "cluster", "options"}` or
+A solver process is started once and answers many tasks (the job manager kills and replaces it
+to cancel a solve). A task is a plain dict — `{"kind": "plan", "profile", "cluster", "options"}` or
 `{"kind": "compare", ..., "methods": [...]}` — and the answer is `(status, value)`:
 `("ok", result)`, `("user", message)` for a `PipeplanError` (the request cannot be planned), or
 `("internal", message)` for a bug. Nothing here touches the database or HTTP; the job manager
@@ -57,21 +58,30 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def child_main(conn: Any, task: dict[str, Any]) -> None:
-    """Entry point of a solver process: lower priority (HTTP stays responsive), run, reply."""
+def run_one(task: dict[str, Any]) -> tuple[str, Any]:
+    """One task -> ("ok", result) | ("user", message) | ("internal", message); never raises."""
+    try:
+        return "ok", execute(task)
+    except PipeplanError as exc:
+        return "user", str(exc)
+    except Exception as exc:  # noqa: BLE001 - any bug is reported to the parent, not lost
+        tail = "".join(traceback.format_exception(exc)[-3:])
+        return "internal", f"{type(exc).__name__}: {exc}\n{tail}"
+
+
+def serve(conn: Any) -> None:
+    """Entry point of a solver process: lower priority (HTTP stays responsive), then answer
+    tasks from the pipe one at a time until it sends None or closes."""
     _exit_with_parent()
     try:
         os.nice(5)
     except OSError:  # not permitted here; run at normal priority
         pass
-    try:
-        message: tuple[str, Any] = ("ok", execute(task))
-    except PipeplanError as exc:
-        message = ("user", str(exc))
-    except Exception as exc:  # noqa: BLE001 - any bug is reported to the parent, not lost
-        tail = "".join(traceback.format_exception(exc)[-3:])
-        message = ("internal", f"{type(exc).__name__}: {exc}\n{tail}")
-    try:
-        conn.send(message)
-    finally:
-        conn.close()
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        conn.send(run_one(task))
