@@ -18,15 +18,15 @@ def test_defaults_are_safe(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"PIPEPLAN_DB": "/tmp/x.db", "PIPEPLAN_API_KEY": "k", "PIPEPLAN_MAX_BODY_BYTES": "123",
+    env = {"PIPEPLAN_DB": "/tmp/x.db", "PIPEPLAN_API_KEY": "s3cret-key", "PIPEPLAN_MAX_BODY_BYTES": "123",
            "PIPEPLAN_MAX_TIME_LIMIT_S": "7.5", "PIPEPLAN_WORKERS": "3", "PIPEPLAN_QUEUE_SIZE": "9",
            "PIPEPLAN_SYNC_WAIT_S": "0.25"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     s = Settings()
     assert (s.db, s.api_key_value(), s.max_body_bytes, s.max_time_limit_s, s.workers, s.queue_size,
-            s.sync_wait_s) == ("/tmp/x.db", "k", 123, 7.5, 3, 9, 0.25)
-    assert "k" not in repr(s)  # the key is a secret
+            s.sync_wait_s) == ("/tmp/x.db", "s3cret-key", 123, 7.5, 3, 9, 0.25)
+    assert "s3cret" not in repr(s)  # the key is a secret
     assert Settings(workers=1).workers == 1  # explicit values win over the environment
 
 
