@@ -16,8 +16,8 @@ Message = dict[str, Any]
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, detail=f"request body over this server's limit of {limit} bytes "
-                         "(PIPEPLAN_MAX_BODY_BYTES); store a large profile once with "
-                         "POST /v1/profiles and refer to it by profile_id")
+                         "(the server's PIPEPLAN_MAX_BODY_BYTES); send a profile once with "
+                         "POST /v1/profiles and then refer to it by profile_id")
 
 
 class BodySizeLimit:

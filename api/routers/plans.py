@@ -83,8 +83,11 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
                       response: Response) -> Any:
     """Plan `profile` (or `profile_id`) on `cluster` with `options`. A time limit above the
     server's cap is clamped and reported in `warnings`."""
-    prep = await run_in_threadpool(service.prepare, storage, settings, req)
-    cached = await run_in_threadpool(storage.get_plan_by_key, prep.key)
+    def lookup() -> tuple[service.Prepared, PlanRow | None]:
+        prep = service.prepare(storage, settings, req)
+        return prep, storage.get_plan_by_key(prep.key)
+
+    prep, cached = await run_in_threadpool(lookup)
     if cached is not None:
         response.status_code = 200
         return service.plan_out(cached, True, prep.warnings)
