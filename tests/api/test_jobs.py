@@ -34,6 +34,8 @@ def test_queue_full_join_and_cancel(tmp_path) -> None:
         assert first.status_code == 202, first.text
         running = wait_for(c, first.json()["id"], {"running"})
         second = c.post("/v1/plans", json=slow_body(49.0))  # another key: waits in the queue
+        assert c.get(f"/v1/jobs/{running['id']}").json()["status"] == "running", (
+            "the 'slow' CP-SAT request finished early; make conftest.slow_body harder")
         assert second.status_code == 202 and second.json()["status"] == "queued"
         assert c.get("/healthz").json() | {"capacity": 2} == {
             "status": "ok", "workers": 1, "running": 1, "queued": 1, "capacity": 2}

@@ -7,6 +7,8 @@ generated request that asks for a long solve is clamped rather than slowing the 
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from api.app import create_app
 from tests.api.conftest import make_settings
 
 _DB_DIR = Path(tempfile.mkdtemp(prefix="pipeplan-fuzz-"))
+atexit.register(shutil.rmtree, _DB_DIR, ignore_errors=True)  # after schemathesis stops the app
 APP = create_app(make_settings(_DB_DIR, workers=2, queue_size=1000, sync_wait_s=0.5,
                                max_time_limit_s=1.0, max_layers=64, max_devices=64,
                                max_microbatches=64))
