@@ -187,6 +187,12 @@ def test_slow_request_becomes_a_job(tmp_path) -> None:
         assert c.get("/v1/jobs/nope").status_code == 404
         assert c.delete("/v1/jobs/nope").status_code == 404
 
+        compare = c.post("/v1/plans/compare", json={**body, "methods": ["blocks", "uniform"]})
+        assert compare.status_code == 202 and compare.json()["kind"] == "compare"
+        table = wait_job(c, compare.json()["id"])["result"]
+        assert [row["method"] for row in table["rows"]] == ["blocks", "uniform"]
+        assert all(row["status"] == "ok" and row["plan_id"] for row in table["rows"])
+
         bad = c.post("/v1/plans", json=plan_body("blocks", cluster=cluster_doc(memory_gb=0.01)))
         failed = wait_job(c, bad.json()["id"])
         assert failed["status"] == "failed" and failed["error_kind"] == "user"
