@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.launch import launch
 
     print(f"running {plan.world_size} ranks on this machine "
-          f"({len(plan.stages)} stages, {plan.num_microbatches} microbatches of "
+          f"({len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, "
+          f"{plan.num_microbatches} microbatches of "
           f"{plan.microbatch_size}, schedule {plan.schedule})", flush=True)
     try:
         failures = launch(argv + (["--allow-mismatch"] if opts.allow_mismatch else []),

@@ -11,7 +11,6 @@ wait raises `PeerError` naming the peer rank.
 
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass, field
 
@@ -81,7 +80,9 @@ class P2P:
 
     def _wait(self, p: _Pending) -> None:
         try:
-            p.work.wait(datetime.timedelta(seconds=self.timeout_s))  # type: ignore[attr-defined]
+            # the process group's own timeout (init_process_group(timeout=...)) bounds the wait;
+            # gloo's wait(timeout) polls and costs milliseconds per message
+            p.work.wait()  # type: ignore[attr-defined]
         except Exception as exc:  # gloo/nccl raise RuntimeError with transport details
             text = str(exc)
             reason = (

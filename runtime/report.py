@@ -11,6 +11,8 @@ Internal module. Definitions used in report.json:
 - `peak_memory_bytes`: on CUDA `torch.cuda.max_memory_allocated`; on CPU the sum of parameter,
   gradient and optimizer-state bytes of the stage plus the peak bytes autograd held saved for
   the microbatches in flight (`memory_measure` says which).
+- `peak_activation_bytes`: the peak bytes autograd held saved for the microbatches in flight
+  (parameters excluded), measured with saved-tensor hooks on every device type.
 - `peak_inflight_microbatches`: the most microbatches whose forward was done and backward not;
   `schedule_peak_inflight` is the planner simulator's figure for the same rank.
 """
@@ -38,6 +40,7 @@ class RankRecord:
     peak_memory_bytes: int
     memory_measure: str
     peak_inflight: int
+    peak_activation_bytes: int  # bytes autograd held saved for the microbatches in flight
     events: list[tuple[str, str, int, int, float, float]] = field(default_factory=list)  # last step
 
 
@@ -67,6 +70,7 @@ def build_report(plan: Plan, records: list[RankRecord], losses: list[float], ste
             peak_inflight_microbatches=r.peak_inflight,
             schedule_peak_inflight=schedule_peak.get(r.rank),
             memory_measure=r.memory_measure,
+            peak_activation_bytes=r.peak_activation_bytes,
             predicted_memory_bytes=plan.stages[r.stage].predicted.memory_bytes,
         ))
     return Report(
@@ -112,18 +116,13 @@ def measured_simulation(records: list[RankRecord], iteration_ms: float) -> objec
     )
 
 
-def chrome_trace(sim: object) -> dict:
-    """planner.trace.chrome_trace when present, else the same minimal layout (one row per rank)."""
-    try:
-        from planner.trace import chrome_trace as planner_trace
-    except ImportError:
-        planner_trace = None
-    if planner_trace is not None:
-        return planner_trace(sim)
-    events = [
-        {"name": ev.name, "cat": ev.kind, "ph": "X", "pid": 0, "tid": ev.rank,
-         "ts": ev.start_ms * 1e3, "dur": (ev.end_ms - ev.start_ms) * 1e3,
-         "args": {"stage": ev.stage, "mb": ev.mb}}
-        for ev in sim.events  # type: ignore[attr-defined]
-    ]
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+def chrome_trace(sim: object, plan: Plan, iteration_ms: float) -> dict:
+    """The measured last step as a Chrome trace, laid out by the planner's own writer (one
+    track per rank, process "measured"), so it opens beside the simulator's prediction."""
+    from planner.trace import chrome_trace as planner_trace
+
+    return planner_trace(sim, label="measured", metadata={  # type: ignore[arg-type]
+        "measured_iteration_ms": iteration_ms,
+        "predicted_iteration_ms": plan.predicted.iteration_ms,
+        "schedule": plan.schedule, "num_microbatches": plan.num_microbatches,
+    })

@@ -72,7 +72,7 @@ def split_batch(batch: object, microbatch_size: int, m: int
 
 def _wait(work: object, timeout_s: float, what: str) -> None:
     try:
-        work.wait(datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        work.wait()  # type: ignore[attr-defined]  # bounded by the process group's timeout
     except Exception as exc:
         raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
                             f"({str(exc).splitlines()[0][:200]})") from None
@@ -230,6 +230,7 @@ class Worker:
             rank=self.rank, stage=self.stage, replica=self.replica, step_ms=step_ms,
             fwd_ms=st.fwd_ms, bwd_ms=st.bwd_ms, comm_ms=comm_ms, idle_ms=idle_ms,
             peak_memory_bytes=peak, memory_measure=measure, peak_inflight=st.peak_inflight,
+            peak_activation_bytes=st.peak_saved_bytes,
             events=[(e.name, e.kind, e.stage, e.mb, e.start_s, e.end_s) for e in last_events],
         )
 
@@ -289,7 +290,7 @@ class Worker:
         if opts.trace:
             sim = measured_simulation(records, report.iteration_ms)
             Path(opts.trace).parent.mkdir(parents=True, exist_ok=True)
-            Path(opts.trace).write_text(json.dumps(chrome_trace(sim)))
+            Path(opts.trace).write_text(json.dumps(chrome_trace(sim, plan, report.iteration_ms)))
         pred = plan.predicted.iteration_ms
         meas = report.iteration_ms
         print(f"iteration time: predicted {pred:.1f} ms, measured {meas:.1f} ms "
