@@ -1,7 +1,10 @@
 """Measure layers and whole models on one device: times, parameter and activation bytes.
 
-- times: median over `repeats` runs after `warmup` runs; on CPU with `time.perf_counter`, on
-  CUDA with CUDA events (synchronised). Gradients are reset before every run.
+- times: median over `repeats` runs after `warmup` runs, layers and whole model interleaved
+  round by round; on CPU with `time.perf_counter` (or the thread's CPU time, see `Timer`), on
+  CUDA with CUDA events (synchronised). Gradients stay allocated and are zeroed in place
+  before every run (freshly allocated gradients would add page-fault time that depends on
+  how much the allocator happens to return to the system, not on the layer).
 - `param_bytes`: `sum(p.numel() * p.element_size())` over the layer's parameters (buffers are
   reported separately as `buffer_bytes`).
 - `activation_bytes`: the bytes autograd keeps for backward, measured with
@@ -72,10 +75,15 @@ def count_saved_bytes(exclude: list[torch.Tensor] | None = None) -> Iterator[dic
 
 
 class Timer:
-    """Wall-clock milliseconds of a region: perf_counter on CPU, CUDA events on CUDA."""
+    """Milliseconds of a region. CUDA: CUDA events (synchronised). CPU: `clock="wall"` is
+    `time.perf_counter` (monotonic wall clock); `clock="thread"` is `time.thread_time`, the CPU
+    time of the calling thread, which other processes on a busy machine cannot inflate; it
+    counts all the work only with one torch thread (`torch.set_num_threads(1)`), since CPU
+    autograd runs on the calling thread."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, clock: str = "wall") -> None:
         self.cuda = device.type == "cuda"
+        self.now = time.thread_time if clock == "thread" else time.perf_counter
 
     def start(self) -> Any:
         if self.cuda:
@@ -83,7 +91,7 @@ class Timer:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self.now()
 
     def stop(self, started: Any) -> float:
         if self.cuda:
@@ -91,7 +99,7 @@ class Timer:
             ev.record()
             torch.cuda.synchronize()
             return float(started.elapsed_time(ev))
-        return (time.perf_counter() - started) * 1e3
+        return (self.now() - started) * 1e3
 
 
 def _fresh(stage: StageModule, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -119,89 +127,144 @@ def layer_values(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, 
     return values
 
 
-def measure_stage(stage: StageModule, values: dict[str, Any], device: torch.device,
-                  warmup: int, repeats: int) -> tuple[float, float, int, int]:
-    """(fwd_ms, bwd_ms, activation_bytes, output_bytes) of one stage fed from `values`."""
-    timer = Timer(device)
-    state = list(stage.parameters()) + list(stage.buffers())
-    with count_saved_bytes(state) as seen:
-        out = stage(_fresh(stage, values))
-    activation = sum(seen.values())
-    output = tensor_bytes(out)
-    targets = _grad_targets(out)
-    grads = [torch.ones_like(t) for t in targets]
-    del out, targets
-    fwd, bwd = [], []
-    for i in range(warmup + repeats):
-        stage.zero_grad(set_to_none=True)
-        feed = _fresh(stage, values)
-        t0 = timer.start()
-        out = stage(feed)
-        f = timer.stop(t0)
+class StageRunner:
+    """Times one stage: each `once()` is one forward and one backward on fresh input leaves."""
+
+    def __init__(self, stage: StageModule, values: dict[str, Any], device: torch.device,
+                 clock: str = "wall") -> None:
+        self.stage, self.values, self.timer = stage, values, Timer(device, clock)
+        state = list(stage.parameters()) + list(stage.buffers())
+        with count_saved_bytes(state) as seen:
+            out = stage(_fresh(stage, values))
+        self.activation_bytes = sum(seen.values())
+        self.output_bytes = tensor_bytes(out)
+        self.grads = [torch.ones_like(t) for t in _grad_targets(out)]
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+
+    def once(self, keep: bool) -> None:
+        self.stage.zero_grad(set_to_none=False)
+        feed = _fresh(self.stage, self.values)
+        t0 = self.timer.start()
+        out = self.stage(feed)
+        f = self.timer.stop(t0)
         targets = _grad_targets(out)
-        t1 = timer.start()
+        t1 = self.timer.start()
         if targets:
-            torch.autograd.backward(targets, grads)
-        b = timer.stop(t1)
-        if i >= warmup:
-            fwd.append(f)
-            bwd.append(b if targets else 0.0)
-        del out, targets, feed
-    stage.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd), activation, output
+            torch.autograd.backward(targets, self.grads)
+        b = self.timer.stop(t1) if targets else 0.0
+        if keep:
+            self.fwd.append(f)
+            self.bwd.append(b)
 
 
-def measure_layers(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
-                   warmup: int = 2, repeats: int = 5,
-                   on_layer: Callable[[str], None] | None = None) -> list[LayerMeasurement]:
-    values = layer_values(lg, inputs)
-    out = []
-    for layer in lg.layers:
-        stage = build_stage(lg, [layer.name])
-        fwd, bwd, act, outb = measure_stage(stage, values, device, warmup, repeats)
-        params = sum(p.numel() * p.element_size() for p in stage.parameters())
-        buffers = sum(b.numel() * b.element_size() for b in stage.buffers())
-        out.append(LayerMeasurement(layer.name, layer.kind, fwd, bwd, params, buffers, act, outb))
-        if on_layer:
-            on_layer(layer.name)
-    return out
+class WholeRunner:
+    """Times the whole model: forward, then backward from the loss's gradient with respect to
+    the model's output (so both compare with per-layer sums); the loss is timed apart."""
+
+    def __init__(self, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
+                 loss_fn: Callable[[Any, Any], Any], device: torch.device, clock: str = "wall") -> None:
+        self.model, self.inputs, self.target, self.loss_fn = model, inputs, target, loss_fn
+        self.device, self.timer = device, Timer(device, clock)
+        state = list(model.parameters()) + list(model.buffers())
+        with count_saved_bytes(state) as seen:
+            model(*inputs)
+        self.activation_bytes = sum(seen.values())
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+        self.loss: list[float] = []
+
+    def once(self, keep: bool) -> None:
+        self.model.zero_grad(set_to_none=False)
+        t0 = self.timer.start()
+        out = self.model(*self.inputs)
+        f = self.timer.stop(t0)
+        t1 = self.timer.start()
+        leaves = _grad_targets(out)
+        loss = self.loss_fn(out, self.target)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        lo = self.timer.stop(t1)
+        pairs = [(t, g) for t, g in zip(leaves, grads, strict=True) if g is not None]
+        t2 = self.timer.start()
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        b = self.timer.stop(t2)
+        if keep:
+            self.fwd.append(f)
+            self.bwd.append(b)
+            self.loss.append(lo)
 
 
 @dataclass
 class WholeMeasurement:
     fwd_ms: float
     bwd_ms: float
+    loss_ms: float  # loss forward + its backward to the model's output (in neither of the above)
     activation_bytes: int
     peak_memory_bytes: int | None
+
+
+def _rounds(runners: list[Any], warmup: int, repeats: int,
+            on_round: Callable[[int, int], None] | None) -> None:
+    """Round-robin: every runner once per round, so a slow spell of the machine hits layers
+    and whole model alike instead of skewing one of them."""
+    total = warmup + repeats
+    for r in range(total):
+        for runner in runners:
+            runner.once(keep=r >= warmup)
+        if on_round:
+            on_round(r + 1, total)
+
+
+def _layer_result(lg: LayerGraph, runners: list[StageRunner]) -> list[LayerMeasurement]:
+    out = []
+    for layer, run in zip(lg.layers, runners, strict=True):
+        params = sum(p.numel() * p.element_size() for p in run.stage.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in run.stage.buffers())
+        out.append(LayerMeasurement(
+            layer.name, layer.kind, statistics.median(run.fwd), statistics.median(run.bwd),
+            params, buffers, run.activation_bytes, run.output_bytes,
+        ))
+        run.stage.zero_grad(set_to_none=True)
+    return out
+
+
+def _whole_result(run: WholeRunner) -> WholeMeasurement:
+    peak = None
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+        run.once(keep=False)
+        peak = int(torch.cuda.max_memory_allocated(run.device))
+    run.model.zero_grad(set_to_none=True)
+    return WholeMeasurement(statistics.median(run.fwd), statistics.median(run.bwd),
+                            statistics.median(run.loss), run.activation_bytes, peak)
+
+
+def measure_layers(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
+                   warmup: int = 2, repeats: int = 5) -> list[LayerMeasurement]:
+    """Every layer, each run as `build_stage(lg, [layer])` on the values before it."""
+    values = layer_values(lg, inputs)
+    runners = [StageRunner(build_stage(lg, [name]), values, device) for name in lg.layer_names()]
+    _rounds(runners, warmup, repeats, None)
+    return _layer_result(lg, runners)
 
 
 def measure_whole(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
                   loss_fn: Callable[[Any, Any], Any], device: torch.device,
                   warmup: int = 2, repeats: int = 5) -> WholeMeasurement:
-    """Forward (model only) and backward (from the loss) of the whole model at once."""
-    timer = Timer(device)
-    state = list(model.parameters()) + list(model.buffers())
-    with count_saved_bytes(state) as seen:
-        model(*inputs)
-    activation = sum(seen.values())
-    fwd, bwd = [], []
-    peak = None
-    for i in range(warmup + repeats):
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda" and i == warmup + repeats - 1:
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = timer.start()
-        out = model(*inputs)
-        f = timer.stop(t0)
-        loss = loss_fn(out, target)
-        t1 = timer.start()
-        loss.backward()
-        b = timer.stop(t1)
-        if i >= warmup:
-            fwd.append(f)
-            bwd.append(b)
-        del out, loss
-    if device.type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated(device))
-    model.zero_grad(set_to_none=True)
-    return WholeMeasurement(statistics.median(fwd), statistics.median(bwd), activation, peak)
+    run = WholeRunner(model, inputs, target, loss_fn, device)
+    _rounds([run], warmup, repeats, None)
+    return _whole_result(run)
+
+
+def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                target: Any, loss_fn: Callable[[Any, Any], Any], device: torch.device,
+                warmup: int = 2, repeats: int = 5,
+                on_round: Callable[[int, int], None] | None = None, clock: str = "wall",
+                ) -> tuple[list[LayerMeasurement], WholeMeasurement]:
+    """Layers and whole model measured in interleaved rounds (see `_rounds`)."""
+    values = layer_values(lg, inputs)
+    runners = [StageRunner(build_stage(lg, [name]), values, device, clock) for name in lg.layer_names()]
+    whole = WholeRunner(model, inputs, target, loss_fn, device, clock)
+    _rounds([*runners, whole], warmup, repeats, on_round)
+    return _layer_result(lg, runners), _whole_result(whole)

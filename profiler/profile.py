@@ -15,7 +15,7 @@ from planner.errors import PipeplanError
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
 from profiler.graph import LayerGraph, trace
 from profiler.loader import batch_checked, build_checked, call_user, load_model_file
-from profiler.measure import measure_layers, measure_whole
+from profiler.measure import measure_all
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,17 +64,31 @@ def profile_model_file(
     warmup: int = 2,
     repeats: int = 5,
     granularity: str = "blocks",
-    on_layer: Callable[[str], None] | None = None,
+    on_round: Callable[[int, int], None] | None = None,
     on_traced: Callable[[LayerGraph], None] | None = None,
     seed: int = 0,
+    threads: int | None = None,
+    clock: str = "wall",
 ) -> Profile:
-    """Profile `path` at `batch_size`; `on_traced(lg)` and `on_layer(name)` report progress."""
+    """Profile `path` at `batch_size`. Progress: `on_traced(layer_graph)` once, then
+    `on_round(done, total)` after each measuring round (every layer and the whole model once)."""
     if batch_size < 1:
         raise PipeplanError(f"--batch-size {batch_size}: must be at least 1")
     if warmup < 0 or repeats < 1:
         raise PipeplanError("--warmup must be >= 0 and --repeats >= 1")
     started = time.perf_counter()
     dev = resolve_device(device)
+    if threads is not None:
+        if threads < 1:
+            raise PipeplanError(f"--threads {threads}: must be at least 1")
+        torch.set_num_threads(threads)
+    if clock not in ("wall", "thread"):
+        raise PipeplanError(f"--clock {clock!r}: use 'wall' or 'thread'")
+    if clock == "thread" and (dev.type != "cpu" or torch.get_num_threads() != 1):
+        raise PipeplanError(
+            "--clock thread measures the calling thread's CPU time: it needs --device cpu and "
+            "--threads 1 (with more threads the work in the other threads would not be counted)"
+        )
     mf = load_model_file(path)
     torch.manual_seed(seed)
     model = build_checked(mf).to(dev).train()
@@ -94,9 +108,10 @@ def profile_model_file(
     lg = trace(model, inputs, granularity=granularity)
     if on_traced:
         on_traced(lg)
-    layers = measure_layers(lg, inputs, dev, warmup, repeats, on_layer=on_layer)
-    whole = measure_whole(model, inputs, target, lambda o, t: call_user(mf.path, "loss_fn", mf.loss_fn, o, t),
-                          dev, warmup, repeats)
+    layers, whole = measure_all(
+        lg, model, inputs, target, lambda o, t: call_user(mf.path, "loss_fn", mf.loss_fn, o, t),
+        dev, warmup, repeats, on_round=on_round, clock=clock,
+    )
     layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
     whole_ms = whole.fwd_ms + whole.bwd_ms
     return Profile(
@@ -115,7 +130,7 @@ def profile_model_file(
         edges=lg.edges(),
         measured=Measured(
             fwd_ms=whole.fwd_ms, bwd_ms=whole.bwd_ms, peak_memory_bytes=whole.peak_memory_bytes,
-            activation_bytes=whole.activation_bytes,
+            activation_bytes=whole.activation_bytes, loss_ms=whole.loss_ms,
             layer_sum_ratio=(layer_sum / whole_ms) if whole_ms > 0 else None,
         ),
         granularity=granularity,
@@ -124,6 +139,8 @@ def profile_model_file(
         warmup=warmup,
         repeats=repeats,
         seed=seed,
+        threads=torch.get_num_threads(),
+        clock=clock if dev.type == "cpu" else "cuda-events",
         torch_version=torch.__version__,
         profiler_wall_s=round(time.perf_counter() - started, 3),
     )

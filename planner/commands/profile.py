@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--granularity", default="blocks",
                    help="blocks (natural blocks, default) | modules (every leaf module) | "
                    "depth:N (module paths cut to N components)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                   help="CPU timing: wall (perf_counter, default) or thread (this thread's CPU "
+                   "time: robust on a busy machine; needs --threads 1)")
     p.add_argument("--seed", type=int, default=0, help="torch seed for build_model and make_batch")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
     p.set_defaults(func=run)
@@ -86,19 +90,19 @@ def run(args: argparse.Namespace) -> int:
 
     def on_traced(lg: Any) -> None:
         if not args.quiet:
-            bar.append(tqdm(total=len(lg.layers), desc="profiling layers", unit="layer",
-                            file=sys.stderr, leave=False))
+            bar.append(tqdm(total=args.warmup + args.repeats, unit="round", file=sys.stderr,
+                            leave=False, desc=f"measuring {len(lg.layers)} layers + whole model"))
 
-    def on_layer(name: str) -> None:
+    def on_round(done: int, total: int) -> None:
         if bar:
-            bar[0].set_postfix_str(name[:40])
-            bar[0].update(1)
+            bar[0].update(done - bar[0].n)
 
     try:
         profile = profile_model_file(
             args.model, args.batch_size, device=args.device, warmup=args.warmup,
-            repeats=args.repeats, granularity=args.granularity, on_layer=on_layer,
-            on_traced=on_traced, seed=args.seed,
+            repeats=args.repeats, granularity=args.granularity, on_round=on_round,
+            on_traced=on_traced, seed=args.seed, threads=args.threads,
+            clock=args.clock,
         )
     finally:
         if bar:
