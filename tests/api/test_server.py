@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.api.conftest import plan_body, slow_body
 from tests.api.server import Server
@@ -33,16 +34,18 @@ def test_plan_over_http_survives_restart(tmp_path: Path) -> None:
             assert http.post("/v1/plans", json=plan_body("blocks")).json()["cached"] is True
 
 
-def test_job_running_at_a_crash_is_reported_failed(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sig", "kind"), [(signal.SIGKILL, "lost"), (signal.SIGTERM, "shutdown")])
+def test_job_running_when_the_server_stops_is_reported_failed(tmp_path: Path, sig: int, kind: str) -> None:
+    """Killed: the next server marks the job failed at startup ("lost"). Stopped: the server
+    itself stops the solve and records it failed before exiting ("shutdown")."""
     server = Server(tmp_path / "pipeplan.db", sync_wait_s="0", workers=1)
     with server:
         with httpx.Client(base_url=server.url, timeout=60) as http:
-            # a long solve: CP-SAT on a deep profile, stopped by its time limit only
-            body = slow_body()
-            r = http.post("/v1/plans", json=body)
+            r = http.post("/v1/plans", json=slow_body())  # CP-SAT, 20 s time limit
             assert r.status_code == 202, r.text
             job_id = r.json()["id"]
-        server.stop(signal.SIGKILL)  # no chance to clean up
+        server.stop(sig)
     with Server(tmp_path / "pipeplan.db") as restarted:
         job = httpx.get(f"{restarted.url}/v1/jobs/{job_id}").json()
-        assert job["status"] == "failed" and job["error_kind"] == "lost"
+        assert job["status"] == "failed" and job["error_kind"] == kind
+        assert "send the request again" in job["error"]
