@@ -118,6 +118,8 @@ def main() -> int:
     ap.add_argument("--clusters", help="comma-separated cluster names (1x8,4x8,16x8,4x8-tight)")
     ap.add_argument("--methods", help="comma-separated methods (default: every registered one)")
     ap.add_argument("--quick", action="store_true", help="1x8 and 4x8-tight only, cpsat 3 s")
+    ap.add_argument("--global-batch", type=int,
+                    help="fixed global batch for every cluster (default: 32 per device)")
     ap.add_argument("-o", "--output", default=str(RESULTS / "planner.json"))
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
@@ -133,7 +135,7 @@ def main() -> int:
     for pname, profile in profiles(only).items():
         for cname in clusters:
             c = CLUSTERS[cname]
-            gb = 32 * c.num_devices  # 4 microbatches of 8 per device
+            gb = args.global_batch or 32 * c.num_devices  # default: 4 microbatches of 8 per device
             opts = PlanOptions(global_batch=gb, microbatch_size=8, time_limit_s=args.time_limit)
             for res in compare(profile, c, opts, methods):
                 row = {"profile": pname, "cluster": cname, "method": res.method,
