@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from api.deps import require_api_key
 from api.jobs import JobManager
@@ -41,12 +42,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             manager.stop()
             storage.close()
 
+    keyed = settings.api_key is not None
     app = FastAPI(
         title="pipeplan",
         version="0.1.0",
         description="Pipeline-parallel training plans as a service: store profiles, plan them on "
                     "a cluster, look at past plans and their timelines.",
         lifespan=lifespan,
+        # with an API key, the schema and the docs are behind it too (every route but /healthz)
+        openapi_url=None if keyed else "/openapi.json",
+        docs_url=None if keyed else "/docs",
+        redoc_url=None,
     )
     app.state.settings = settings
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -59,4 +65,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     secured = [Depends(require_api_key)]
     for module in (profiles, plans, jobs):
         app.include_router(module.router, dependencies=secured)
+    if keyed:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=secured)
+        async def _openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False, dependencies=secured)
+        async def _docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="pipeplan")
     return app

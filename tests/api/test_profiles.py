@@ -103,3 +103,6 @@ def test_api_key(tmp_path) -> None:
         assert basic.status_code == 401
         ok = c.get("/v1/profiles", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+        assert c.get("/openapi.json").status_code == c.get("/docs").status_code == 401
+        schema = c.get("/openapi.json", headers={"Authorization": "Bearer s3cret"})
+        assert schema.status_code == 200 and "/v1/plans" in schema.json()["paths"]
