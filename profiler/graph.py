@@ -223,9 +223,20 @@ def _get(root: torch.nn.Module, target: str) -> Any:
 
 def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | list[torch.Tensor],
           granularity: str = "blocks") -> LayerGraph:
-    """Trace `model(*example_inputs)` into layers at `granularity` (blocks | modules | depth:N)."""
-    inputs = tuple(example_inputs)
-    mode, _ = seg.parse_granularity(granularity)
+    """Trace `model(*example_inputs)` into layers at `granularity` (blocks | modules | depth:N).
+    The model's buffers (batch-norm statistics, ...) are left as they were."""
+    saved = {k: v.detach().clone() for k, v in model.named_buffers()}
+    try:
+        return _trace(model, tuple(example_inputs), granularity)
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                if k in saved:
+                    v.copy_(saved[k])
+
+
+def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str) -> LayerGraph:
+    seg.parse_granularity(granularity)  # a bad value fails before tracing
     traced = capture(model, inputs)
     gm = traced.gm
     root: torch.nn.Module = model if traced.method == "fx" else gm
@@ -300,7 +311,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
 
     return LayerGraph(
         layers=layers, graph=g, tensors=tensors, shared_parameters=shared,
-        method=traced.method, granularity=granularity if mode else granularity,
+        method=traced.method, granularity=granularity,
         num_inputs=len(inputs), gm=gm, root=root, kind=kind, owner=owner,
         alias_groups=alias_groups, orphans=orphans,
     )

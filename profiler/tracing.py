@@ -12,7 +12,10 @@ in the root's own forward).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,11 +96,19 @@ def _try_fx(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | Non
 
 
 def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, str]:
+    quiet = [logging.getLogger(n) for n in ("torch", "torch.fx", "torch._dynamo", "torch.export")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
     try:
-        ep = torch.export.export(model, tuple(inputs), strict=False)
-        gm = ep.module()
+        with contextlib.redirect_stderr(io.StringIO()):  # export prints failing graphs
+            ep = torch.export.export(model, tuple(inputs), strict=False)
+            gm = ep.module()
     except Exception as exc:  # noqa: BLE001
         return None, f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    finally:
+        for lg, level in zip(quiet, levels, strict=True):
+            lg.setLevel(level)
     return gm, ""
 
 

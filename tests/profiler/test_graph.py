@@ -145,3 +145,62 @@ def test_bad_granularity_is_a_clear_error(small_env) -> None:
     _, _, model, inputs, _ = _setup("mlp", small_env)
     with pytest.raises(PipeplanError, match="granularity"):
         trace(model, inputs, granularity="tiny")
+
+
+def test_tracing_leaves_batchnorm_statistics_untouched() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trace(model, (torch.randn(6, 4),), granularity="modules")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_untraceable_submodule_becomes_part_of_one_layer() -> None:
+    """Data-dependent control flow inside a block: fx makes that module a leaf and goes on."""
+
+    class Gate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return y if y.sum() > 0 else -y  # not symbolically traceable
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.out = Gate(), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.out(self.gate(x))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), Block())
+    x = torch.randn(3, 4)
+    lg = trace(model, (x,))
+    assert lg.method == "fx" and lg.layer_names() == ["0", "1", "2"]
+    values = {"<input>:0": x}
+    for name in lg.layer_names():
+        st = build_stage(lg, [name])
+        values.update(st({k: values[k] for k in st.input_keys}))
+    assert torch.equal(values["<output>"], model(x))
+
+
+def test_untraceable_top_level_is_a_clear_error() -> None:
+    from planner.errors import PipeplanError
+
+    class Bad(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            for _ in range(int(y.abs().sum().item() * 0)):  # a Python int from tensor data
+                y = y * 2
+            return y if bool(y.sum() > 0) else -y
+
+    with pytest.raises(PipeplanError, match="cannot trace Bad"):
+        trace(Bad(), (torch.randn(3, 4),))
