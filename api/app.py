@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 
@@ -56,6 +58,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 with the field and the reason; the offending value only when it is a short scalar
+        (a whole profile echoed back would double the traffic)."""
+        detail = []
+        for err in exc.errors():
+            item = {"loc": list(err.get("loc", ())), "msg": err.get("msg", ""), "type": err.get("type", "")}
+            value = err.get("input")
+            if value is None or isinstance(value, bool | int | float) or (
+                    isinstance(value, str) and len(value) <= 200):
+                item["input"] = value
+            if err.get("ctx"):
+                item["ctx"] = {k: v if isinstance(v, bool | int | float | str) else str(v)
+                               for k, v in err["ctx"].items()}
+            detail.append(item)
+        return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
 
     @app.exception_handler(PipeplanError)
     async def _user_error(request: Request, exc: PipeplanError) -> JSONResponse:
