@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import time
 
-from planner.build import resolve_microbatch
-from planner.cost import layer_table
+from planner.build import evaluate, resolve_microbatch
+from planner.cost import LayerTable, layer_table
 from planner.cpsat.baseline import best_baseline
+from planner.cpsat.bounds import DPBound, dp_lower_bound, model_value_ms
+from planner.cpsat.coarsen import coarse_table, group_cuts
 from planner.cpsat.diagnose import infeasible_error
 from planner.cpsat.instance import build_instance
-from planner.cpsat.search import SearchResult, search
-from planner.formats import Cluster, PlanOptions, Profile
-from planner.partition import Candidate
+from planner.cpsat.search import EXACT_SLOTS, SearchResult, search
+from planner.formats import Cluster, Device, PlanOptions, Profile
+from planner.partition import Candidate, StageChoice
 
 __all__ = ["solve", "solve_detailed"]
 
@@ -31,36 +33,101 @@ def microbatch_sizes(profile: Profile, options: PlanOptions) -> list[int]:
     return [resolve_microbatch(profile, options)[0]]
 
 
+DEFAULT_GAP_LIMIT = 1e-4  # stop a search that cannot prove optimality within 0.01% of the bound
+MAX_GROUPS = 64  # more layers than this: the model sees runs of layers (coarsen.py)
+MAX_SLOTS = 16  # at most this many stages in a coarsened model (the DP bound covers the rest)
+
+
+def _dp_candidate(dpb: DPBound, b: int, m: int) -> Candidate:
+    """The DP bound's split and replicas on consecutive ranks."""
+    stages, rank = [], 0
+    for a, z, r in zip(dpb.bounds, dpb.bounds[1:], dpb.replicas, strict=False):
+        stages.append(StageChoice(int(a), int(z), tuple(range(rank, rank + int(r)))))
+        rank += int(r)
+    return Candidate(tuple(stages), b, m)
+
+
+def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table: LayerTable,
+                 devices: list[Device], b: int, deadline: float,
+                 incumbent: Candidate | None, incumbent_ms: float,
+                 max_stages: int | None, gap_limit: float) -> SearchResult:
+    """One microbatch size: DP bound and its plan, then the verified CP-SAT search (on a
+    coarsened model for large instances)."""
+    L, D = table.num_layers, cluster.num_devices
+    m = options.global_batch // b
+    dpb = None
+    if options.objective == "iteration":
+        upper = incumbent_ms if incumbent is not None else 1e12
+        start = time.perf_counter()
+        dpb = dp_lower_bound(table, cluster, options, b, upper,
+                             deadline=start + 0.3 * max(deadline - start, 0.0))
+        if dpb is not None:
+            cand = _dp_candidate(dpb, b, m)
+            ev = evaluate(table, cluster, cand, options)
+            if ev.fits and ev.iteration_ms < incumbent_ms:
+                incumbent, incumbent_ms = cand, ev.iteration_ms
+    restricted = L > MAX_GROUPS or min(L, D, max_stages or L) > EXACT_SLOTS
+    cuts = None
+    model_table = table
+    if restricted:
+        keep = [s.start for s in incumbent.stages] if incumbent is not None else []
+        cuts = group_cuts(table, MAX_GROUPS, keep)
+        model_table = coarse_table(table, cuts)
+        max_stages = min(max_stages or MAX_SLOTS, MAX_SLOTS)
+    inst = build_instance(model_table, cluster, options, b)
+    lb = dpb.bound_ms if dpb is not None else 0.0
+    res = search(inst, table, cluster, options, devices, deadline, incumbent, incumbent_ms,
+                 max_stages, cuts, lb, exact=not restricted,
+                 gap_limit=gap_limit if restricted else 0.0)  # small models: prove optimality
+    if restricted:
+        # the coarse, capped model proves nothing about the full space: only the DP bound does
+        res.bound_ms = min(lb, res.iteration_ms)
+        res.status = "FEASIBLE" if res.candidate is not None else "UNKNOWN"
+        if res.candidate is not None and res.iteration_ms <= lb * (1 + 1e-9):
+            res.status = "OPTIMAL"
+    else:
+        res.bound_ms = min(max(res.bound_ms, lb), res.iteration_ms)
+        if res.candidate is not None:
+            # the model's own value for the returned plan (it may have come from a hint)
+            res.model_ms = model_value_ms(inst, res.candidate, devices, max_stages, 2.0)
+    return res
+
+
 def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions,
-                   max_stages: int | None = None) -> tuple[Candidate, list[SearchResult]]:
-    """The plan and, per microbatch size tried, what the search found."""
+                   max_stages: int | None = None, gap_limit: float = DEFAULT_GAP_LIMIT
+                   ) -> tuple[Candidate, list[SearchResult]]:
+    """The plan and, per microbatch size tried, what the search found. The search stops at
+    the time limit, at a proof of optimality, or once the plan is within `gap_limit` of the
+    proven bound (status FEASIBLE with that gap)."""
     t0 = time.perf_counter()
     deadline = t0 + options.time_limit_s
     table = layer_table(profile)
     devices = cluster.devices()
     sizes = [b for b in microbatch_sizes(profile, options) if options.global_batch % b == 0]
-    fallback, fallback_ms, fallback_name = best_baseline(profile, cluster, options, table, devices)
+    fallback, fallback_ms, fallback_name = best_baseline(profile, cluster, options, table, devices,
+                                                         0.15 * options.time_limit_s)
     results: list[SearchResult] = []
     for i, b in enumerate(sizes):
         share = (deadline - time.perf_counter()) / (len(sizes) - i)
-        inst = build_instance(table, cluster, options, b)
         inc = fallback if fallback is not None and fallback.microbatch_size == b else None
-        results.append(search(inst, table, cluster, options, devices,
-                              time.perf_counter() + share, inc, fallback_ms if inc is not None else float("inf"),
-                              max_stages))
+        results.append(_search_size(profile, cluster, options, table, devices, b,
+                                    time.perf_counter() + share, inc,
+                                    fallback_ms if inc is not None else float("inf"), max_stages,
+                                    gap_limit))
     found = [r for r in results if r.candidate is not None]
     wall = time.perf_counter() - t0
     if not found and fallback is None:
         raise infeasible_error(table, cluster, options.optimizer, options.schedule, sizes,
                                options.global_batch)
     best = min(found, key=lambda r: r.iteration_ms) if found else None
+    bound = min((r.bound_ms for r in results if r.candidate is not None or r.status == "INFEASIBLE"),
+                default=0.0)
     if best is None or (fallback is not None and fallback_ms < best.iteration_ms):
         assert fallback is not None
         info = {"name": "cpsat", "status": "FALLBACK", "objective": fallback_ms,
-                "bound": min((r.bound_ms for r in results), default=0.0), "gap": None,
-                "wall_s": wall, "fallback": fallback_name}
+                "bound": min(bound, fallback_ms), "gap": None, "wall_s": wall,
+                "fallback": fallback_name}
         return _with_solver(fallback, info), results
-    bound = min(r.bound_ms for r in results)
     proven = all(r.status in ("OPTIMAL", "INFEASIBLE") for r in results)
     gap = (best.iteration_ms - bound) / best.iteration_ms if best.iteration_ms > 0 else 0.0
     info = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections.abc import Callable
 
 from planner.build import evaluate
@@ -19,7 +20,7 @@ from planner.partition import Candidate
 
 log = logging.getLogger(__name__)
 
-BASELINES = ("pipedream", "blocks", "params", "uniform")
+BASELINES = ("pipedream", "params", "uniform", "blocks")  # cheapest first
 
 
 def baseline_method(name: str) -> Callable[[Profile, Cluster, PlanOptions], Candidate] | None:
@@ -36,11 +37,15 @@ def baseline_method(name: str) -> Callable[[Profile, Cluster, PlanOptions], Cand
 
 
 def best_baseline(profile: Profile, cluster: Cluster, options: PlanOptions, table: LayerTable,
-                  devices: list[Device]) -> tuple[Candidate | None, float, str | None]:
+                  devices: list[Device], budget_s: float = float("inf")
+                  ) -> tuple[Candidate | None, float, str | None]:
     """(candidate, its objective in ms, method name) of the best baseline that fits: the
     simulated iteration time, or PipeDream's slowest stage with objective `throughput`."""
     best: tuple[Candidate | None, float, str | None] = (None, float("inf"), None)
+    t0 = time.perf_counter()
     for name in BASELINES:
+        if time.perf_counter() - t0 > budget_s:
+            break  # no new baseline once its share of the time limit is spent
         fn = baseline_method(name)
         if fn is None:
             continue

@@ -1,16 +1,21 @@
-"""The model's own value for a given candidate: the CP-SAT model with the candidate's structure
+"""Bounds: the model's own value for a given candidate: the CP-SAT model with the candidate's structure
 pinned (internal; used to report the model objective of a plan and to test that the model's
 bound never exceeds the simulated time)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
+import numpy as np
 from ortools.sat.python import cp_model
 
+from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, transfer_ms
 from planner.cpsat.decode import structure_of
-from planner.cpsat.instance import Instance
+from planner.cpsat.instance import Instance, adjacent_bytes
 from planner.cpsat.model import build_model
 from planner.cpsat.search import EXACT_SLOTS, _slot_literals
-from planner.formats import Device
+from planner.formats import GB, Cluster, Device, PlanOptions
 from planner.partition import Candidate
 
 
@@ -32,3 +37,125 @@ def model_value_ms(inst: Instance, candidate: Candidate, devices: list[Device],
     if status != cp_model.OPTIMAL:
         return None
     return solver.ObjectiveValue() / inst.unit_per_ms
+
+
+# ---------------------------------------------------------------- a DP lower bound for any plan
+
+
+@dataclass(frozen=True)
+class DPBound:
+    bound_ms: float  # no plan of the instance is faster
+    bounds: list[int]  # the split that attains it (stage boundaries [0, ..., L])
+    replicas: list[int]
+
+
+def _replica_choices(m: int, max_r: int) -> np.ndarray:
+    """For each distinct ceil(m / r), the smallest r giving it (all-reduce grows with r)."""
+    out, seen = [], set()
+    for r in range(1, max_r + 1):
+        k = -(-m // r)
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return np.array(out, dtype=float)
+
+
+def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
+                   microbatch_size: int, upper_ms: float, rel_tol: float = 2e-3,
+                   deadline: float = float("inf")) -> DPBound | None:
+    """The smallest T for which some split and replica vector (at most D devices) satisfies,
+    for every stage [a, z) with r replicas, on the fastest devices with the largest memory:
+
+    - `Fpre(a) + ceil(m / r) C(a, z) + max(AR(a, z, r), Bpre(a)) <= T` (the stage's rank busy
+      all the time, after the first forward reached it and before the backwards left for the
+      earlier stages or its all-reduce: path P1 of `model.py`),
+    - `C(0, L) + (ceil(m / r) - 1) Bwd(a, z) <= T` (the first microbatch's round trip, then the
+      stage's remaining backwards),
+    - `Fwd(0, L) + (ceil(m / r) - 1) Fwd(a, z) + Bwd(a, L) + AR(a, z, r) <= T` (the replica's
+      last microbatch reaches it after its other forwards, goes to the end and back, then the
+      stage all-reduces),
+    - its parameters, gradients, optimizer state and one microbatch of activations fit.
+
+    Every plan satisfies these at its own iteration time (communication only adds), so the
+    result is a lower bound of the optimum; bisection to `rel_tol` or until `deadline`
+    (perf_counter; the bound stays valid, only looser). None: nothing fits."""
+    L, D = table.num_layers, cluster.num_devices
+    m = options.global_batch // microbatch_size
+    scale = microbatch_size / table.batch_size
+    devices = cluster.devices()
+    vmax = max(d.speed for d in devices)
+    mem = max(d.memory_bytes for d in devices)
+    F = np.array(table.fwd_prefix_ms) * scale / vmax
+    B = np.array(table.bwd_prefix_ms) * scale / vmax
+    P = np.array(table.param_prefix_bytes, dtype=float)
+    A = np.array(table.activation_prefix_bytes, dtype=float) * scale
+    k = OPTIMIZER_EXTRA_COPIES[options.optimizer]
+    rs = _replica_choices(m, D)
+    mk = np.ceil(m / rs)
+    # a stage with more replicas than the largest node has devices spans nodes (inter-node)
+    fast = max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) * GB
+    per_node = max(s.devices for s in cluster.node_specs())
+    bw = np.where(rs <= per_node, fast, cluster.inter_node_gb_per_s * GB)
+    lat = cluster.latency_us / 1e3
+    total = F[L] + B[L]
+    # the stage's own incoming link, both ways, at the fastest bandwidth (adjacent tensors)
+    adj = adjacent_bytes(table)
+    link = np.array([0.0 if z in (0, L) else
+                     2 * transfer_ms(scale * adj[z], fast / GB, cluster.latency_us)
+                     for z in range(L + 1)])
+
+    ar_coef = np.where(rs > 1, 2 * (rs - 1) / rs / bw * 1e3, 0.0)  # per parameter byte
+    ar_lat = np.where(rs > 1, 2 * (rs - 1) * lat, 0.0)
+    half = link / 2
+
+    def feasible(T: float):
+        dp = np.full(L + 1, np.inf)
+        dp[0] = 0
+        arg = np.zeros(L + 1, dtype=int)
+        rarg = np.zeros(L + 1, dtype=int)
+        for z in range(1, L + 1):
+            a = np.arange(z)
+            comp = (F[z] - F[a]) + (B[z] - B[a])  # (z,)
+            params = P[z] - P[a]
+            fits = params * (2 + k) + (A[z] - A[a]) <= mem
+            ar = params[:, None] * ar_coef[None, :] + ar_lat[None, :]  # (z, R)
+            # P1: first forward in, the stage busy, then the backward out or its all-reduce
+            p1 = (F[a] + half[a])[:, None] + mk[None, :] * comp[:, None] \
+                + np.maximum(ar, (B[a] + half[a])[:, None])
+            # the first microbatch's round trip, then the stage's remaining backwards
+            p2 = total + (mk[None, :] - 1) * (B[z] - B[a])[:, None]
+            # the last microbatch through this stage's replica, to the end and back, then
+            # this stage's all-reduce
+            p3 = F[L] + (mk[None, :] - 1) * (F[z] - F[a])[:, None] + (B[L] - B[a])[:, None] + ar
+            ok = (p1 <= T) & (p2 <= T) & (p3 <= T) & fits[:, None]
+            cost = np.where(ok, rs[None, :], np.inf)  # (z, R)
+            best_r = np.argmin(cost, axis=1)
+            cand = dp[a] + cost[a, best_r]
+            i = int(np.argmin(cand))
+            dp[z] = cand[i]
+            arg[z], rarg[z] = i, int(rs[best_r[i]])
+        if not dp[L] <= D:
+            return None
+        bounds, reps, z = [L], [], L
+        while z > 0:
+            reps.append(rarg[z])
+            z = arg[z]
+            bounds.append(z)
+        return bounds[::-1], reps[::-1]
+
+    lo = max(m * total * vmax / sum(d.speed for d in devices), total)  # compute bound
+    hi = max(upper_ms, lo)
+    plan = feasible(hi)
+    if plan is None:
+        return None
+    low_plan = feasible(lo)
+    if low_plan is not None:
+        hi, plan = lo, low_plan
+    while hi - lo > rel_tol * hi and time.perf_counter() < deadline:
+        mid = (lo + hi) / 2
+        mid_plan = feasible(mid)
+        if mid_plan is not None:
+            hi, plan = mid, mid_plan
+        else:
+            lo = mid
+    return DPBound(float(lo), [int(x) for x in plan[0]], [int(x) for x in plan[1]])

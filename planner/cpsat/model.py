@@ -222,12 +222,12 @@ def build_model(inst: Instance, max_stages: int, lower_bound_units: int = 0,
     T = model.NewIntVar(0, big, "T")
     if inst.objective == "throughput":
         # PipeDream's steady state: the slowest stage per microbatch, counting compute over
-        # replicas, the all-reduce amortised over the microbatches, and each boundary's two
-        # transfers over the receiving stage's replicas
+        # replicas plus the all-reduce amortised over the microbatches, and each boundary's
+        # two transfers over the receiving stage's replicas
         for j in range(J):
-            model.Add(m * T >= AR[j])
             for i, (_lo, hi) in enumerate(buckets):
-                model.Add(hi * T >= f[j] + b[j]).OnlyEnforceIf(q[j][i])
+                # (f + b) / r + AR / m <= T
+                model.Add(m * hi * T >= m * (f[j] + b[j]) + hi * AR[j]).OnlyEnforceIf(q[j][i])
                 if j >= 1:
                     model.Add(hi * T >= 2 * c[j]).OnlyEnforceIf(q[j - 1][i])
         model.Minimize(T)

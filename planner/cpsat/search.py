@@ -16,13 +16,15 @@ from ortools.sat.python import cp_model
 
 from planner.build import evaluate
 from planner.cost import LayerTable, PipelineCosts
+from planner.cpsat.coarsen import to_coarse, to_fine
 from planner.cpsat.decode import StageStructure, place_stages, structure_of
-from planner.cpsat.instance import Instance, replica_buckets
+from planner.cpsat.instance import Instance
 from planner.cpsat.model import Handles, build_model
 from planner.formats import Cluster, Device, PlanOptions
 from planner.partition import Candidate
 
 EXACT_SLOTS = 24  # up to this many slots the in-flight products are modelled exactly
+SMALL_MODEL = 160  # slots x layers up to which the search branches on the structure
 
 
 @dataclass
@@ -42,27 +44,53 @@ def throughput_objective_ms(costs: PipelineCosts) -> float:
     worst = 0.0
     for s, devs in enumerate(costs.stage_devices):
         r = len(devs)
-        worst = max(worst, (costs.fwd_ms[s] + costs.bwd_ms[s]) / r, costs.allreduce_ms[s] / m)
+        worst = max(worst, (costs.fwd_ms[s] + costs.bwd_ms[s]) / r + costs.allreduce_ms[s] / m)
         if s >= 1:
             worst = max(worst, 2 * costs.sends[(s - 1, s)].ms / r)
     return worst
 
 
-def _solver(seconds: float, seed: int, h: Handles | None = None) -> cp_model.CpSolver:
+def _solver(seconds: float, seed: int, h: Handles, inst: Instance) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(seconds, 0.01)
-    # one worker: deterministic for a given seed (a parallel portfolio is not), and on a
-    # shared 2-core machine it measured faster than two interleaved workers
-    solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
-    if h is not None and h.slots <= EXACT_SLOTS:
-        # small models: branch on the structure in slot order; robust where the default
-        # single-worker search sometimes stalls on the weak linear relaxation
+    if h.slots * inst.num_layers <= SMALL_MODEL:
+        # small models: one worker (deterministic for a seed) branching on the structure in
+        # slot order; the default single-worker search sometimes stalls on the weak relaxation
+        solver.parameters.num_workers = 1
         solver.parameters.search_branching = cp_model.FIXED_SEARCH
+    else:
+        # large models: both cores, CP-SAT's portfolio (wall-clock limited anyway)
+        solver.parameters.num_workers = 2
     return solver
 
 
-def read_structure(h: Handles, solver: cp_model.CpSolver, inst: Instance) -> list[StageStructure]:
+class _Judge(cp_model.CpSolverSolutionCallback):
+    """Simulates every improving solution of a large model as the search finds it (the model's
+    bound is loose there, so a worse-looking solution may simulate better)."""
+
+    def __init__(self, h: Handles, inst: Instance, judge_fn, good_enough) -> None:
+        super().__init__()
+        self.h, self.inst, self.judge_fn, self.good_enough = h, inst, judge_fn, good_enough
+        self.best: tuple[Candidate, float, float] | None = None
+        self.count = 0
+        self.seen: set[tuple] = set()
+
+    def on_solution_callback(self) -> None:
+        stages = read_structure(self.h, self, self.inst)
+        key = tuple(stages)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self.count += 1
+        cand, ms = self.judge_fn(stages)
+        if cand is not None and (self.best is None or ms < self.best[1]):
+            self.best = (cand, ms, self.ObjectiveValue() / self.inst.unit_per_ms)
+            if self.good_enough(ms):
+                self.StopSearch()
+
+
+def read_structure(h: Handles, solver, inst: Instance) -> list[StageStructure]:
     L = inst.num_layers
     out: list[StageStructure] = []
     for j in range(h.slots):
@@ -125,44 +153,75 @@ def add_nogood(h: Handles, stages: list[StageStructure]) -> None:
 
 def search(inst: Instance, table: LayerTable, cluster: Cluster, options: PlanOptions,
            devices: list[Device], deadline: float, incumbent: Candidate | None,
-           incumbent_ms: float, max_stages: int | None = None) -> SearchResult:
-    """Minimise the simulated iteration time of `inst` until `deadline` (perf_counter)."""
+           incumbent_ms: float, max_stages: int | None = None, cuts: list[int] | None = None,
+           lower_bound_ms: float = 0.0, exact: bool | None = None,
+           gap_limit: float = 0.0) -> SearchResult:
+    """Minimise the simulated iteration time of `inst` until `deadline` (perf_counter).
+
+    `inst` may be coarsened (`cuts`: its layer runs' boundaries in `table`); candidates are
+    mapped back to the layers of `table` before they are simulated. `lower_bound_ms` (valid for
+    every plan) is added as a cut. The search also stops once the best simulated time is within
+    `gap_limit` (relative) of `lower_bound_ms`."""
     J = min(max_stages or inst.num_layers, inst.num_layers, inst.num_devices)
-    exact = J <= EXACT_SLOTS
-    h = build_model(inst, J, exact=exact)
+    exact = J <= EXACT_SLOTS if exact is None else exact
+    lb_units = max(0, int(lower_bound_ms * inst.unit_per_ms) - 2)
+    h = build_model(inst, J, lower_bound_units=lb_units, exact=exact)
     best, best_ms, best_model = incumbent, incumbent_ms, None
     if incumbent is not None:
-        st = structure_of(inst, incumbent, devices)
+        coarse = incumbent if cuts is None else to_coarse(incumbent, cuts)
+        st = structure_of(inst, coarse, devices) if coarse is not None else None
         if st is not None and len(st) <= J and all(
                 any(lo <= s.replicas <= hi for lo, hi in h.buckets) for s in st):
             add_hint(h, st)
+    def judge_fn(stages: list[StageStructure]) -> tuple[Candidate | None, float]:
+        """Place a structure on ranks and simulate it (inf: does not pack or fit)."""
+        cand = place_stages(inst, cluster, stages, inst.microbatch_size, inst.num_microbatches,
+                            devices)
+        if cand is None:
+            return None, float("inf")
+        if cuts is not None:
+            cand = to_fine(cand, cuts)
+        ev = evaluate(table, cluster, cand, options)
+        if not ev.fits:
+            return cand, float("inf")
+        return cand, (ev.iteration_ms if inst.objective == "iteration"
+                      else throughput_objective_ms(ev.costs))
+
     tol = (2 * inst.num_microbatches + 8 * J + 10) / inst.unit_per_ms
     res = SearchResult(best, best_ms, None, 0.0, "UNKNOWN")
-    floor_units = 0
+    floor_units = lb_units
+    def close_enough(ms: float) -> bool:
+        return (gap_limit > 0 and lower_bound_ms > 0 and ms < float("inf")
+                and (ms - lower_bound_ms) <= gap_limit * ms)
+
     while True:
-        left = deadline - time.perf_counter()
-        if left <= 0:
+        if close_enough(best_ms):
+            res.bound_ms = lower_bound_ms
             break
-        solver = _solver(left, options.seed, h)
-        status = solver.Solve(h.model)
+        left = deadline - time.perf_counter()
+        if left <= 0.005:
+            res.bound_ms = min(best_ms, floor_units / inst.unit_per_ms - tol)
+            break
+        solver = _solver(left, options.seed, h, inst)
+        judge = (_Judge(h, inst, judge_fn, close_enough)
+                 if h.slots * inst.num_layers > SMALL_MODEL else None)
+        status = solver.Solve(h.model, judge)
         res.solves += 1
+        if judge is not None and judge.best is not None and judge.best[1] < best_ms:
+            best, best_ms, best_model = judge.best
+            res.log.append(f"solve {res.solves}: {judge.count} solutions simulated, best "
+                           f"{best_ms:.4f} ms")
         if status == cp_model.INFEASIBLE:
             res.bound_ms = best_ms
             res.status = "OPTIMAL" if best is not None else "INFEASIBLE"
             break
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            res.bound_ms = min(best_ms, floor_units / inst.unit_per_ms - tol)
+            res.bound_ms = min(best_ms, max(floor_units, solver.BestObjectiveBound())
+                               / inst.unit_per_ms - tol)
             break
         obj = solver.ObjectiveValue()
         stages = read_structure(h, solver, inst)
-        cand = place_stages(inst, cluster, stages, inst.microbatch_size, inst.num_microbatches,
-                            devices)
-        sim_ms = float("inf")
-        if cand is not None:
-            ev = evaluate(table, cluster, cand, options)
-            if ev.fits:
-                sim_ms = (ev.iteration_ms if inst.objective == "iteration"
-                          else throughput_objective_ms(ev.costs))
+        cand, sim_ms = judge_fn(stages)
         res.log.append(f"solve {res.solves}: model {obj / inst.unit_per_ms:.4f} ms, "
                        f"simulated {sim_ms:.4f} ms, {solver.StatusName(status)}")
         if sim_ms <= best_ms:
@@ -184,4 +243,4 @@ def search(inst: Instance, table: LayerTable, cluster: Cluster, options: PlanOpt
     return res
 
 
-__all__ = ["SearchResult", "search", "replica_buckets"]
+__all__ = ["SearchResult", "search"]

@@ -103,7 +103,7 @@ def brute_force_throughput(profile: Profile, cluster: Cluster, options: PlanOpti
                            microbatch_size: int) -> float:
     """PipeDream's objective on one level (every device one unit, one bandwidth: intra-node on
     one node, inter-node across nodes; chain cuts), minimised over every split and replica
-    vector: max over stages of compute / r, all-reduce / m and 2 transfer(cut) / r_next."""
+    vector: max over stages of compute / r + all-reduce / m, and 2 transfer(cut) / r_next."""
     from planner.cost import allreduce_ms, transfer_ms
 
     table = layer_table(profile)
@@ -112,6 +112,7 @@ def brute_force_throughput(profile: Profile, cluster: Cluster, options: PlanOpti
     D = cluster.num_devices
     m = options.global_batch // microbatch_size
     scale = microbatch_size / profile.batch_size
+    cuts = table.cut_bytes()
     best = float("inf")
     for bounds in splits(table.num_layers):
         S = len(bounds) - 1
@@ -121,10 +122,10 @@ def brute_force_throughput(profile: Profile, cluster: Cluster, options: PlanOpti
             worst = 0.0
             for s in range(S):
                 a, z, r = bounds[s], bounds[s + 1], reps[s]
-                worst = max(worst, scale * table.compute_ms(a, z) / r,
-                            allreduce_ms(table.param_bytes(a, z), r, bw, cluster.latency_us) / m)
+                worst = max(worst, scale * table.compute_ms(a, z) / r
+                            + allreduce_ms(table.param_bytes(a, z), r, bw, cluster.latency_us) / m)
                 if s + 1 < S:
-                    cut = scale * table.cut_bytes(z - 1)
+                    cut = scale * cuts[z - 1]
                     worst = max(worst, 2 * transfer_ms(cut, bw, cluster.latency_us) / reps[s + 1])
             best = min(best, worst)
     return best
