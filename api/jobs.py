@@ -108,6 +108,7 @@ class JobManager:
         self._ctx = _context()
         self._queue: queue.Queue[Task | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._finish_lock = threading.Lock()
         self._tasks: dict[str, Task] = {}  # job id -> task, while in flight
         self._by_key: dict[str, Task] = {}
         self._running = 0
@@ -142,12 +143,8 @@ class JobManager:
         with self._lock:
             inflight = len(self._tasks)
             running = self._running
-        return {"workers": self.workers, "running": running, "queued": inflight - running,
+        return {"workers": self.workers, "running": running, "queued": max(0, inflight - running),
                 "capacity": self.capacity}
-
-    def in_flight(self, key: str) -> Task | None:
-        with self._lock:
-            return self._by_key.get(key)
 
     def submit(self, kind: str, key: str, profile_id: str, request: dict[str, Any],
                payload: dict[str, Any], deadline_s: float, on_result: ResultHandler) -> tuple[Task, bool]:
@@ -190,15 +187,17 @@ class JobManager:
         task.cancel_reason = task.cancel_reason or reason
 
     def _finish(self, task: Task, outcome: Outcome) -> None:
-        """Record the outcome (first writer wins), forget the task, resolve its future."""
-        self.storage.finish_job(task.job_id, outcome.status, plan_id=outcome.plan_id,
-                                result=outcome.result, error=outcome.error,
-                                error_kind=outcome.error_kind)
-        with self._lock:
-            if self._tasks.pop(task.job_id, None) is not None and self._by_key.get(task.key) is task:
-                del self._by_key[task.key]
-        if not task.future.done():
-            task.future.set_result(outcome)
+        """Record the outcome, forget the task, resolve its future. A cancel and the dispatcher
+        may both finish a task: the first wins, in storage and in the future alike."""
+        with self._finish_lock:
+            self.storage.finish_job(task.job_id, outcome.status, plan_id=outcome.plan_id,
+                                    result=outcome.result, error=outcome.error,
+                                    error_kind=outcome.error_kind)
+            with self._lock:
+                if self._tasks.pop(task.job_id, None) is not None and self._by_key.get(task.key) is task:
+                    del self._by_key[task.key]
+            if not task.future.done():
+                task.future.set_result(outcome)
 
     def _dispatch(self) -> None:
         solver: _Solver | None = None
