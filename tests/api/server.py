@@ -36,12 +36,13 @@ class Server:
     def start(self, timeout_s: float = 60.0) -> Server:
         cmd = [sys.executable, "-m", "planner", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--db", str(self.db), "--workers", str(self.workers), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+        self.log = self.db.parent / f"server-{self.port}.log"  # a file: a full pipe would block it
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+                raise RuntimeError(f"server exited: {self.log.read_text()}")
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
                     return self
@@ -61,8 +62,6 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         code = self.proc.returncode
-        if self.proc.stderr:
-            self.proc.stderr.close()
         self.proc = None
         return code
 
