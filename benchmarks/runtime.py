@@ -48,15 +48,24 @@ F_MS = float(os.environ.get("PIPEPLAN_SLEEP_F_MS", "5"))
 DIM = int(os.environ.get("PIPEPLAN_SLEEP_DIM", "64"))
 
 
+def wait_ms(ms):
+    """Sleep most of the time, spin the last half millisecond: time.sleep alone overshoots."""
+    deadline = time.perf_counter() + ms / 1e3
+    if ms > 0.5:
+        time.sleep((ms - 0.5) / 1e3)
+    while time.perf_counter() < deadline:
+        pass
+
+
 class Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        time.sleep(F_MS / 1e3)
+        wait_ms(F_MS)
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(2 * F_MS / 1e3)
+        wait_ms(2 * F_MS)
         return g
 
 

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-mismatch", action="store_true",
                    help="run even if the model file changed since it was profiled")
     p.add_argument("--granularity", default=None,
-                   help="layer granularity of the profile (default: the plan's, else 'blocks')")
+                   help="layer granularity of the profile (default: the plan's, else blocks or modules, whichever has the plan's layers)")
     return p
 
 
@@ -51,12 +51,12 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         raise PipeplanError("--steps must be at least 1")
     if args.timeout <= 0:
         raise PipeplanError("--timeout must be positive (seconds)")
-    granularity = args.granularity or getattr(plan, "granularity", None) or "blocks"
+    granularity = args.granularity or getattr(plan, "granularity", None)
     return RunOptions(
         plan=args.plan, model=args.model, steps=args.steps, lr=args.lr,
         optimizer=args.optimizer or plan.options.optimizer, seed=args.seed, save=args.save,
         resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
-        allow_mismatch=args.allow_mismatch, granularity=str(granularity),
+        allow_mismatch=args.allow_mismatch, granularity=granularity,
     )
 
 
@@ -77,8 +77,9 @@ def check_model_hash(plan: Plan, model_path: str, allow_mismatch: bool, quiet: b
         print(f"warning: {text}; running anyway (--allow-mismatch)", file=sys.stderr)
 
 
-def preflight(plan: Plan, opts: RunOptions) -> None:
-    """Before any process starts: the model file matches and has every layer the plan names."""
+def preflight(plan: Plan, opts: RunOptions) -> str:
+    """Before any process starts: the model file matches and has every layer the plan names.
+    Returns the granularity the plan's layers were traced at."""
     import torch
 
     from profiler.loader import load_model_file
@@ -92,8 +93,8 @@ def preflight(plan: Plan, opts: RunOptions) -> None:
     torch.manual_seed(opts.seed)
     model = mf.build_model()
     example, _ = split_batch(mf.make_batch(plan.microbatch_size), plan.microbatch_size, 1)
-    graph = stages.trace_model(model, example[0], opts.granularity)
-    stages.check_layers(plan, stages.layer_names(graph), opts.model)
+    _, granularity = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
+    return granularity
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = load_model(args.plan, Plan, "plan")
         opts = options_from_args(args, plan)
-        preflight(plan, opts)
+        granularity = preflight(plan, opts)
     except PipeplanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan.num_microbatches} microbatches of "
           f"{plan.microbatch_size}, schedule {plan.schedule})", flush=True)
     try:
-        failures = launch(argv + (["--allow-mismatch"] if opts.allow_mismatch else []),
-                          plan.world_size)
+        extra = [] if args.granularity else ["--granularity", granularity]
+        failures = launch(argv + extra, plan.world_size)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -19,4 +19,4 @@ class RunOptions:
     trace: str | None = None
     timeout: float = 300.0  # seconds a rank waits for a peer before giving up
     allow_mismatch: bool = False
-    granularity: str = "blocks"  # how the profiler traced the model into layers
+    granularity: str | None = None  # how the profiler traced the model into layers (None: find it)

@@ -87,15 +87,32 @@ def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], gran
     return graph
 
 
-def check_layers(plan: Plan, names: list[str], model_path: str) -> None:
+def trace_for_plan(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], plan: Plan,
+                   model_path: str, granularity: str | None) -> tuple[object, str]:
+    """Trace at `granularity`, or (None) at the first of the profiler's granularities whose
+    layers are the plan's; checks the plan's layer names against the model."""
+    tried = [granularity] if granularity else ["blocks", "modules"]
+    graph = None
+    for g in tried:
+        graph = trace_model(model, example_inputs, g)
+        names = layer_names(graph)
+        if [n for s in plan.stages for n in s.layers] == names:
+            return graph, g
+    assert graph is not None
+    check_layers(plan, layer_names(graph), model_path, tried[-1])
+    return graph, tried[-1]
+
+
+def check_layers(plan: Plan, names: list[str], model_path: str, granularity: str = "blocks") -> None:
     known = set(names)
     missing = [n for s in plan.stages for n in s.layers if n not in known]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5]) + (" …" if len(missing) > 5 else "")
         raise PipeplanError(
             f"the plan names layers that {model_path} does not have: {shown} "
-            f"(the traced model has {len(names)} layers, e.g. {', '.join(names[:3])}); "
-            "profile this model again and make a new plan"
+            f"(traced at granularity {granularity!r} it has {len(names)} layers, e.g. "
+            f"{', '.join(names[:3])}); profile this model again and make a new plan, or pass "
+            "the --granularity it was profiled with"
         )
     planned = [n for s in plan.stages for n in s.layers]
     if planned != names:

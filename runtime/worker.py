@@ -105,8 +105,7 @@ class Worker:
             self.start_step = int(meta["step"])
         torch.manual_seed(opts.seed)
         example, _ = split_batch(self.mf.make_batch(self.b), self.b, 1)
-        graph = stages.trace_model(model, example[0], opts.granularity)
-        stages.check_layers(plan, stages.layer_names(graph), opts.model)
+        graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
         modules = stages.build_all_stages(graph, plan)
         self.routing = stages.routing_of(modules)
         names = [set(stages.named_tensors(mod)) for mod in modules]
