@@ -2,7 +2,10 @@
 
 - times: median over `repeats` runs after `warmup` runs, layers and whole model interleaved
   round by round; on CPU with `time.perf_counter` (or the thread's CPU time, see `Timer`), on
-  CUDA with CUDA events (synchronised). Gradients stay allocated and are zeroed in place
+  CUDA with CUDA events (synchronised). The fixed cost of calling a stage and starting its
+  backward (measured on a stage that does nothing, see `overhead_runner`) is subtracted from
+  every layer: the whole model pays it once, a sum over L layers would pay it L times.
+  Gradients stay allocated and are zeroed in place
   before every run (freshly allocated gradients would add page-fault time that depends on
   how much the allocator happens to return to the system, not on the layer).
 - `param_bytes`: `sum(p.numel() * p.element_size())` over the layer's parameters (buffers are
@@ -216,14 +219,46 @@ def _rounds(runners: list[Any], warmup: int, repeats: int,
             on_round(r + 1, total)
 
 
-def _layer_result(lg: LayerGraph, runners: list[StageRunner]) -> list[LayerMeasurement]:
+class _Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+
+def overhead_runner(device: torch.device, clock: str = "wall") -> StageRunner:
+    """A stage doing almost nothing (one multiply of one number): its times are the fixed
+    cost of calling a stage and starting its backward, which the per-layer times subtract
+    (the whole model pays it once, a sum over L layers would pay it L times)."""
+    from profiler.graph import trace
+
+    x = torch.ones(1, device=device)
+    lg = trace(torch.nn.Sequential(_Scale(), _Scale()), (x,))
+    values = layer_values(lg, (x,))
+    return StageRunner(build_stage(lg, lg.layer_names()[-1:]), values, device, clock)
+
+
+@dataclass
+class Overhead:
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+
+
+def _overhead(run: StageRunner | None) -> Overhead:
+    if run is None:
+        return Overhead()
+    return Overhead(statistics.median(run.fwd), statistics.median(run.bwd))
+
+
+def _layer_result(lg: LayerGraph, runners: list[StageRunner],
+                  overhead: Overhead | None = None) -> list[LayerMeasurement]:
+    oh = overhead or Overhead()
     out = []
     for layer, run in zip(lg.layers, runners, strict=True):
         params = sum(p.numel() * p.element_size() for p in run.stage.parameters())
         buffers = sum(b.numel() * b.element_size() for b in run.stage.buffers())
+        fwd = max(0.0, statistics.median(run.fwd) - oh.fwd_ms)
+        bwd = max(0.0, statistics.median(run.bwd) - oh.bwd_ms) if any(run.bwd) else 0.0
         out.append(LayerMeasurement(
-            layer.name, layer.kind, statistics.median(run.fwd), statistics.median(run.bwd),
-            params, buffers, run.activation_bytes, run.output_bytes,
+            layer.name, layer.kind, fwd, bwd, params, buffers, run.activation_bytes, run.output_bytes,
         ))
         run.stage.zero_grad(set_to_none=True)
     return out
@@ -261,10 +296,14 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
                 target: Any, loss_fn: Callable[[Any, Any], Any], device: torch.device,
                 warmup: int = 2, repeats: int = 5,
                 on_round: Callable[[int, int], None] | None = None, clock: str = "wall",
-                ) -> tuple[list[LayerMeasurement], WholeMeasurement]:
-    """Layers and whole model measured in interleaved rounds (see `_rounds`)."""
+                subtract_overhead: bool = True,
+                ) -> tuple[list[LayerMeasurement], WholeMeasurement, Overhead]:
+    """Layers and whole model measured in interleaved rounds (see `_rounds`); with
+    `subtract_overhead`, each layer's times exclude the fixed per-stage call cost (returned)."""
     values = layer_values(lg, inputs)
     runners = [StageRunner(build_stage(lg, [name]), values, device, clock) for name in lg.layer_names()]
     whole = WholeRunner(model, inputs, target, loss_fn, device, clock)
-    _rounds([*runners, whole], warmup, repeats, on_round)
-    return _layer_result(lg, runners), _whole_result(whole)
+    null = overhead_runner(device, clock) if subtract_overhead else None
+    _rounds([*runners, whole, *([null] if null else [])], warmup, repeats, on_round)
+    oh = _overhead(null)
+    return _layer_result(lg, runners, oh), _whole_result(whole), oh

@@ -69,6 +69,7 @@ def profile_model_file(
     seed: int = 0,
     threads: int | None = None,
     clock: str = "wall",
+    subtract_overhead: bool = True,
 ) -> Profile:
     """Profile `path` at `batch_size`. Progress: `on_traced(layer_graph)` once, then
     `on_round(done, total)` after each measuring round (every layer and the whole model once)."""
@@ -108,9 +109,9 @@ def profile_model_file(
     lg = trace(model, inputs, granularity=granularity)
     if on_traced:
         on_traced(lg)
-    layers, whole = measure_all(
+    layers, whole, overhead = measure_all(
         lg, model, inputs, target, lambda o, t: call_user(mf.path, "loss_fn", mf.loss_fn, o, t),
-        dev, warmup, repeats, on_round=on_round, clock=clock,
+        dev, warmup, repeats, on_round=on_round, clock=clock, subtract_overhead=subtract_overhead,
     )
     layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
     whole_ms = whole.fwd_ms + whole.bwd_ms
@@ -132,6 +133,7 @@ def profile_model_file(
             fwd_ms=whole.fwd_ms, bwd_ms=whole.bwd_ms, peak_memory_bytes=whole.peak_memory_bytes,
             activation_bytes=whole.activation_bytes, loss_ms=whole.loss_ms,
             layer_sum_ratio=(layer_sum / whole_ms) if whole_ms > 0 else None,
+            stage_overhead_fwd_ms=overhead.fwd_ms, stage_overhead_bwd_ms=overhead.bwd_ms,
         ),
         granularity=granularity,
         trace_method=lg.method,

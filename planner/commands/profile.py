@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="CPU timing: wall (perf_counter, default) or thread (this thread's CPU "
                    "time: robust on a busy machine; needs --threads 1)")
+    p.add_argument("--keep-call-overhead", action="store_true",
+                   help="do not subtract the fixed cost of calling a stage from each layer's times")
     p.add_argument("--seed", type=int, default=0, help="torch seed for build_model and make_batch")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
     p.set_defaults(func=run)
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             args.model, args.batch_size, device=args.device, warmup=args.warmup,
             repeats=args.repeats, granularity=args.granularity, on_round=on_round,
             on_traced=on_traced, seed=args.seed, threads=args.threads,
-            clock=args.clock,
+            clock=args.clock, subtract_overhead=not args.keep_call_overhead,
         )
     finally:
         if bar:

@@ -96,7 +96,8 @@ def test_profile_round_trips_and_bytes_repeat_exactly(small_env) -> None:
     assert first.edges == second.edges
     assert first.measured.activation_bytes == second.measured.activation_bytes
     assert first.cut_bytes() == second.cut_bytes()
-    assert all(layer.fwd_ms > 0 and layer.bwd_ms > 0 for layer in first.layers)
+    assert all(layer.fwd_ms >= 0 and layer.bwd_ms >= 0 for layer in first.layers)
+    assert sum(layer.fwd_ms + layer.bwd_ms for layer in first.layers) > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
