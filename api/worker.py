@@ -74,7 +74,7 @@ def serve(conn: Any) -> None:
     tasks from the pipe one at a time until it sends None or closes."""
     _exit_with_parent()
     try:
-        os.nice(5)
+        os.nice(10)
     except OSError:  # not permitted here; run at normal priority
         pass
     while True:
