@@ -143,6 +143,24 @@ def run_pipeplan(plan, model_path: Path, env: dict[str, str], steps: int, tmp: P
     return json.loads(report_path.read_text())
 
 
+def simulate_with_measured(plan, report: dict) -> float:
+    """The simulator's iteration time for the plan with the stage times the run measured."""
+    import dataclasses
+
+    from planner.schedules import plan_actions
+    from planner.simulator import costs_from_plan, simulate_costs
+
+    by_stage: dict[int, dict] = {}
+    for r in report["ranks"]:
+        by_stage.setdefault(r["stage"], r)
+    costs = dataclasses.replace(
+        costs_from_plan(plan),
+        fwd_ms=tuple(by_stage[s]["fwd_ms_per_microbatch"] for s in range(len(plan.stages))),
+        bwd_ms=tuple(by_stage[s]["bwd_ms_per_microbatch"] for s in range(len(plan.stages))),
+    )
+    return simulate_costs(costs, plan_actions(plan)).iteration_ms
+
+
 # ---------------------------------------------------------------- torch.distributed.pipelining
 
 
@@ -251,6 +269,7 @@ def main() -> None:
                     "pipeplan_pct_of_measured_ideal": 100 * (m + S - 1) * stage_ms / ours,
                     "torch_1f1b_ms": torch_ms, "torch_pct_of_ideal": 100 * ideal / torch_ms,
                     "predicted_ms": pred, "prediction_error_pct": 100 * (pred - ours) / ours,
+                    "predicted_with_measured_stage_ms": simulate_with_measured(plan_1f1b, rep),
                     "pipeplan_gpipe_ms": rep_g["iteration_ms"],
                     "predicted_gpipe_ms": plan_gpipe.predicted.iteration_ms,
                     "act_bytes_stage0_1f1b": rep["ranks"][0]["peak_activation_bytes"],
@@ -266,14 +285,17 @@ def main() -> None:
     load_after = os.getloadavg()
     header = ("| S | m | ideal ms | pipeplan 1F1B ms | % of ideal | % of ideal (measured stage time) "
               "| torch Schedule1F1B ms | % of ideal | simulator ms | sim − measured | "
-              "GPipe ms | act. bytes stage 0 1F1B / GPipe (in flight) |")
-    lines = [header, "|" + "---|" * 12]
+              "simulator, measured stage times | GPipe ms | "
+              "act. bytes stage 0 1F1B / GPipe (in flight) |")
+    lines = [header, "|" + "---|" * 13]
     for r in rows:
         lines.append(
             f"| {r['S']} | {r['m']} | {r['ideal_ms']:.0f} | {r['pipeplan_1f1b_ms']:.1f} | "
             f"{r['pipeplan_pct_of_ideal']:.1f}% | {r['pipeplan_pct_of_measured_ideal']:.1f}% | "
             f"{r['torch_1f1b_ms']:.1f} | {r['torch_pct_of_ideal']:.1f}% | {r['predicted_ms']:.1f} | "
-            f"{r['prediction_error_pct']:+.1f}% | {r['pipeplan_gpipe_ms']:.1f} | "
+            f"{r['prediction_error_pct']:+.1f}% | {r['predicted_with_measured_stage_ms']:.1f} "
+            f"({100 * (r['predicted_with_measured_stage_ms'] - r['pipeplan_1f1b_ms']) / r['pipeplan_1f1b_ms']:+.1f}%) | "
+            f"{r['pipeplan_gpipe_ms']:.1f} | "
             f"{r['act_bytes_stage0_1f1b']} / {r['act_bytes_stage0_gpipe']} "
             f"({r['inflight_stage0_1f1b']} / {r['inflight_stage0_gpipe']}) |")
     table = "\n".join(lines)

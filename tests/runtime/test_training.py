@@ -57,14 +57,18 @@ def test_replicated_stage_gpipe(run, tmp_path):
 
 
 def test_resume_continues_like_an_uninterrupted_run(run, tmp_path):
-    model = MODELS / "seq_mlp.py"
+    model = tmp_path / "model.py"
+    model.write_text((MODELS / "seq_mlp.py").read_text())
     plan = run.plan(model, 2)
     common = ["--model", model, "--optimizer", "adam", "--timeout", 60]
     rc, _, err, _ = run(plan, *common, "--steps", 2, "--save", tmp_path / "a")
     assert rc == 0, err
+    # the file changed since the plan was made (a comment): a warning with --allow-mismatch
+    model.write_text(model.read_text() + "\n# edited after profiling\n")
     rc, _, err, _ = run(plan, *common, "--steps", 2, "--resume", tmp_path / "a",
-                        "--save", tmp_path / "b")
+                        "--save", tmp_path / "b", "--allow-mismatch")
     assert rc == 0, err
+    assert "warning" in err and "sha256" in err
     ref = reference_train(str(model), 4, optimizer="adam")
     assert max_abs_diff(ref, torch.load(tmp_path / "b" / "model.pt")) < TOL
     assert json.loads((tmp_path / "b" / "meta.json").read_text())["step"] == 4
