@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import Settings
+from planner.formats import Cluster, PlanOptions, Profile
+from planner.solve import make_plan
 
 INPUT = "<input>"
 
@@ -60,6 +63,29 @@ def make_settings(tmp_path: Path, **kw: Any) -> Settings:
                             "sync_wait_s": 30.0, "max_time_limit_s": 5.0, "api_key": None}
     base.update(kw)
     return Settings(**base)
+
+
+def direct(body: dict[str, Any]) -> dict[str, Any]:
+    """The planner's own answer to a request body (the independent reference)."""
+    plan = make_plan(Profile.model_validate(body["profile"]), Cluster.model_validate(body["cluster"]),
+                     PlanOptions.model_validate(body["options"]))
+    return plan.model_dump(mode="json")
+
+
+def without_wall(plan: dict[str, Any]) -> dict[str, Any]:
+    out = dict(plan)
+    out["solver"] = {k: v for k, v in plan["solver"].items() if k != "wall_s"}
+    return out
+
+
+def wait_job(client: TestClient, job_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] not in ("queued", "running"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still unfinished after {timeout_s} s")
 
 
 @pytest.fixture

@@ -11,9 +11,8 @@ from typing import Any
 import httpx
 
 from planner.solve import cpsat_available
-from tests.api.conftest import plan_body
+from tests.api.conftest import direct, plan_body, without_wall
 from tests.api.server import Server
-from tests.api.test_plans import direct, without_wall
 
 
 async def _load(url: str, bodies: list[dict[str, Any]]) -> tuple[list[httpx.Response], list[dict]]:

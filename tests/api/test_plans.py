@@ -5,9 +5,7 @@ right status with the field or the planner's message."""
 from __future__ import annotations
 
 import io
-import time
 import xml.etree.ElementTree as ET
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,33 +13,17 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.storage import Storage
 from planner.errors import PipeplanError
-from planner.formats import Cluster, Plan, PlanOptions, Profile
+from planner.formats import Plan
 from planner.simulator import simulate
-from planner.solve import make_plan
-from tests.api.conftest import cluster_doc, make_settings, plan_body, profile_doc
-
-
-def direct(body: dict[str, Any]) -> dict[str, Any]:
-    """The planner's own answer to a request body (the independent reference)."""
-    plan = make_plan(Profile.model_validate(body["profile"]), Cluster.model_validate(body["cluster"]),
-                     PlanOptions.model_validate(body["options"]))
-    return plan.model_dump(mode="json")
-
-
-def without_wall(plan: dict[str, Any]) -> dict[str, Any]:
-    out = dict(plan)
-    out["solver"] = {k: v for k, v in plan["solver"].items() if k != "wall_s"}
-    return out
-
-
-def wait_job(client: TestClient, job_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if job["status"] not in ("queued", "running"):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} still unfinished after {timeout_s} s")
+from tests.api.conftest import (
+    cluster_doc,
+    direct,
+    make_settings,
+    plan_body,
+    profile_doc,
+    wait_job,
+    without_wall,
+)
 
 
 @pytest.mark.parametrize("method", ["blocks", "uniform", "pipedream"])
