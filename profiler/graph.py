@@ -97,6 +97,7 @@ class LayerGraph:
     owner: dict[str, int] = field(repr=False)
     alias_groups: list[list[str]] = field(repr=False, default_factory=list)
     orphans: dict[int, list[str]] = field(repr=False, default_factory=dict)
+    layer_needs: list[list[str]] = field(repr=False, default_factory=list)  # node names per layer
 
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self.layers]
@@ -256,11 +257,14 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
     # tensors crossing layer boundaries: the inputs of every single-layer stage
     tensors: dict[str, TensorInfo] = {}
     per_layer_params: list[dict[str, torch.Tensor]] = []
+    layer_needs: list[list[str]] = []
+    by_name = {n.name: n for n in gm.graph.nodes}
     for i, layer in enumerate(layers):
         nodes, needed = _closure(gm, kind, owner, {i})
+        layer_needs.append(needed)
         per_layer_params.append(_param_targets(root, nodes))
         for name in needed:
-            node = next(n for n in gm.graph.nodes if n.name == name)
+            node = by_name[name]
             tid = _tensor_id(node, placeholders)
             producer = INPUT_NODE if node.op == "placeholder" else layers[owner[name]].name
             info = tensors.setdefault(tid, TensorInfo(tid, producer, [], nbytes.get(name, 0)))
@@ -313,7 +317,7 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
         layers=layers, graph=g, tensors=tensors, shared_parameters=shared,
         method=traced.method, granularity=granularity,
         num_inputs=len(inputs), gm=gm, root=root, kind=kind, owner=owner,
-        alias_groups=alias_groups, orphans=orphans,
+        alias_groups=alias_groups, orphans=orphans, layer_needs=layer_needs,
     )
 
 
@@ -343,8 +347,7 @@ def build_stage(layer_graph: LayerGraph, layer_names: list[str]) -> StageModule:
     outside = [i for i in range(len(lg.layers)) if i not in idx]
     wanted: set[str] = set()
     for i in outside:
-        _, needs = _closure(gm, lg.kind, lg.owner, {i})
-        wanted.update(needs)
+        wanted.update(lg.layer_needs[i])
     if not owns_output:
         for a in output_node.all_input_nodes:
             if lg.kind[a.name] not in ("input", "attr", "free", "recompute"):

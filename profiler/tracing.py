@@ -74,6 +74,18 @@ def _concrete_args(model: torch.nn.Module, n_inputs: int) -> dict[str, Any] | No
     return out
 
 
+def _inline_concrete_args(graph: fx.Graph, n_inputs: int) -> None:
+    """fx keeps a placeholder (and a guard) for each argument fixed by `concrete_args`; the
+    stages only receive the positional inputs, so put the fixed value in its place."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for p in placeholders[n_inputs:]:
+        value = p.args[0] if p.args else None
+        for user in list(p.users):
+            user.args = fx.node.map_arg(user.args, lambda a, p=p, v=value: v if a is p else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, p=p, v=value: v if a is p else a)
+        graph.erase_node(p)
+
+
 def _try_fx(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, list[str], str]:
     leaves: set[str] = set()
     last_error = ""
@@ -90,6 +102,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | Non
                 return None, sorted(leaves), last_error
             leaves.add(failing[-1])
             continue
+        _inline_concrete_args(graph, n_inputs)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         return gm, sorted(leaves), ""
     return None, sorted(leaves), last_error

@@ -204,3 +204,42 @@ def test_untraceable_top_level_is_a_clear_error() -> None:
 
     with pytest.raises(PipeplanError, match="cannot trace Bad"):
         trace(Bad(), (torch.randn(3, 4),))
+
+
+def test_two_inputs_default_argument_and_dict_output() -> None:
+    """A mask derived from the second input is recomputed in every block (never sent), a
+    defaulted forward argument is fixed, and a dict output comes out of the last stage."""
+
+    class Blk(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.relu(self.a(x))) * m
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+            self.blocks = torch.nn.ModuleList([Blk(), Blk(), Blk()])
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: float = 2.0) -> dict:
+            m = mask.float().unsqueeze(-1) * scale  # (B, T, 1)
+            h = self.emb(x)
+            for blk in self.blocks:
+                h = blk(h, m)
+            return {"y": self.out(h), "h": h}
+
+    torch.manual_seed(0)
+    model, x, mask = Net(), torch.randn(2, 5, 3), torch.randint(0, 2, (2, 5))
+    lg = trace(model, (x, mask))
+    assert lg.layer_names() == ["emb", "blocks.0", "blocks.1", "blocks.2", "out"]
+    for name in ["blocks.0", "blocks.1", "blocks.2"]:
+        st = build_stage(lg, [name])
+        assert "<input>:1" in st.input_keys and len(st.input_keys) == 2
+    assert all(e.bytes == 2 * 5 * 4 * 4 for e in lg.edges() if e.src != INPUT_NODE)
+    ref = model(x, mask)
+    out, _, _ = run_pipeline(lg, [["emb", "blocks.0"], ["blocks.1"], ["blocks.2", "out"]], (x, mask),
+                             ref["y"].detach(), lambda o, t: ((o["y"] - t) ** 2).sum() + o["h"].sum())
+    assert torch.equal(out["y"], ref["y"]) and torch.equal(out["h"], ref["h"])
