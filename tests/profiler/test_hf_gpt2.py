@@ -45,3 +45,31 @@ def test_gpt2_traces_into_embedding_blocks_head_and_stages_match() -> None:
     for st in stages.values():
         for k, p in st.named_parameters(remove_duplicate=False):
             assert torch.equal(p.grad, ref_grads[k].grad), k
+
+
+def test_gpt2_model_file_profiles_at_block_granularity(tmp_path) -> None:
+    from profiler.profile import profile_model_file
+
+    path = tmp_path / "gpt2_model.py"
+    path.write_text(
+        "import torch, transformers\n"
+        "def build_model():\n"
+        "    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32,\n"
+        "        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)\n"
+        "    return transformers.GPT2LMHeadModel(cfg)\n"
+        "def make_batch(n):\n"
+        "    t = torch.randint(0, 96, (n, 17))\n"
+        "    return (t[:, :-1],), t[:, 1:]\n"
+        "def loss_fn(out, y):\n"
+        "    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, 96), y.reshape(-1))\n"
+    )
+    profile = profile_model_file(path, 2, warmup=0, repeats=1)
+    names = [layer.name for layer in profile.layers]
+    assert names[1:3] == ["transformer.h.0", "transformer.h.1"] and len(names) == 4
+    assert profile.trace_method == "export"
+    block_params = sum(p.numel() * 4 for p in transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
+    ).transformer.h[0].parameters())
+    assert profile.layers[1].param_bytes == block_params
+    assert all(layer.activation_bytes > 0 for layer in profile.layers[1:])
+    assert profile.edges[-1].bytes == 2 * 16 * 32 * 4  # hidden states into the head
