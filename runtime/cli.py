@@ -82,7 +82,7 @@ def preflight(plan: Plan, opts: RunOptions) -> str:
     Returns the granularity the plan's layers were traced at."""
     import torch
 
-    from profiler.loader import load_model_file
+    from profiler.loader import batch_checked, build_checked, load_model_file
     from runtime import stages
     from runtime.worker import split_batch
 
@@ -91,8 +91,19 @@ def preflight(plan: Plan, opts: RunOptions) -> str:
         raise PipeplanError(f"--resume {opts.resume}: no such directory")
     mf = load_model_file(opts.model)
     torch.manual_seed(opts.seed)
-    model = mf.build_model()
-    example, _ = split_batch(mf.make_batch(plan.microbatch_size), plan.microbatch_size, 1)
+    model = build_checked(mf)
+    if opts.resume:
+        from runtime import checkpoint
+
+        state, _, _ = checkpoint.load(opts.resume)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as exc:
+            raise PipeplanError(f"--resume {opts.resume}: the checkpoint does not fit {opts.model} "
+                                f"({str(exc).splitlines()[0]}); resume with the model it was saved "
+                                "from") from None
+    batch = batch_checked(mf, plan.microbatch_size)
+    example, _ = split_batch(batch, plan.microbatch_size, 1)
     _, granularity = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
     return granularity
 

@@ -95,8 +95,10 @@ class Worker:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         plan, opts = self.plan, self.opts
+        from profiler.loader import batch_checked, build_checked
+
         torch.manual_seed(opts.seed)
-        model = self.mf.build_model()
+        model = build_checked(self.mf)
         self.start_step = 0
         opt_state: dict = {}
         if opts.resume:
@@ -104,7 +106,8 @@ class Worker:
             model.load_state_dict(model_state)
             self.start_step = int(meta["step"])
         torch.manual_seed(opts.seed)
-        example, _ = split_batch(self.mf.make_batch(self.b), self.b, 1)
+        example, _ = split_batch(batch_checked(self.mf, self.b),
+                                 self.b, 1)
         graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
         modules = stages.build_all_stages(graph, plan)
         self.routing = stages.routing_of(modules)
