@@ -220,18 +220,22 @@ def _rounds(runners: list[Any], warmup: int, repeats: int,
 
 
 class _Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 1.0
+        return x * self.w
 
 
 def overhead_runner(device: torch.device, clock: str = "wall") -> StageRunner:
-    """A stage doing almost nothing (one multiply of one number): its times are the fixed
+    """A stage doing almost nothing (one number times a one-number weight): its times are the fixed
     cost of calling a stage and starting its backward, which the per-layer times subtract
     (the whole model pays it once, a sum over L layers would pay it L times)."""
     from profiler.graph import trace
 
     x = torch.ones(1, device=device)
-    lg = trace(torch.nn.Sequential(_Scale(), _Scale()), (x,))
+    lg = trace(torch.nn.Sequential(_Scale(), _Scale()).to(device), (x,))
     values = layer_values(lg, (x,))
     return StageRunner(build_stage(lg, lg.layer_names()[-1:]), values, device, clock)
 

@@ -106,3 +106,13 @@ def test_cuda_without_gpu_is_a_clear_error(small_env) -> None:
 
     with pytest.raises(PipeplanError, match="no CUDA device"):
         profile_model_file(EXAMPLES / "mlp.py", 2, device="cuda")
+
+
+def test_stage_call_overhead_is_measured_on_a_stage_with_a_backward() -> None:
+    from profiler.measure import overhead_runner
+
+    run = overhead_runner(torch.device("cpu"))
+    assert run.stage.input_keys and not run.stage.input_keys[0].startswith("<input>")
+    for _ in range(3):
+        run.once(keep=True)
+    assert all(b > 0 for b in run.bwd) and all(f > 0 for f in run.fwd)
