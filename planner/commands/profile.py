@@ -73,6 +73,10 @@ def format_profile(profile: Any) -> str:
     if m is not None and (m.fwd_ms + m.bwd_ms) > 0:
         ratio = (fwd + bwd) / (m.fwd_ms + m.bwd_ms)
         out.append(f"per-layer sum / whole model (fwd+bwd): {ratio:.3f}")
+        if abs(ratio - 1) > 0.25 and profile.device.type == "cpu" and getattr(profile, "clock", "") == "wall":
+            out.append("note: the layer times do not add up to the whole model; on a busy CPU "
+                       "profile with --threads 1 --clock thread (CPU time, unaffected by other "
+                       "processes) and more --repeats")
     if m is not None and m.peak_memory_bytes:
         out.append(f"whole-model peak memory: {_mb(m.peak_memory_bytes)} MB")
     return "\n".join(out)
