@@ -19,6 +19,7 @@ from planner.cpsat.baseline import best_baseline
 from planner.cpsat.bounds import DPBound, dp_lower_bound, model_value_ms
 from planner.cpsat.coarsen import coarse_table, group_cuts
 from planner.cpsat.diagnose import infeasible_error
+from planner.cpsat.improve import improve
 from planner.cpsat.instance import build_instance
 from planner.cpsat.search import EXACT_SLOTS, SearchResult, search
 from planner.formats import Cluster, Device, PlanOptions, Profile
@@ -73,18 +74,30 @@ def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table
         keep = [s.start for s in incumbent.stages] if incumbent is not None else []
         cuts = group_cuts(table, MAX_GROUPS, keep)
         model_table = coarse_table(table, cuts)
-        max_stages = min(max_stages or MAX_SLOTS, MAX_SLOTS)
+        # enough slots for the plans known (memory may force many stages)
+        known = max([len(incumbent.stages) if incumbent is not None else 0,
+                     len(dpb.bounds) - 1 if dpb is not None else 0]) + 4
+        max_stages = min(max_stages or 10**9, max(MAX_SLOTS, known))
     inst = build_instance(model_table, cluster, options, b)
     lb = dpb.bound_ms if dpb is not None else 0.0
-    res = search(inst, table, cluster, options, devices, deadline, incumbent, incumbent_ms,
+    # large instances: half of what is left for CP-SAT, the rest to polish its plan
+    search_end = deadline if not restricted else \
+        time.perf_counter() + 0.5 * max(deadline - time.perf_counter(), 0.0)
+    res = search(inst, table, cluster, options, devices, search_end, incumbent, incumbent_ms,
                  max_stages, cuts, lb, exact=not restricted,
                  gap_limit=gap_limit if restricted else 0.0)  # small models: prove optimality
+    if restricted and res.candidate is not None and options.objective == "iteration" \
+            and not (lb > 0 and res.iteration_ms - lb <= gap_limit * res.iteration_ms):
+        cand, ms, n = improve(table, cluster, options, res.candidate, res.iteration_ms, deadline)
+        res.log.append(f"local search: {n} moves simulated, {res.iteration_ms:.4f} -> {ms:.4f} ms")
+        if ms < res.iteration_ms:
+            res.candidate, res.iteration_ms, res.model_ms = cand, ms, None
     if restricted:
         # the coarse, capped model proves nothing about the full space: only the DP bound does
         res.bound_ms = min(lb, res.iteration_ms)
         res.status = "FEASIBLE" if res.candidate is not None else "UNKNOWN"
         if res.candidate is not None and res.iteration_ms <= lb * (1 + 1e-9):
-            res.status = "OPTIMAL"
+            res.status = "OPTIMAL"  # it meets the DP bound, valid for every plan
     else:
         res.bound_ms = min(max(res.bound_ms, lb), res.iteration_ms)
         if res.candidate is not None:
@@ -104,8 +117,11 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions,
     table = layer_table(profile)
     devices = cluster.devices()
     sizes = [b for b in microbatch_sizes(profile, options) if options.global_batch % b == 0]
+    # no new baseline once 40% of the time limit is spent (on 1024 devices `blocks` alone
+    # can take longer than the whole limit)
+    share = 0.4
     fallback, fallback_ms, fallback_name = best_baseline(profile, cluster, options, table, devices,
-                                                         0.15 * options.time_limit_s)
+                                                         share * options.time_limit_s)
     results: list[SearchResult] = []
     for i, b in enumerate(sizes):
         share = (deadline - time.perf_counter()) / (len(sizes) - i)
@@ -115,6 +131,10 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions,
                                     fallback_ms if inc is not None else float("inf"), max_stages,
                                     gap_limit))
     found = [r for r in results if r.candidate is not None]
+    if not found and fallback is None:
+        # nothing within the budget: every baseline, however long it takes, before giving up
+        fallback, fallback_ms, fallback_name = best_baseline(profile, cluster, options, table,
+                                                             devices)
     wall = time.perf_counter() - t0
     if not found and fallback is None:
         raise infeasible_error(table, cluster, options.optimizer, options.schedule, sizes,

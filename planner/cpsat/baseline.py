@@ -20,7 +20,7 @@ from planner.partition import Candidate
 
 log = logging.getLogger(__name__)
 
-BASELINES = ("pipedream", "params", "uniform", "blocks")  # cheapest first
+BASELINES = ("pipedream", "uniform", "params", "blocks")  # cheapest first
 
 
 def baseline_method(name: str) -> Callable[[Profile, Cluster, PlanOptions], Candidate] | None:

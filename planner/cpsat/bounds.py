@@ -69,12 +69,16 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     - `Fpre(a) + ceil(m / r) C(a, z) + max(AR(a, z, r), Bpre(a)) <= T` (the stage's rank busy
       all the time, after the first forward reached it and before the backwards left for the
       earlier stages or its all-reduce: path P1 of `model.py`),
-    - `C(0, L) + (ceil(m / r) - 1) Bwd(a, z) <= T` (the first microbatch's round trip, then the
-      stage's remaining backwards),
-    - `Fwd(0, L) + (ceil(m / r) - 1) Fwd(a, z) + Bwd(a, L) + AR(a, z, r) <= T` (the replica's
-      last microbatch reaches it after its other forwards, goes to the end and back, then the
-      stage all-reduces),
-    - its parameters, gradients, optimizer state and one microbatch of activations fit.
+    - `C(0, L) + (ceil(m / r) - 1) Bwd(a, z) + (ceil(m / r) - w) Fwd(a, z) <= T` (the first
+      microbatch's round trip, then the stage's steady state and remaining backwards; plus the
+      stage's own two links both ways), with `w` an upper bound of its 1F1B warm-up:
+      `ceil(min(m, D - dp(a)) / r)`, `dp(a)` the fewest devices the layers before can use,
+    - `Fwd(0, L) + (ceil(m / r) - 1) Fwd(a, z) + (ceil(m / r) - w) Bwd(a, z) + Bwd(a, L)
+      + AR(a, z, r) <= T` (the replica's last microbatch reaches it after its other forwards
+      and steady-state backwards, goes to the end and back, then the stage all-reduces),
+    - its parameters, gradients, optimizer state and `ceil(min(m, r + n) / r)` microbatches of
+      activations fit (1F1B's in-flight count, with `n` the least number of later stages that
+      can hold the later layers' static memory).
 
     Every plan satisfies these at its own iteration time (communication only adds), so the
     result is a lower bound of the optimum; bisection to `rel_tol` or until `deadline`
@@ -93,8 +97,9 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     rs = _replica_choices(m, D)
     mk = np.ceil(m / rs)
     # a stage with more replicas than the largest node has devices spans nodes (inter-node)
-    fast = max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) * GB
     per_node = max(s.devices for s in cluster.node_specs())
+    fast = (max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) if per_node > 1
+            else cluster.inter_node_gb_per_s) * GB  # one device per node: every link crosses
     bw = np.where(rs <= per_node, fast, cluster.inter_node_gb_per_s * GB)
     lat = cluster.latency_us / 1e3
     total = F[L] + B[L]
@@ -104,6 +109,7 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
                      2 * transfer_ms(scale * adj[z], fast / GB, cluster.latency_us)
                      for z in range(L + 1)])
 
+    later_stages = np.ceil((P[L] - P) * (2 + k) / mem)  # stages at least, after layer z
     ar_coef = np.where(rs > 1, 2 * (rs - 1) / rs / bw * 1e3, 0.0)  # per parameter byte
     ar_lat = np.where(rs > 1, 2 * (rs - 1) * lat, 0.0)
     half = link / 2
@@ -117,17 +123,34 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
             a = np.arange(z)
             comp = (F[z] - F[a]) + (B[z] - B[a])  # (z,)
             params = P[z] - P[a]
-            fits = params * (2 + k) + (A[z] - A[a]) <= mem
+            # in flight on replica 0: ceil(min(m, U) / r), U = replicas from here to the end,
+            # at least r plus one device per `mem` of the later layers' static memory
+            if options.schedule == "gpipe":
+                inflight = mk[None, :]
+            else:
+                later = later_stages[z]
+                inflight = np.ceil(np.minimum(m, rs[None, :] + later) / rs[None, :])
+            fits = (params * (2 + k))[:, None] + (A[z] - A[a])[:, None] * inflight <= mem
             ar = params[:, None] * ar_coef[None, :] + ar_lat[None, :]  # (z, R)
             # P1: first forward in, the stage busy, then the backward out or its all-reduce
             p1 = (F[a] + half[a])[:, None] + mk[None, :] * comp[:, None] \
                 + np.maximum(ar, (B[a] + half[a])[:, None])
             # the first microbatch's round trip, then the stage's remaining backwards
-            p2 = total + (mk[None, :] - 1) * (B[z] - B[a])[:, None]
+            # 1F1B warm-up w <= ceil(min(m, U) / r) with U <= D - dp[a]: the devices left
+            # after the fewest the layers before can use at this T
+            left = np.where(np.isfinite(dp[a]), D - dp[a], D)
+            w_hi = np.minimum(mk[None, :], np.ceil(np.minimum(m, np.maximum(left, 1))[:, None]
+                                                   / rs[None, :]))
+            if options.schedule == "gpipe":
+                w_hi = mk[None, :] + 0 * w_hi
+            p2 = total + link[a][:, None] + link[z] + (mk[None, :] - 1) * (B[z] - B[a])[:, None] \
+                + (mk[None, :] - w_hi) * (F[z] - F[a])[:, None]
             # the last microbatch through this stage's replica, to the end and back, then
             # this stage's all-reduce
-            p3 = F[L] + (mk[None, :] - 1) * (F[z] - F[a])[:, None] + (B[L] - B[a])[:, None] + ar
-            ok = (p1 <= T) & (p2 <= T) & (p3 <= T) & fits[:, None]
+            p3 = F[L] + (mk[None, :] - 1) * (F[z] - F[a])[:, None] \
+                + (mk[None, :] - w_hi) * (B[z] - B[a])[:, None] \
+                + (B[L] - B[a] + half[a] + link[z])[:, None] + ar
+            ok = (p1 <= T) & (p2 <= T) & (p3 <= T) & fits
             cost = np.where(ok, rs[None, :], np.inf)  # (z, R)
             best_r = np.argmin(cost, axis=1)
             cand = dp[a] + cost[a, best_r]

@@ -58,9 +58,14 @@ def infeasible_error(table: LayerTable, cluster: Cluster, optimizer: str, schedu
     first_a, first_z = stages[0] if stages else (0, L)
     inflight = m if schedule == "gpipe" else min(m, max(len(stages), 1))
     per_device = need(first_a, first_z, inflight)
+    where = (f"stage 0 (layers {table.names[first_a]!r}..{table.names[first_z - 1]!r}) needs "
+             f"{per_device / GB:.2f} GB per device with {inflight} microbatches in flight")
+    if len(stages) > D:
+        return PipeplanError(
+            f"no plan fits: on devices of {biggest / GB:.2f} GB the model needs at least "
+            f"{len(stages)} pipeline stages but the cluster has {D} devices; {where}. Give more "
+            f"devices or a smaller microbatch size than {b}")
     return PipeplanError(
-        f"no plan fits: the model needs at least {len(stages)} pipeline stages on devices of "
-        f"{biggest / GB:.2f} GB but the cluster has {D} devices; stage 0 (layers "
-        f"{table.names[first_a]!r}..{table.names[first_z - 1]!r}) needs {per_device / GB:.2f} GB "
-        f"per device with {inflight} microbatches in flight; give more devices or a smaller "
-        f"microbatch size than {b}")
+        f"no plan found that fits in device memory ({biggest / GB:.2f} GB per device, {D} "
+        f"devices): with {len(stages)} stages {where}. Try a smaller microbatch size than {b}, "
+        f"--optimizer sgd, more devices, or a longer --time-limit")

@@ -195,6 +195,10 @@ def search(inst: Instance, table: LayerTable, cluster: Cluster, options: PlanOpt
                 and (ms - lower_bound_ms) <= gap_limit * ms)
 
     while True:
+        if lower_bound_ms > 0 and best_ms <= lower_bound_ms * (1 + 1e-9):
+            res.bound_ms = lower_bound_ms  # the incumbent meets a bound valid for every plan
+            res.status = "OPTIMAL"
+            break
         if close_enough(best_ms):
             res.bound_ms = lower_bound_ms
             break
