@@ -118,11 +118,20 @@ def measured_simulation(records: list[RankRecord], iteration_ms: float) -> objec
 
 def chrome_trace(sim: object, plan: Plan, iteration_ms: float) -> dict:
     """The measured last step as a Chrome trace, laid out by the planner's own writer (one
-    track per rank, process "measured"), so it opens beside the simulator's prediction."""
+    track per rank), in process "measured"; the simulator's prediction for the plan sits
+    beside it as process "predicted", so both open together in Perfetto."""
+    from planner.simulator import simulate
     from planner.trace import chrome_trace as planner_trace
+    from planner.trace import merge_traces
 
-    return planner_trace(sim, label="measured", metadata={  # type: ignore[arg-type]
+    meta = {
         "measured_iteration_ms": iteration_ms,
         "predicted_iteration_ms": plan.predicted.iteration_ms,
         "schedule": plan.schedule, "num_microbatches": plan.num_microbatches,
-    })
+    }
+    measured = planner_trace(sim, label="measured", pid=0, metadata=meta)  # type: ignore[arg-type]
+    try:
+        predicted = planner_trace(simulate(plan), label="predicted", pid=1)
+    except Exception:  # noqa: BLE001 - a plan the simulator cannot handle still gets its trace
+        return measured
+    return merge_traces(measured, predicted)

@@ -36,8 +36,10 @@ def test_mlp_two_stages_1f1b(run, tmp_path, monkeypatch):
     assert [r["schedule_peak_inflight"] for r in report["ranks"]] == [2, 1]
     assert len(report["losses"]) == 3 and "predicted" in out and "measured" in out
     trace = json.loads((tmp_path / "trace.json").read_text())
-    names = {e.get("name") for e in trace["traceEvents"]}
-    assert {"0F0", "0B3", "1F3", "1B0"} <= names
+    # the measured step (process 0) beside the simulator's prediction (process 1), same layout
+    for pid in (0, 1):
+        names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid}
+        assert {"0F0", "0B3", "1F3", "1B0"} <= names
 
 
 def test_replicated_stage_1f1b_adam(run, tmp_path):
