@@ -48,6 +48,10 @@ def test_replicated_stage_1f1b_adam(run, tmp_path):
     report, _ = _check(run, model, plan, 2, tmp_path, optimizer="adam",
                        global_batch=12, microbatch_size=2)
     assert [(r["stage"], r["replica"]) for r in report["ranks"]] == [(0, 0), (0, 1), (1, 0)]
+    # replicated 1F1B warms up ceil(sum of replicas from stage s on / r_s) microbatches
+    # (ARCHITECTURE.md): ceil(3 / 2) = 2 on each replica of stage 0, 1 on stage 1
+    assert [r["peak_inflight_microbatches"] for r in report["ranks"]] == [2, 2, 1]
+    assert all(r["peak_inflight_microbatches"] == r["schedule_peak_inflight"] for r in report["ranks"])
 
 
 def test_replicated_stage_gpipe(run, tmp_path):
