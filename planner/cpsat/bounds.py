@@ -14,7 +14,7 @@ from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, transfer_ms
 from planner.cpsat.decode import structure_of
 from planner.cpsat.instance import Instance, adjacent_bytes
 from planner.cpsat.model import build_model
-from planner.cpsat.search import EXACT_SLOTS, _slot_literals
+from planner.cpsat.search import EXACT_MICROBATCHES, EXACT_SLOTS, _slot_literals
 from planner.formats import GB, Cluster, Device, PlanOptions
 from planner.partition import Candidate
 
@@ -27,7 +27,7 @@ def model_value_ms(inst: Instance, candidate: Candidate, devices: list[Device],
     if st is None:
         return None
     J = min(max_stages or inst.num_layers, inst.num_layers, inst.num_devices)
-    h = build_model(inst, J, exact=J <= EXACT_SLOTS)
+    h = build_model(inst, J, exact=J <= EXACT_SLOTS and inst.num_microbatches <= EXACT_MICROBATCHES)
     for var, val in _slot_literals(h, st):
         h.model.Add(var == val)
     solver = cp_model.CpSolver()

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, microbatch_scale, transfer_ms
 from planner.formats import GB, Cluster, PlanOptions
 
-TARGET_UNITS = 10**8  # a generous upper bound of the iteration time maps to about this many units
+MICROBATCH_UNITS = 10**7  # one microbatch through the whole model maps to about this many
+# units: products with microbatch counts then stay exact to ~1e-7 of the iteration time
 MEMORY_UNIT_BYTES = 1000
 
 
@@ -54,6 +55,7 @@ class Instance:
     objective: str
     optimizer: str
     unit_per_ms: float  # integer time units per millisecond
+    upper_units: int  # no iteration takes longer (domain of the time variables)
     speeds: tuple[float, ...]  # distinct device speeds
     fwd_prefix: dict[float, tuple[int, ...]]  # speed -> prefix of scaled fwd time, units
     bwd_prefix: dict[float, tuple[int, ...]]
@@ -136,8 +138,9 @@ def build_instance(table: LayerTable, cluster: Cluster, options: PlanOptions,
     comm_ms = 2 * sum(transfer_ms(scale * b, cluster.inter_node_gb_per_s, cluster.latency_us)
                       for b in adj)
     ar_ms = 2 * table.param_bytes(0, L) / (cluster.inter_node_gb_per_s * GB) * 1e3
-    upper_ms = max(total_ms + m * comm_ms + ar_ms + 2 * cluster.num_devices * lat_ms, 1e-9)
-    unit = TARGET_UNITS / upper_ms
+    per_mb_ms = max(total_ms / m + comm_ms + 2 * cluster.num_devices * lat_ms, 1e-9)
+    unit = MICROBATCH_UNITS / per_mb_ms
+    upper_units = int(4 * (m * MICROBATCH_UNITS + ar_ms * unit)) + 10**6
     fwd = [x * scale for x in
            (table.fwd_prefix_ms[i + 1] - table.fwd_prefix_ms[i] for i in range(L))]
     bwd = [x * scale for x in
@@ -154,7 +157,7 @@ def build_instance(table: LayerTable, cluster: Cluster, options: PlanOptions,
     return Instance(
         num_layers=L, num_microbatches=m, microbatch_size=microbatch_size, scale=scale,
         schedule=options.schedule, objective=options.objective, optimizer=options.optimizer,
-        unit_per_ms=unit, speeds=speeds,
+        unit_per_ms=unit, upper_units=upper_units, speeds=speeds,
         fwd_prefix={v: _rounded_prefix(fwd, unit / v) for v in speeds},
         bwd_prefix={v: _rounded_prefix(bwd, unit / v) for v in speeds},
         static_prefix_kb=_rounded_prefix([p * (2 + k) for p in params], 1 / MEMORY_UNIT_BYTES),

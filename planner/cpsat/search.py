@@ -24,6 +24,7 @@ from planner.formats import Cluster, Device, PlanOptions
 from planner.partition import Candidate
 
 EXACT_SLOTS = 24  # up to this many slots the in-flight products are modelled exactly
+EXACT_MICROBATCHES = 64  # beyond, in-flight counts as booleans get too many: relaxed instead
 SMALL_MODEL = 160  # slots x layers up to which the search branches on the structure
 
 
@@ -164,6 +165,7 @@ def search(inst: Instance, table: LayerTable, cluster: Cluster, options: PlanOpt
     `gap_limit` (relative) of `lower_bound_ms`."""
     J = min(max_stages or inst.num_layers, inst.num_layers, inst.num_devices)
     exact = J <= EXACT_SLOTS if exact is None else exact
+    exact = exact and inst.num_microbatches <= EXACT_MICROBATCHES
     lb_units = max(0, int(lower_bound_ms * inst.unit_per_ms) - 2)
     h = build_model(inst, J, lower_bound_units=lb_units, exact=exact)
     best, best_ms, best_model = incumbent, incumbent_ms, None
