@@ -76,6 +76,11 @@ class StageExecutor:
         self._inflight: dict[int, _InFlight] = {}
         self._saved_now = 0
 
+    def _sync(self) -> None:
+        """On CUDA, wait for the kernels so compute times are measured, not just launched."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def rank_of(self, stage: int, mb: int) -> int:
         devs = self.stage_devices[stage]
         return devs[mb % len(devs)]
@@ -137,6 +142,7 @@ class StageExecutor:
             loss = None
             if self.is_last:
                 loss = self.loss_fn(out[OUTPUT_KEY], target.to(self.device)) / self.m
+        self._sync()
         t1 = time.time()
         self.stats.fwd_ms.append((t1 - t0) * 1e3)
         self.events.append(TimedEvent(f"{self.stage}F{j}", "F", self.stage, j, t0, t1))
@@ -170,6 +176,7 @@ class StageExecutor:
         t0 = time.time()
         if tensors:
             torch.autograd.backward(tensors, grads)
+        self._sync()
         t1 = time.time()
         self.stats.bwd_ms.append((t1 - t0) * 1e3)
         self.events.append(TimedEvent(f"{self.stage}B{j}", "B", self.stage, j, t0, t1))

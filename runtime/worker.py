@@ -8,6 +8,7 @@ Semantics are those of single-device training (see runtime/__init__.py).
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import logging
 import os
@@ -315,6 +316,8 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
                             world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=opts.timeout))
     worker.setup()
+    gc.collect()
+    gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
     record = worker.train()
     worker.finish(record)
     dist.destroy_process_group()
