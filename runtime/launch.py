@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,12 @@ def launch(argv: list[str], world_size: int) -> list[Failure]:
                 ERROR_FILE_ENV: str(Path(tmp) / f"rank{rank}.json"),
             })
             procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env))
+
+        def on_term(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt  # stop the ranks too when the launcher is told to stop
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
         try:
             failed_at = None
             while True:
@@ -91,6 +98,9 @@ def launch(argv: list[str], world_size: int) -> list[Failure]:
         except KeyboardInterrupt:
             _stop(procs)
             raise
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
         own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)}
         _stop(procs)  # the rest: stopped by us, their exit says nothing
         failures = [_read_error(Path(tmp) / f"rank{r}.json", r, code) for r, code in own.items()]
