@@ -98,3 +98,14 @@ def test_unet_three_stages_skip_connections_cross_stages(run, tmp_path):
     model = EXAMPLES / "unet.py"
     plan = run.plan(model, 3, global_batch=4, microbatch_size=1)
     _check(run, model, plan, 2, tmp_path, global_batch=4, microbatch_size=1)
+
+
+def test_tied_embedding_with_a_replicated_stage(run, tmp_path, monkeypatch):
+    # the tied weight's gradient is summed over stage 0 and both replicas of stage 1
+    for k, v in {"PIPEPLAN_GPT_TIED": "1", "PIPEPLAN_GPT_BLOCKS": "2", "PIPEPLAN_GPT_DIM": "32",
+                 "PIPEPLAN_GPT_VOCAB": "128", "PIPEPLAN_GPT_SEQ": "8"}.items():
+        monkeypatch.setenv(k, v)
+    model = EXAMPLES / "gpt.py"
+    plan = run.plan(model, [2, 2], [1, 2], global_batch=8, microbatch_size=2)
+    report, _ = _check(run, model, plan, 2, tmp_path, optimizer="momentum")
+    assert all(r["peak_inflight_microbatches"] == r["schedule_peak_inflight"] for r in report["ranks"])
