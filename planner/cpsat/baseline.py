@@ -21,6 +21,7 @@ from planner.partition import Candidate
 log = logging.getLogger(__name__)
 
 BASELINES = ("pipedream", "uniform", "params", "blocks")  # cheapest first
+SLOW_BLOCKS = 100_000  # layers x devices above which `blocks` is not run as a hint
 
 
 def baseline_method(name: str) -> Callable[[Profile, Cluster, PlanOptions], Candidate] | None:
@@ -46,6 +47,8 @@ def best_baseline(profile: Profile, cluster: Cluster, options: PlanOptions, tabl
     for name in BASELINES:
         if time.perf_counter() - t0 > budget_s:
             break  # no new baseline once its share of the time limit is spent
+        if name == "blocks" and table.num_layers * len(devices) > SLOW_BLOCKS:
+            continue  # its depth sweep alone can outlast the time limit (13-26 s measured)
         fn = baseline_method(name)
         if fn is None:
             continue
