@@ -300,9 +300,13 @@ class Worker:
             Path(opts.trace).write_text(json.dumps(chrome_trace(sim, plan, report.iteration_ms)))
         pred = plan.predicted.iteration_ms
         meas = report.iteration_ms
+        first = self.start_step + 1
+        steps = (f"steps {first + 1}-{first + opts.steps - 1}" if opts.steps > 2
+                 else f"step {first + opts.steps - 1}")
+        ratio = f"{meas / pred:.2f}" if pred > 0 else "n/a"
         print(f"iteration time: predicted {pred:.1f} ms, measured {meas:.1f} ms "
-              f"(median of steps after the first; measured/predicted = {meas / pred:.2f}); "
-              f"throughput: predicted {plan.predicted.throughput_samples_per_s:.1f} samples/s, "
+              f"(measured/predicted {ratio}; median of {steps})", flush=True)
+        print(f"throughput:     predicted {plan.predicted.throughput_samples_per_s:.1f} samples/s, "
               f"measured {report.samples_per_s:.1f} samples/s", flush=True)
         for r in report.ranks:
             print(f"  rank {r.rank} stage {r.stage} replica {r.replica}: "
