@@ -84,6 +84,18 @@ def test_equals_brute_force_on_random_instances(block: int) -> None:
         assert cand.solver["bound"] <= ev.iteration_ms * (1 + REL)
 
 
+def test_gpipe_schedule_equals_brute_force() -> None:
+    for seed in range(500, 520):
+        profile, cluster, options = random_instance(seed)
+        options = options.model_copy(update={"schedule": "gpipe"})
+        ref = brute_force(profile, cluster, options, [options.microbatch_size])
+        if ref.candidate is None:
+            continue
+        cand = solve(profile, cluster, options)
+        assert cand.solver["status"] == "OPTIMAL", seed
+        assert_close(cand.solver["objective"], ref.iteration_ms)
+
+
 def test_never_worse_than_any_baseline() -> None:
     for seed in range(200, 215):
         profile, cluster, options = random_instance(seed)
