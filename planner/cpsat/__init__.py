@@ -21,6 +21,7 @@ from planner.cpsat.coarsen import coarse_table, group_cuts
 from planner.cpsat.diagnose import infeasible_error
 from planner.cpsat.improve import improve
 from planner.cpsat.instance import build_instance
+from planner.cpsat.proof import placement_free, prove
 from planner.cpsat.search import EXACT_SLOTS, SearchResult, search
 from planner.formats import Cluster, Device, PlanOptions, Profile
 from planner.partition import Candidate, StageChoice
@@ -68,6 +69,19 @@ def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table
             if ev.fits and ev.iteration_ms < incumbent_ms:
                 incumbent, incumbent_ms = cand, ev.iteration_ms
     restricted = L > MAX_GROUPS or min(L, D, max_stages or L) > EXACT_SLOTS
+    if restricted and incumbent is not None and placement_free(cluster) \
+            and options.objective == "iteration":
+        # polish the incumbent, then try to prove it by enumerating what could beat it
+        now = time.perf_counter()
+        incumbent, incumbent_ms, n = improve(table, cluster, options, incumbent, incumbent_ms,
+                                             now + 0.2 * max(deadline - now, 0.0))
+        proof = prove(table, cluster, options, incumbent, incumbent_ms,
+                      now + 0.5 * max(deadline - now, 0.0))
+        if proof is not None:
+            return SearchResult(proof.candidate, proof.iteration_ms, None, proof.iteration_ms,
+                                "OPTIMAL", 0, [f"local search: {n} moves simulated",
+                                               f"enumeration: {proof.plans} plans that could "
+                                               "be faster simulated"])
     cuts = None
     model_table = table
     if restricted:
@@ -92,6 +106,13 @@ def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table
         res.log.append(f"local search: {n} moves simulated, {res.iteration_ms:.4f} -> {ms:.4f} ms")
         if ms < res.iteration_ms:
             res.candidate, res.iteration_ms, res.model_ms = cand, ms, None
+    if res.candidate is not None and res.status != "OPTIMAL" and time.perf_counter() < deadline:
+        proof = prove(table, cluster, options, res.candidate, res.iteration_ms, deadline)
+        if proof is not None:
+            res.log.append(f"enumeration: {proof.plans} plans that could be faster simulated")
+            res.candidate, res.iteration_ms = proof.candidate, proof.iteration_ms
+            res.bound_ms, res.status = proof.iteration_ms, "OPTIMAL"
+            return res
     if restricted:
         # the coarse, capped model proves nothing about the full space: only the DP bound does
         res.bound_ms = min(lb, res.iteration_ms)

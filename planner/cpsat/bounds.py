@@ -60,6 +60,89 @@ def _replica_choices(m: int, max_r: int) -> np.ndarray:
     return np.array(out, dtype=float)
 
 
+class StageBounds:
+    """The per-stage conditions of `dp_lower_bound` at a target time T (internal)."""
+
+    def __init__(self, table: LayerTable, cluster: Cluster, options: PlanOptions,
+                 microbatch_size: int, all_replicas: bool = False) -> None:
+        L, D = table.num_layers, cluster.num_devices
+        m = options.global_batch // microbatch_size
+        scale = microbatch_size / table.batch_size
+        devices = cluster.devices()
+        vmax = max(d.speed for d in devices)
+        mem = max(d.memory_bytes for d in devices)
+        F = np.array(table.fwd_prefix_ms) * scale / vmax
+        B = np.array(table.bwd_prefix_ms) * scale / vmax
+        P = np.array(table.param_prefix_bytes, dtype=float)
+        A = np.array(table.activation_prefix_bytes, dtype=float) * scale
+        k = OPTIMIZER_EXTRA_COPIES[options.optimizer]
+        rs = np.arange(1, D + 1, dtype=float) if all_replicas else _replica_choices(m, D)
+        mk = np.ceil(m / rs)
+        # a stage with more replicas than the largest node has devices spans nodes (inter-node)
+        per_node = max(s.devices for s in cluster.node_specs())
+        fast = (max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) if per_node > 1
+                else cluster.inter_node_gb_per_s) * GB  # one device per node: every link crosses
+        bw = np.where(rs <= per_node, fast, cluster.inter_node_gb_per_s * GB)
+        lat = cluster.latency_us / 1e3
+        total = F[L] + B[L]
+        # the stage's own incoming link, both ways, at the fastest bandwidth (adjacent tensors)
+        adj = adjacent_bytes(table)
+        link = np.array([0.0 if z in (0, L) else
+                         2 * transfer_ms(scale * adj[z], fast / GB, cluster.latency_us)
+                         for z in range(L + 1)])
+
+        later_stages = np.ceil((P[L] - P) * (2 + k) / mem)  # stages at least, after layer z
+        ar_coef = np.where(rs > 1, 2 * (rs - 1) / rs / bw * 1e3, 0.0)  # per parameter byte
+        ar_lat = np.where(rs > 1, 2 * (rs - 1) * lat, 0.0)
+        half = link / 2
+
+        self.options, self.devices, self.vmax = options, devices, vmax
+        self.L, self.D, self.m, self.F, self.B, self.P, self.A, self.k = L, D, m, F, B, P, A, k
+        self.rs, self.mk, self.mem, self.total, self.link, self.half = rs, mk, mem, total, link, half
+        self.later_stages, self.ar_coef, self.ar_lat = later_stages, ar_coef, ar_lat
+
+    def ok(self, T: float, z: int, dp: np.ndarray) -> np.ndarray:
+        """(z, R) booleans: stage [a, z) on rs[i] replicas meets every condition at T, given
+        dp[a] (fewest devices the layers before a can use at T)."""
+        (L, D, m, F, B, P, A, k, rs, mk, mem, total, link, half, later_stages, ar_coef,
+         ar_lat) = (self.L, self.D, self.m, self.F, self.B, self.P, self.A, self.k, self.rs,
+                    self.mk, self.mem, self.total, self.link, self.half, self.later_stages,
+                    self.ar_coef, self.ar_lat)
+        options = self.options
+        a = np.arange(z)
+        comp = (F[z] - F[a]) + (B[z] - B[a])  # (z,)
+        params = P[z] - P[a]
+        # in flight on replica 0: ceil(min(m, U) / r), U = replicas from here to the end,
+        # at least r plus one device per `mem` of the later layers' static memory
+        if options.schedule == "gpipe":
+            inflight = mk[None, :]
+        else:
+            later = later_stages[z]
+            inflight = np.ceil(np.minimum(m, rs[None, :] + later) / rs[None, :])
+        fits = (params * (2 + k))[:, None] + (A[z] - A[a])[:, None] * inflight <= mem
+        ar = params[:, None] * ar_coef[None, :] + ar_lat[None, :]  # (z, R)
+        # P1: first forward in, the stage busy, then the backward out or its all-reduce
+        p1 = (F[a] + half[a])[:, None] + mk[None, :] * comp[:, None] \
+            + np.maximum(ar, (B[a] + half[a])[:, None])
+        # the first microbatch's round trip, then the stage's remaining backwards
+        # 1F1B warm-up w <= ceil(min(m, U) / r) with U <= D - dp[a]: the devices left
+        # after the fewest the layers before can use at this T
+        left = np.where(np.isfinite(dp[a]), D - dp[a], D)
+        w_hi = np.minimum(mk[None, :], np.ceil(np.minimum(m, np.maximum(left, 1))[:, None]
+                                               / rs[None, :]))
+        if options.schedule == "gpipe":
+            w_hi = mk[None, :] + 0 * w_hi
+        p2 = total + link[a][:, None] + link[z] + (mk[None, :] - 1) * (B[z] - B[a])[:, None] \
+            + (mk[None, :] - w_hi) * (F[z] - F[a])[:, None]
+        # the last microbatch through this stage's replica, to the end and back, then
+        # this stage's all-reduce
+        p3 = F[L] + (mk[None, :] - 1) * (F[z] - F[a])[:, None] \
+            + (mk[None, :] - w_hi) * (B[z] - B[a])[:, None] \
+            + (B[L] - B[a] + half[a] + link[z])[:, None] + ar
+        ok = (p1 <= T) & (p2 <= T) & (p3 <= T) & fits
+        return ok
+
+
 def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
                    microbatch_size: int, upper_ms: float, rel_tol: float = 2e-3,
                    deadline: float = float("inf")) -> DPBound | None:
@@ -83,36 +166,8 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     Every plan satisfies these at its own iteration time (communication only adds), so the
     result is a lower bound of the optimum; bisection to `rel_tol` or until `deadline`
     (perf_counter; the bound stays valid, only looser). None: nothing fits."""
-    L, D = table.num_layers, cluster.num_devices
-    m = options.global_batch // microbatch_size
-    scale = microbatch_size / table.batch_size
-    devices = cluster.devices()
-    vmax = max(d.speed for d in devices)
-    mem = max(d.memory_bytes for d in devices)
-    F = np.array(table.fwd_prefix_ms) * scale / vmax
-    B = np.array(table.bwd_prefix_ms) * scale / vmax
-    P = np.array(table.param_prefix_bytes, dtype=float)
-    A = np.array(table.activation_prefix_bytes, dtype=float) * scale
-    k = OPTIMIZER_EXTRA_COPIES[options.optimizer]
-    rs = _replica_choices(m, D)
-    mk = np.ceil(m / rs)
-    # a stage with more replicas than the largest node has devices spans nodes (inter-node)
-    per_node = max(s.devices for s in cluster.node_specs())
-    fast = (max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) if per_node > 1
-            else cluster.inter_node_gb_per_s) * GB  # one device per node: every link crosses
-    bw = np.where(rs <= per_node, fast, cluster.inter_node_gb_per_s * GB)
-    lat = cluster.latency_us / 1e3
-    total = F[L] + B[L]
-    # the stage's own incoming link, both ways, at the fastest bandwidth (adjacent tensors)
-    adj = adjacent_bytes(table)
-    link = np.array([0.0 if z in (0, L) else
-                     2 * transfer_ms(scale * adj[z], fast / GB, cluster.latency_us)
-                     for z in range(L + 1)])
-
-    later_stages = np.ceil((P[L] - P) * (2 + k) / mem)  # stages at least, after layer z
-    ar_coef = np.where(rs > 1, 2 * (rs - 1) / rs / bw * 1e3, 0.0)  # per parameter byte
-    ar_lat = np.where(rs > 1, 2 * (rs - 1) * lat, 0.0)
-    half = link / 2
+    sb = StageBounds(table, cluster, options, microbatch_size)
+    L, D, rs = sb.L, sb.D, sb.rs
 
     def feasible(T: float):
         dp = np.full(L + 1, np.inf)
@@ -121,36 +176,7 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
         rarg = np.zeros(L + 1, dtype=int)
         for z in range(1, L + 1):
             a = np.arange(z)
-            comp = (F[z] - F[a]) + (B[z] - B[a])  # (z,)
-            params = P[z] - P[a]
-            # in flight on replica 0: ceil(min(m, U) / r), U = replicas from here to the end,
-            # at least r plus one device per `mem` of the later layers' static memory
-            if options.schedule == "gpipe":
-                inflight = mk[None, :]
-            else:
-                later = later_stages[z]
-                inflight = np.ceil(np.minimum(m, rs[None, :] + later) / rs[None, :])
-            fits = (params * (2 + k))[:, None] + (A[z] - A[a])[:, None] * inflight <= mem
-            ar = params[:, None] * ar_coef[None, :] + ar_lat[None, :]  # (z, R)
-            # P1: first forward in, the stage busy, then the backward out or its all-reduce
-            p1 = (F[a] + half[a])[:, None] + mk[None, :] * comp[:, None] \
-                + np.maximum(ar, (B[a] + half[a])[:, None])
-            # the first microbatch's round trip, then the stage's remaining backwards
-            # 1F1B warm-up w <= ceil(min(m, U) / r) with U <= D - dp[a]: the devices left
-            # after the fewest the layers before can use at this T
-            left = np.where(np.isfinite(dp[a]), D - dp[a], D)
-            w_hi = np.minimum(mk[None, :], np.ceil(np.minimum(m, np.maximum(left, 1))[:, None]
-                                                   / rs[None, :]))
-            if options.schedule == "gpipe":
-                w_hi = mk[None, :] + 0 * w_hi
-            p2 = total + link[a][:, None] + link[z] + (mk[None, :] - 1) * (B[z] - B[a])[:, None] \
-                + (mk[None, :] - w_hi) * (F[z] - F[a])[:, None]
-            # the last microbatch through this stage's replica, to the end and back, then
-            # this stage's all-reduce
-            p3 = F[L] + (mk[None, :] - 1) * (F[z] - F[a])[:, None] \
-                + (mk[None, :] - w_hi) * (B[z] - B[a])[:, None] \
-                + (B[L] - B[a] + half[a] + link[z])[:, None] + ar
-            ok = (p1 <= T) & (p2 <= T) & (p3 <= T) & fits
+            ok = sb.ok(T, z, dp)
             cost = np.where(ok, rs[None, :], np.inf)  # (z, R)
             best_r = np.argmin(cost, axis=1)
             cand = dp[a] + cost[a, best_r]
@@ -166,7 +192,7 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
             bounds.append(z)
         return bounds[::-1], reps[::-1]
 
-    lo = max(m * total * vmax / sum(d.speed for d in devices), total)  # compute bound
+    lo = max(sb.m * sb.total * sb.vmax / sum(d.speed for d in sb.devices), sb.total)
     hi = max(upper_ms, lo)
     plan = feasible(hi)
     if plan is None:
