@@ -1,12 +1,25 @@
 """CP-SAT planner: stage boundaries, replicas, placement and microbatching that minimise the
-simulated 1F1B iteration time under memory limits, with a proven bound on how far from optimal
-the answer can be.
+simulated 1F1B (or GPipe) iteration time under memory limits, with a proven bound on how far
+from optimal the answer can be.
 
-`solve(profile, cluster, options) -> Candidate` is the method `cpsat` of `planner.solve`.
-The model (`model.py`) minimises a lower bound of the simulated time that is exact on the
-paths deciding a pipeline's makespan; `search.py` simulates each solution with the core's
-simulator and cuts off those whose bound lied, so the returned plan is optimal for the
-simulator when the status is OPTIMAL. The best baseline plan is the hint and the fallback.
+`solve(profile, cluster, options) -> Candidate` is the method `cpsat` of `planner.solve`;
+`candidate.solver` holds name, status (OPTIMAL | FEASIBLE | FALLBACK), objective (the
+simulator's iteration ms of the plan, or PipeDream's objective with `throughput`), bound (no
+plan is faster), gap, wall_s, model_objective (the CP-SAT model's own value of the plan),
+solves and hint (the best baseline). How, per microbatch size:
+
+1. the best baseline (hint and fallback) and a DP lower bound over every plan with its own
+   plan (`bounds.py`);
+2. the verified search (`search.py`): CP-SAT minimises a lower bound of the simulated time
+   (`model.py`), each solution is placed on ranks and simulated, solutions whose bound was
+   below their simulated time are cut off and the model solved again, until the model's
+   optimum reaches the best simulated time: OPTIMAL. Up to 24 stage slots and 64 layers the
+   model covers every plan; beyond, it runs on runs of layers with a few more slots than the
+   plans known (`coarsen.py`), and its plan is polished by a local search (`improve.py`);
+3. where placement cannot change the time (one node, or nodes of one device), every plan the
+   DP's per-stage bounds cannot exclude is simulated (`proof.py`): OPTIMAL again.
+Small models use one CP-SAT worker (deterministic for a seed); large ones use both cores and
+their results may vary with the machine's load.
 """
 
 from __future__ import annotations

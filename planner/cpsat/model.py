@@ -1,20 +1,32 @@
 """The CP-SAT model: stage boundaries, replicas, placement and a lower bound of the simulated
-iteration time that is exact on the paths that decide 1F1B's makespan.
+iteration time that is exact on the paths that decide most pipelines' makespan.
 
 Internal module. Slots are numbered from the *end* of the pipeline (slot 0 = last stage), so
-a slot's distance to the end, which fixes its 1F1B warm-up and in-flight activations, is a
-constant; the pipeline's stage count is the number of active slots. For each slot `j` with
-per-microbatch times `f_j`, `b_j`, link time `c_j` to the next stage, all-reduce `AR_j` and
-`m_j = ceil(m / r_j)` microbatches on its busiest replica, three longest paths of the
-simulator's dependency graph are priced (they are exact for a balanced-enough pipeline, and
-always a lower bound, which is all the verified search in `solve.py` needs):
+the replicas "from here to the end" that fix a stage's 1F1B warm-up and in-flight activations
+(`w_j = ceil(min(m, U_j) / r_j)`, `U_j = r_0 + ... + r_j`) are a prefix sum; the stage count
+is the number of active slots. Placement: per stage, how many devices of each node class it
+takes and whether it sits on one node; per pair of neighbours, whether they share one node
+(then their link is intra-node). For each slot `j` with per-microbatch times `f_j`, `b_j`,
+link time `c_j` to the next stage (the tensors of the boundary layer into the next, a lower
+bound of the real traffic on a DAG), all-reduce `AR_j` and `m_j = ceil(m / r_j)` microbatches
+on replica 0, longest paths of the simulator's dependency graph are priced; each is a lower
+bound of the simulated time, which is all the verified search in `search.py` needs:
 
-- `A_j` the first forward's arrival at the stage, `Q_j` the longest way from the stage's last
-  backward to the end of the iteration (backwards up the pipeline and an all-reduce);
+- `A_j` the first forward's arrival, `Q_j` the longest way from the stage's last backward to
+  the end (backwards up the pipeline, or an all-reduce), `R_j` the first microbatch's round
+  trip from this stage to the end and back;
 - `P1_j = A_j + m_j (f_j + b_j) + Q_j` (the stage busy all the time);
-- `P2_j = A_j + R_j + (m_j - w_j)(f_j + b_j) + (w_j - 1) b_j + Q_j` with `R_j` the first
-  microbatch's round trip from this stage to the end and back, and `w_j` the warm-up count
-  (1F1B; GPipe's analogues are its own two paths).
+- `P2_j = A_j + R_j + (m_j - w_j)(f_j + b_j) + (w_j - 1) b_j + Q_j` (waiting for the first
+  backward, then the steady state);
+- `P4_j = A_j + 2 R_j + (m_j - w_j - 1)(f_j + b_j) + Q_j` when `w_j < m_j` (first and last
+  microbatch round trips);
+- the same for the last replica of a replicated stage, whose first microbatch leaves the
+  previous stage after `floor(q / r_prev)` of that stage's forwards;
+- GPipe: `P1_j` and `A_j + R_j + (m_j - 1) b_j + Q_j`, `A_j + R_j + (m_j - 1) f_j + Q_j`.
+
+Products with `w_j` are linearised over its values (one Boolean per value); replica counts
+are grouped into buckets over which `ceil(m / r)` is constant (exact up to 16 replicas).
+With objective `throughput` the model minimises PipeDream's slowest stage instead.
 """
 
 from __future__ import annotations
