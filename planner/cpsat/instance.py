@@ -17,6 +17,7 @@ from planner.formats import GB, Cluster, PlanOptions
 MICROBATCH_UNITS = 10**7  # one microbatch through the whole model maps to about this many
 # units: products with microbatch counts then stay exact to ~1e-7 of the iteration time
 MEMORY_UNIT_BYTES = 1000
+PAIR_TABLE_LAYERS = 64  # up to this many layers the model prices each boundary's traffic by pairs
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class Instance:
     latency_units: int
     cut_intra: tuple[int, ...]  # index z (1..L-1): transfer of the tensors from layer z-1 to z
     cut_inter: tuple[int, ...]
+    # index a * (L + 1) + z: transfer of the tensors produced in layers [a, z) and used by
+    # layer z (all of them travel to the stage starting at z); None for large profiles
+    pair_intra: tuple[int, ...] | None
+    pair_inter: tuple[int, ...] | None
     classes: tuple[NodeClass, ...]
     placements: tuple[Placement, ...]
     num_devices: int
@@ -154,6 +159,27 @@ def build_instance(table: LayerTable, cluster: Cluster, options: PlanOptions,
                      round(transfer_ms(scale * adj[z], gbps, cluster.latency_us) * unit)
                      for z in range(L + 1))
 
+    pair_intra = pair_inter = None
+    if L <= PAIR_TABLE_LAYERS:
+        into = [[0] * (L + 1) for _ in range(L + 1)]  # into[z][p]: bytes from layer p used by z
+        for t in table.tensors:
+            if t.producer >= 0:
+                for c in t.consumers:
+                    into[c][t.producer] += t.nbytes
+        pair = [0] * ((L + 1) * (L + 1))
+        for z in range(1, L):
+            acc = 0
+            for a in range(z - 1, -1, -1):
+                acc += into[z][a]
+                pair[a * (L + 1) + z] = acc
+
+        def pair_table(gbps: float) -> tuple[int, ...]:
+            return tuple(round(transfer_ms(scale * x, gbps, cluster.latency_us) * unit) if x else 0
+                         for x in pair)
+
+        pair_intra = pair_table(cluster.intra_node_gb_per_s)
+        pair_inter = pair_table(cluster.inter_node_gb_per_s)
+
     return Instance(
         num_layers=L, num_microbatches=m, microbatch_size=microbatch_size, scale=scale,
         schedule=options.schedule, objective=options.objective, optimizer=options.optimizer,
@@ -167,6 +193,7 @@ def build_instance(table: LayerTable, cluster: Cluster, options: PlanOptions,
         latency_units=round(lat_ms * unit),
         cut_intra=cut(cluster.intra_node_gb_per_s),
         cut_inter=cut(cluster.inter_node_gb_per_s),
+        pair_intra=pair_intra, pair_inter=pair_inter,
         classes=classes, placements=placements(classes), num_devices=cluster.num_devices,
         powers_of_two=options.powers_of_two, table=table,
     )

@@ -212,6 +212,15 @@ def build_model(inst: Instance, max_stages: int, lower_bound_units: int = 0,
     for j in range(1, J):
         model.Add(c[j] >= CX[j - 1]).OnlyEnforceIf(same[j].Not())
         model.Add(c[j] >= CI[j - 1]).OnlyEnforceIf(same[j])
+    if exact and inst.pair_intra is not None and inst.pair_inter is not None:
+        # on a DAG: every tensor of the stage that layer e[j-1] uses crosses this boundary
+        for j in range(1, J):
+            idx = model.NewIntVar(0, (L + 1) * (L + 1) - 1, f"pair{j}")
+            model.Add(idx == e[j] * (L + 1) + e[j - 1])
+            for table, lit in ((inst.pair_inter, same[j].Not()), (inst.pair_intra, same[j])):
+                v = model.NewIntVar(0, max(table), "")
+                model.AddElement(idx, list(table), v)
+                model.Add(c[j] >= v).OnlyEnforceIf(lit)
     ARI = lookup(inst.ar_intra_prefix, "ARI")
     ARX = lookup(inst.ar_inter_prefix, "ARX")
     AR = [model.NewIntVar(0, big, f"AR{j}") for j in range(J)]
