@@ -49,6 +49,8 @@ async def _submit(jobs: JobManager, settings: Settings, **kwargs: Any) -> Task:
 
 
 async def _wait(task: Task, timeout_s: float) -> Outcome | None:
+    if timeout_s <= 0:  # no short wait: always answer 202 with the job, however fast it ran
+        return None
     fut = asyncio.wrap_future(task.future)
     done, _ = await asyncio.wait({fut}, timeout=timeout_s)
     return fut.result() if done else None
