@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# benchmarks/planner.py would shadow the planner package when run as a script from here
+# keep benchmarks/ off sys.path so no script name here can shadow a package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from planner.build import evaluate  # noqa: E402

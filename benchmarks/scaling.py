@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-# benchmarks/planner.py would shadow the planner package when run as a script from here
+# keep benchmarks/ off sys.path so no script name here can shadow a package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -1,9 +1,9 @@
 """How good and how fast is each planning method? Every registered method (cpsat included when
 `planner.cpsat` exists) on the examples' profiles, PipeDream's GPU profiles (vgg16, resnet50,
 gnmt, gnmt_large) and a synthetic 1000-layer chain, for clusters of 1x8, 4x8 and 16x8 devices
-and one with tight memory. Prints a table and writes benchmarks/results/planner.json.
+and one with tight memory. Prints a table and writes benchmarks/results/plan_methods.json.
 
-    .venv/bin/python benchmarks/planner.py [--time-limit 10] [--only vgg16,chain1000] [--quick]
+    .venv/bin/python benchmarks/plan_methods.py [--time-limit 10] [--only vgg16,chain1000] [--quick]
 
 Columns: method, wall seconds, predicted iteration ms (simulator), throughput, ratio to the
 lower bound, peak memory per device against the limit. Methods that find no plan that fits say
@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="1x8 and 4x8-tight only, cpsat 3 s")
     ap.add_argument("--global-batch", type=int,
                     help="fixed global batch for every cluster (default: 32 per device)")
-    ap.add_argument("-o", "--output", default=str(RESULTS / "planner.json"))
+    ap.add_argument("-o", "--output", default=str(RESULTS / "plan_methods.json"))
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     clusters = args.clusters.split(",") if args.clusters else list(CLUSTERS)
