@@ -1,9 +1,11 @@
 """Start one process per rank of a plan on this machine and wait for them (a small torchrun).
 
 Each child is `python -m runtime <same arguments>` with the standard torch.distributed
-environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
-MASTER_PORT) — exactly what torchrun would set — plus PIPEPLAN_ERROR_FILE, where a failing
-rank writes its error. When any rank fails, the others are stopped at once and the error of the
+environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+MASTER_PORT) — exactly what torchrun sets, including torchrun's way of hosting the rendezvous
+store in the launcher (TORCHELASTIC_USE_AGENT_STORE; the launcher's store binds its port
+itself, so no other process can take the port between choosing and using it) — plus
+PIPEPLAN_ERROR_FILE, where a failing rank writes its error. When any rank fails, the others are stopped at once and the error of the
 rank that failed first on its own (not because a peer went away) is returned.
 """
 
@@ -64,7 +66,10 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def launch(argv: list[str], world_size: int) -> list[Failure]:
     """Run `python -m runtime *argv` on `world_size` local ranks; the failures, most telling
     first (empty when every rank succeeded)."""
-    port = free_port()
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     threads = max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         procs = []
@@ -74,6 +79,7 @@ def launch(argv: list[str], world_size: int) -> list[Failure]:
                 "RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "OMP_NUM_THREADS": str(threads),
                 ERROR_FILE_ENV: str(Path(tmp) / f"rank{rank}.json"),
             })

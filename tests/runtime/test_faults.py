@@ -21,10 +21,10 @@ def test_a_rank_that_raises_stops_every_rank_with_its_error(run, fault):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, [3, 2, 1])  # Faulty is layer 2: on rank 0
     fault("raise", 0)
-    rc, out, err, wall = run(plan, "--model", model, "--steps", 3, "--timeout", 60)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 3, "--timeout", 300)
     assert rc == 1
     assert "rank 0" in err and "deliberate failure in Faulty.forward" in err
-    assert wall < 40  # not the 60 s timeout: the other ranks were stopped at once
+    assert wall < 120  # far below the 300 s timeout: the other ranks were stopped at once
 
 
 def test_a_hung_rank_is_detected_by_the_timeout_and_named(run, fault):
@@ -34,7 +34,7 @@ def test_a_hung_rank_is_detected_by_the_timeout_and_named(run, fault):
     rc, out, err, wall = run(plan, "--model", model, "--steps", 2, "--timeout", 3)
     assert rc == 1
     assert "rank 1 (stage 1)" in err and "3 s" in err, err
-    assert wall < 40
+    assert wall < 120  # never an endless wait
 
 
 def test_a_dead_rank_is_reported(run, fault):
