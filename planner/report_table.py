@@ -17,6 +17,14 @@ def _devices(devs: list[int]) -> str:
     return text if len(text) <= 24 else text[:21] + "..."
 
 
+def format_bytes(nbytes: float) -> str:
+    """Human units, decimal (1 GB = 1e9 bytes, as in cluster.json)."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def format_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()
@@ -32,7 +40,7 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
         rows.append([
             str(st.index), _layers(st.layers), str(st.replicas), _devices(st.devices),
             f"{p.compute_ms:.2f} ({p.fwd_ms:.2f}+{p.bwd_ms:.2f})", f"{p.allreduce_ms:.2f}",
-            f"{p.memory_bytes / GB:.2f} / {p.memory_limit_bytes / GB:.1f} GB",
+            f"{format_bytes(p.memory_bytes)} / {format_bytes(p.memory_limit_bytes)}",
         ])
     text = format_table(["stage", "layers", "replicas", "devices", "compute ms (fwd+bwd)",
                          "allreduce ms", "memory / limit"], rows)
@@ -58,9 +66,9 @@ def format_simulation(sim: Simulation, max_ranks: int = 32) -> str:
     ranks = sorted(sim.busy_ms)
     rows = [[str(r), str(sim.stage_of_rank.get(r, "")), f"{sim.busy_ms[r]:.2f}",
              f"{sim.comm_ms[r]:.2f}", f"{sim.idle_ms[r]:.2f}", str(sim.peak_inflight[r]),
-             f"{sim.peak_memory_bytes.get(r, 0.0) / GB:.2f}"] for r in ranks[:max_ranks]]
+             format_bytes(sim.peak_memory_bytes.get(r, 0.0))] for r in ranks[:max_ranks]]
     text = format_table(["rank", "stage", "busy ms", "allreduce ms", "idle ms", "peak in-flight",
-                         "peak memory GB"], rows)
+                         "peak memory"], rows)
     if len(ranks) > max_ranks:
         text += f"\n... {len(ranks) - max_ranks} more ranks"
     return text + (f"\n\niteration {sim.iteration_ms:.2f} ms · bubble {sim.bubble_fraction:.1%}")
