@@ -27,13 +27,13 @@ from __future__ import annotations
 import time
 
 from planner.build import evaluate, resolve_microbatch
-from planner.cost import LayerTable, layer_table
+from planner.cost import LayerTable, layer_table, microbatch_scale
 from planner.cpsat.baseline import best_baseline
-from planner.cpsat.bounds import DPBound, dp_lower_bound, model_value_ms
+from planner.cpsat.bounds import DPBound, dp_excludes_below, dp_lower_bound, model_value_ms
 from planner.cpsat.coarsen import coarse_table, group_cuts
 from planner.cpsat.diagnose import infeasible_error
 from planner.cpsat.improve import improve
-from planner.cpsat.instance import build_instance
+from planner.cpsat.instance import build_instance, check_transfers
 from planner.cpsat.proof import placement_free, prove
 from planner.cpsat.search import EXACT_SLOTS, SearchResult, search
 from planner.formats import Cluster, Device, PlanOptions, Profile
@@ -50,6 +50,7 @@ def microbatch_sizes(profile: Profile, options: PlanOptions) -> list[int]:
 
 DEFAULT_GAP_LIMIT = 1e-4  # stop a search that cannot prove optimality within 0.01% of the bound
 MAX_GROUPS = 64  # more layers than this: the model sees runs of layers (coarsen.py)
+FINE_DP_CELLS = 20000  # layers x devices up to which the DP bound is bisected to 1e-6
 MAX_SLOTS = 16  # at most this many stages in a coarsened model (the DP bound covers the rest)
 
 
@@ -60,6 +61,19 @@ def _dp_candidate(dpb: DPBound, b: int, m: int) -> Candidate:
         stages.append(StageChoice(int(a), int(z), tuple(range(rank, rank + int(r)))))
         rank += int(r)
     return Candidate(tuple(stages), b, m)
+
+
+PROOF_GAP = 1e-3  # a plan this close to the DP bound is tried as the optimum (one DP pass)
+
+
+def _dp_proof(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int, plan_ms: float,
+              lb_ms: float) -> float:
+    """A lower bound at the plan's own time (to 5e-10) if the DP conditions exclude every
+    faster plan, else `lb_ms`: the bisection stops short of a plan that meets the bound."""
+    below = plan_ms / (1 + 5e-10)
+    if not lb_ms < below or plan_ms - lb_ms > PROOF_GAP * plan_ms:
+        return lb_ms
+    return below if dp_excludes_below(table, cluster, options, b, below) else lb_ms
 
 
 def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table: LayerTable,
@@ -74,13 +88,19 @@ def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table
     if options.objective == "iteration":
         upper = incumbent_ms if incumbent is not None else 1e12
         start = time.perf_counter()
+        # bisect to 1e-6 where a DP pass is cheap: the bound then decides gaps of 0.01 %
         dpb = dp_lower_bound(table, cluster, options, b, upper,
+                             rel_tol=1e-6 if L * D <= FINE_DP_CELLS else 2e-3,
                              deadline=start + 0.3 * max(deadline - start, 0.0))
         if dpb is not None:
             cand = _dp_candidate(dpb, b, m)
             ev = evaluate(table, cluster, cand, options)
             if ev.fits and ev.iteration_ms < incumbent_ms:
                 incumbent, incumbent_ms = cand, ev.iteration_ms
+        if dpb is not None and incumbent is not None:
+            lb_ms = _dp_proof(table, cluster, options, b, incumbent_ms, dpb.bound_ms)
+            if lb_ms > dpb.bound_ms:
+                dpb = DPBound(lb_ms, dpb.bounds, dpb.replicas)
     restricted = L > MAX_GROUPS or min(L, D, max_stages or L) > EXACT_SLOTS
     if restricted and incumbent is not None and placement_free(cluster) \
             and options.objective == "iteration":
@@ -126,6 +146,8 @@ def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table
             res.candidate, res.iteration_ms = proof.candidate, proof.iteration_ms
             res.bound_ms, res.status = proof.iteration_ms, "OPTIMAL"
             return res
+    if res.candidate is not None and res.status != "OPTIMAL" and dpb is not None:
+        lb = max(lb, _dp_proof(table, cluster, options, b, res.iteration_ms, lb))
     if restricted:
         # the coarse, capped model proves nothing about the full space: only the DP bound does
         res.bound_ms = min(lb, res.iteration_ms)
@@ -134,6 +156,8 @@ def _search_size(profile: Profile, cluster: Cluster, options: PlanOptions, table
             res.status = "OPTIMAL"  # it meets the DP bound, valid for every plan
     else:
         res.bound_ms = min(max(res.bound_ms, lb), res.iteration_ms)
+        if res.candidate is not None and res.iteration_ms <= lb * (1 + 1e-9):
+            res.status = "OPTIMAL"  # it meets the DP bound, valid for every plan
         if res.candidate is not None:
             # the model's own value for the returned plan (it may have come from a hint)
             res.model_ms = model_value_ms(inst, res.candidate, devices, max_stages, 2.0)
@@ -151,6 +175,8 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions,
     table = layer_table(profile)
     devices = cluster.devices()
     sizes = [b for b in microbatch_sizes(profile, options) if options.global_batch % b == 0]
+    for b in sizes[-1:]:  # the largest microbatch moves the most bytes
+        check_transfers(table, cluster, microbatch_scale(table.batch_size, b))
     # no new baseline once 40% of the time limit is spent (on 1024 devices `blocks` alone
     # can take longer than the whole limit)
     share = 0.4

@@ -85,11 +85,17 @@ class StageBounds:
         bw = np.where(rs <= per_node, fast, cluster.inter_node_gb_per_s * GB)
         lat = cluster.latency_us / 1e3
         total = F[L] + B[L]
-        # the stage's own incoming link, both ways, at the fastest bandwidth (adjacent tensors)
+        # the stage's own links, both ways (adjacent tensors), at the fastest bandwidth it may use
         adj = adjacent_bytes(table)
-        link = np.array([0.0 if z in (0, L) else
-                         2 * transfer_ms(scale * adj[z], fast / GB, cluster.latency_us)
-                         for z in range(L + 1)])
+        def both_ways(gbps: float) -> np.ndarray:
+            return np.array([0.0 if z in (0, L) else
+                             2 * transfer_ms(scale * adj[z], gbps, cluster.latency_us)
+                             for z in range(L + 1)])
+
+        # a stage with at least as many replicas as the largest node has devices cannot share a
+        # node with its neighbour: both its links cross nodes (cost.link_kind), (L + 1, R)
+        link = np.where(rs[None, :] >= per_node, both_ways(cluster.inter_node_gb_per_s)[:, None],
+                        both_ways(fast / GB)[:, None])
 
         later_stages = np.ceil((P[L] - P) * (2 + k) / mem)  # stages at least, after layer z
         ar_coef = np.where(rs > 1, 2 * (rs - 1) / rs / bw * 1e3, 0.0)  # per parameter byte
@@ -122,8 +128,8 @@ class StageBounds:
         fits = (params * (2 + k))[:, None] + (A[z] - A[a])[:, None] * inflight <= mem
         ar = params[:, None] * ar_coef[None, :] + ar_lat[None, :]  # (z, R)
         # P1: first forward in, the stage busy, then the backward out or its all-reduce
-        p1 = (F[a] + half[a])[:, None] + mk[None, :] * comp[:, None] \
-            + np.maximum(ar, (B[a] + half[a])[:, None])
+        p1 = F[a][:, None] + half[a] + mk[None, :] * comp[:, None] \
+            + np.maximum(ar, B[a][:, None] + half[a])
         # the first microbatch's round trip, then the stage's remaining backwards
         # 1F1B warm-up w <= ceil(min(m, U) / r) with U <= D - dp[a]: the devices left
         # after the fewest the layers before can use at this T
@@ -132,15 +138,49 @@ class StageBounds:
                                                / rs[None, :]))
         if options.schedule == "gpipe":
             w_hi = mk[None, :] + 0 * w_hi
-        p2 = total + link[a][:, None] + link[z] + (mk[None, :] - 1) * (B[z] - B[a])[:, None] \
+        p2 = total + link[a] + link[z][None, :] + (mk[None, :] - 1) * (B[z] - B[a])[:, None] \
             + (mk[None, :] - w_hi) * (F[z] - F[a])[:, None]
         # the last microbatch through this stage's replica, to the end and back, then
         # this stage's all-reduce
         p3 = F[L] + (mk[None, :] - 1) * (F[z] - F[a])[:, None] \
             + (mk[None, :] - w_hi) * (B[z] - B[a])[:, None] \
-            + (B[L] - B[a] + half[a] + link[z])[:, None] + ar
+            + (B[L] - B[a])[:, None] + half[a] + link[z][None, :] + ar
         ok = (p1 <= T) & (p2 <= T) & (p3 <= T) & fits
         return ok
+
+
+def _dp_plan(sb: StageBounds, T: float) -> tuple[list[int], list[int]] | None:
+    """A split and replica vector meeting every per-stage condition at T on at most D devices
+    (the fewest devices), or None: no plan finishes within T."""
+    L, D, rs = sb.L, sb.D, sb.rs
+    dp = np.full(L + 1, np.inf)
+    dp[0] = 0
+    arg = np.zeros(L + 1, dtype=int)
+    rarg = np.zeros(L + 1, dtype=int)
+    for z in range(1, L + 1):
+        a = np.arange(z)
+        ok = sb.ok(T, z, dp)
+        cost = np.where(ok, rs[None, :], np.inf)  # (z, R)
+        best_r = np.argmin(cost, axis=1)
+        cand = dp[a] + cost[a, best_r]
+        i = int(np.argmin(cand))
+        dp[z] = cand[i]
+        arg[z], rarg[z] = i, int(rs[best_r[i]])
+    if not dp[L] <= D:
+        return None
+    bounds, reps, z = [L], [], L
+    while z > 0:
+        reps.append(int(rarg[z]))
+        z = int(arg[z])
+        bounds.append(z)
+    return bounds[::-1], reps[::-1]
+
+
+def dp_excludes_below(table: LayerTable, cluster: Cluster, options: PlanOptions,
+                      microbatch_size: int, T: float) -> bool:
+    """True if no plan of the instance finishes within T (the conditions of
+    `dp_lower_bound` admit no split at T): a plan simulated at just above T is optimal."""
+    return _dp_plan(StageBounds(table, cluster, options, microbatch_size), T) is None
 
 
 def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
@@ -167,30 +207,9 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     result is a lower bound of the optimum; bisection to `rel_tol` or until `deadline`
     (perf_counter; the bound stays valid, only looser). None: nothing fits."""
     sb = StageBounds(table, cluster, options, microbatch_size)
-    L, D, rs = sb.L, sb.D, sb.rs
 
     def feasible(T: float):
-        dp = np.full(L + 1, np.inf)
-        dp[0] = 0
-        arg = np.zeros(L + 1, dtype=int)
-        rarg = np.zeros(L + 1, dtype=int)
-        for z in range(1, L + 1):
-            a = np.arange(z)
-            ok = sb.ok(T, z, dp)
-            cost = np.where(ok, rs[None, :], np.inf)  # (z, R)
-            best_r = np.argmin(cost, axis=1)
-            cand = dp[a] + cost[a, best_r]
-            i = int(np.argmin(cand))
-            dp[z] = cand[i]
-            arg[z], rarg[z] = i, int(rs[best_r[i]])
-        if not dp[L] <= D:
-            return None
-        bounds, reps, z = [L], [], L
-        while z > 0:
-            reps.append(rarg[z])
-            z = arg[z]
-            bounds.append(z)
-        return bounds[::-1], reps[::-1]
+        return _dp_plan(sb, T)
 
     lo = max(sb.m * sb.total * sb.vmax / sum(d.speed for d in sb.devices), sb.total)
     hi = max(upper_ms, lo)

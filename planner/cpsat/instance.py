@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, microbatch_scale, transfer_ms
+from planner.cost import (
+    OPTIMIZER_EXTRA_COPIES,
+    LayerTable,
+    allreduce_ms,
+    microbatch_scale,
+    transfer_ms,
+)
+from planner.errors import PipeplanError
 from planner.formats import GB, Cluster, PlanOptions
 
 MICROBATCH_UNITS = 10**7  # one microbatch through the whole model maps to about this many
@@ -128,10 +135,33 @@ def adjacent_bytes(table: LayerTable) -> list[int]:
     return out
 
 
+ABSURD_MS = 1e100  # a transfer slower than this is a unit mistake, not a cluster
+
+
+def check_transfers(table: LayerTable, cluster: Cluster, scale: float) -> None:
+    """PipeplanError unless every transfer and all-reduce of the model takes a finite, sane
+    time on `cluster` (an absurdly small bandwidth or huge latency gives inf, then NaN in the
+    model's time unit)."""
+    adj = max(adjacent_bytes(table), default=0)
+    params = table.param_bytes(0, table.num_layers)
+    biggest = max([scale * adj, params] + [t.nbytes * scale for t in table.tensors], default=0.0)
+    for name in ("intra_node_gb_per_s", "inter_node_gb_per_s"):
+        gbps = getattr(cluster, name)
+        with_lat = max(transfer_ms(biggest or 1.0, gbps, cluster.latency_us),
+                       allreduce_ms(params or 1.0, cluster.num_devices, gbps, cluster.latency_us))
+        if not math.isfinite(with_lat) or with_lat > ABSURD_MS:
+            raise PipeplanError(
+                f"cluster {name} = {gbps:g} GB/s with latency_us = {cluster.latency_us:g}: "
+                f"moving the model's {biggest:.3g} bytes would take {with_lat:.3g} ms, which the "
+                "planner cannot represent; give bandwidths in GB/s (e.g. 300 within a node, "
+                "25 between nodes) and latency in microseconds (e.g. 5)")
+
+
 def build_instance(table: LayerTable, cluster: Cluster, options: PlanOptions,
                    microbatch_size: int) -> Instance:
     L = table.num_layers
     scale = microbatch_scale(table.batch_size, microbatch_size)
+    check_transfers(table, cluster, scale)
     m = options.global_batch // microbatch_size
     classes = node_classes(cluster)
     speeds = tuple(sorted({k.speed for k in classes}))

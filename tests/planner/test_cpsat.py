@@ -11,7 +11,7 @@ import pytest
 from planner.build import evaluate
 from planner.cost import layer_table
 from planner.cpsat import solve, solve_detailed
-from planner.cpsat.bounds import dp_lower_bound, model_value_ms
+from planner.cpsat.bounds import dp_excludes_below, dp_lower_bound, model_value_ms
 from planner.cpsat.instance import build_instance
 from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
@@ -279,6 +279,27 @@ def test_infeasible_too_few_devices_says_how_many_stages() -> None:
     assert "more devices" in str(err.value) and "stage" in str(err.value)
 
 
+@pytest.mark.parametrize("field", ["intra_node_gb_per_s", "inter_node_gb_per_s"])
+def test_absurdly_small_bandwidth_is_a_user_error_naming_the_field(field: str) -> None:
+    profile, _, options = random_instance(3)
+    bw = {"intra_node_gb_per_s": 300.0, "inter_node_gb_per_s": 25.0, field: 5e-324}
+    cluster = Cluster(nodes=2, devices_per_node=2, device_memory_gb=40, **bw)
+    with pytest.raises(PipeplanError) as err:
+        solve(profile, cluster, options)
+    assert field in str(err.value) and "GB/s" in str(err.value)
+
+
+def test_tiny_but_sane_bandwidth_keeps_every_transfer_off_the_slow_links() -> None:
+    profile, _, options = random_instance(3)
+    cluster = Cluster(nodes=2, devices_per_node=2, device_memory_gb=40, intra_node_gb_per_s=300,
+                      inter_node_gb_per_s=1e-12)
+    cand = solve(profile, cluster, options)
+    ev = evaluate(layer_table(profile), cluster, cand, options)
+    assert cand.solver["objective"] == pytest.approx(ev.iteration_ms, rel=REL)
+    nodes = {d // 2 for s in cand.stages for d in s.devices}
+    assert len(nodes) == 1  # a byte between nodes would take hours
+
+
 def test_dp_bound_never_exceeds_the_optimum() -> None:
     for seed in range(400, 412):
         profile, cluster, options = random_instance(seed)
@@ -288,6 +309,19 @@ def test_dp_bound_never_exceeds_the_optimum() -> None:
         dpb = dp_lower_bound(layer_table(profile), cluster, options, options.microbatch_size,
                              ref.iteration_ms * 2)
         assert dpb is not None and dpb.bound_ms <= ref.iteration_ms * (1 + REL)
+
+
+def test_dp_never_excludes_the_optimum_and_proves_some() -> None:
+    proven = 0
+    for seed in range(430, 450):
+        profile, cluster, options = random_instance(seed)
+        ref = brute_force(profile, cluster, options, [options.microbatch_size])
+        if ref.candidate is None:
+            continue
+        table, b = layer_table(profile), options.microbatch_size
+        assert not dp_excludes_below(table, cluster, options, b, ref.iteration_ms * (1 + 1e-9))
+        proven += dp_excludes_below(table, cluster, options, b, ref.iteration_ms * (1 - 1e-9))
+    assert proven >= 1
 
 
 def test_solve_detailed_reports_each_microbatch_size() -> None:
