@@ -166,4 +166,8 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(exc, PipeplanError) else 1)
-    return 0
+    # done and the process group destroyed: skip the interpreter's teardown, where library
+    # threads (gloo's, the store's) can abort the process at exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

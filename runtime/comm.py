@@ -78,6 +78,15 @@ class P2P:
     def _who(self, peer: int) -> str:
         return self.describe_rank.get(peer, f"rank {peer}")
 
+    def _post(self, op: object, t: torch.Tensor, peer: int, tag: int, what: str) -> object:
+        """dist.isend / dist.irecv; a broken connection at posting time is a PeerError too."""
+        try:
+            return op(t, peer, tag=tag)  # type: ignore[operator]
+        except Exception as exc:  # noqa: BLE001
+            raise PeerError(peer, f"{what} with {self._who(peer)}: the connection failed "
+                                  f"({str(exc).splitlines()[0][:200]}); {self._who(peer)} has "
+                                  "died, raised an error or hangs") from None
+
     def _wait(self, p: _Pending) -> None:
         try:
             # the process group's own timeout (init_process_group(timeout=...)) bounds the wait;
@@ -112,9 +121,9 @@ class P2P:
         if skey not in self._shapes:
             self._shapes[skey] = (t.dtype, tuple(t.shape))
             h = _header(t).to(self.device)
-            w = dist.isend(h, peer, tag=self._tag(mb, key, grad, True))
+            w = self._post(dist.isend, h, peer, self._tag(mb, key, grad, True), what)
             self._sends.append(_Pending(w, h, peer, what))
-        w = dist.isend(t, peer, tag=self._tag(mb, key, grad, False))
+        w = self._post(dist.isend, t, peer, self._tag(mb, key, grad, False), what)
         self._sends.append(_Pending(w, t, peer, what))
         self.comm_ms += (time.perf_counter() - t0) * 1e3
 
@@ -136,8 +145,8 @@ class P2P:
         if shape is None:
             return False
         buf = torch.empty(shape[1], dtype=shape[0], device=self.device)
-        w = dist.irecv(buf, peer, tag=self._tag(mb, key, grad, False))
         what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
+        w = self._post(dist.irecv, buf, peer, self._tag(mb, key, grad, False), what)
         self._recvs[rkey] = _Pending(w, buf, peer, what)
         return True
 
@@ -145,8 +154,8 @@ class P2P:
         t0 = time.perf_counter()
         if not self.post_recv(peer, mb, key, grad):
             h = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            w = dist.irecv(h, peer, tag=self._tag(mb, key, grad, True))
             what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
+            w = self._post(dist.irecv, h, peer, self._tag(mb, key, grad, True), what)
             self._wait(_Pending(w, h, peer, what))
             self._shapes[(peer, key, grad, False)] = _parse_header(h.cpu())
             self.post_recv(peer, mb, key, grad)

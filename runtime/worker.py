@@ -328,6 +328,7 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
     record = worker.train()
     worker.finish(record)
+    dist.barrier()  # nobody tears down while a peer still talks to it
     dist.destroy_process_group()
 
 
