@@ -9,7 +9,8 @@ plan is faster), gap, wall_s, model_objective (the CP-SAT model's own value of t
 solves and hint (the best baseline). How, per microbatch size:
 
 1. the best baseline (hint and fallback) and a DP lower bound over every plan with its own
-   plan (`bounds.py`);
+   plan (`bounds.py`); where the best plan is within 0.1 % of that bound, one more DP pass at
+   just below the plan's time proves it optimal if no plan can meet the DP's conditions there;
 2. the verified search (`search.py`): CP-SAT minimises a lower bound of the simulated time
    (`model.py`), each solution is placed on ranks and simulated, solutions whose bound was
    below their simulated time are cut off and the model solved again, until the model's
@@ -18,7 +19,8 @@ solves and hint (the best baseline). How, per microbatch size:
    plans known (`coarsen.py`), and its plan is polished by a local search (`improve.py`);
 3. where placement cannot change the time (one node, or nodes of one device), every plan the
    DP's per-stage bounds cannot exclude is simulated (`proof.py`): OPTIMAL again.
-Small models use one CP-SAT worker (deterministic for a seed); large ones use both cores and
+A cluster whose bandwidth or latency makes a transfer take an infinite (or absurd) time is
+a PipeplanError. Small models use one CP-SAT worker (deterministic for a seed); large ones use both cores and
 their results may vary with the machine's load.
 """
 

@@ -194,7 +194,8 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
       earlier stages or its all-reduce: path P1 of `model.py`),
     - `C(0, L) + (ceil(m / r) - 1) Bwd(a, z) + (ceil(m / r) - w) Fwd(a, z) <= T` (the first
       microbatch's round trip, then the stage's steady state and remaining backwards; plus the
-      stage's own two links both ways), with `w` an upper bound of its 1F1B warm-up:
+      stage's own two links both ways, inter-node when the stage has at least as many
+      replicas as the largest node has devices), with `w` an upper bound of its 1F1B warm-up:
       `ceil(min(m, D - dp(a)) / r)`, `dp(a)` the fewest devices the layers before can use,
     - `Fwd(0, L) + (ceil(m / r) - 1) Fwd(a, z) + (ceil(m / r) - w) Bwd(a, z) + Bwd(a, L)
       + AR(a, z, r) <= T` (the replica's last microbatch reaches it after its other forwards
