@@ -16,7 +16,6 @@ from planner.cost import (
 )
 from planner.errors import PipeplanError
 from planner.formats import (
-    GB,
     Cluster,
     Plan,
     PlanOptions,
@@ -30,6 +29,7 @@ from planner.formats import (
 from planner.partition import Candidate
 from planner.schedules import generate, plan_schedule_fields
 from planner.simulator import Simulation, simulate_costs
+from planner.units import format_bytes
 
 
 def resolve_microbatch(profile: Profile, options: PlanOptions) -> tuple[int, int]:
@@ -85,9 +85,9 @@ def memory_error(ev: Evaluation, method: str) -> PipeplanError:
     need = max(ev.stage_memory_bytes)
     return PipeplanError(
         f"the plan of method {method!r} does not fit in device memory: stage {worst} needs "
-        f"{ev.stage_memory_bytes[worst] / GB:.2f} GB per device but its devices have "
-        f"{ev.costs.memory_limit_bytes[worst] / GB:.2f} GB; this plan would need "
-        f"{need / GB:.2f} GB per device. Try more devices, a smaller --microbatch-size, "
+        f"{format_bytes(ev.stage_memory_bytes[worst])} per device but its devices have "
+        f"{format_bytes(ev.costs.memory_limit_bytes[worst])}; this plan would need "
+        f"{format_bytes(need)} per device. Try more devices, a smaller --microbatch-size, "
         "--optimizer sgd or momentum, --schedule 1f1b, or another --method.")
 
 

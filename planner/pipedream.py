@@ -51,6 +51,7 @@ from planner.cost import (
 from planner.errors import PipeplanError
 from planner.formats import GB, Cluster, PlanOptions, Profile
 from planner.partition import Candidate, StageChoice
+from planner.units import format_bytes
 
 INF = math.inf
 
@@ -276,7 +277,7 @@ def solve_pipedream(profile: Profile, cluster: Cluster, options: PlanOptions, mi
         res = solve_flat(inp, len(devices), bw)
     if not res.stages:
         raise PipeplanError(
-            f"pipedream: no partition fits in device memory ({limit / GB:.2f} GB per device); "
+            f"pipedream: no partition fits in device memory ({format_bytes(limit)} per device); "
             f"{_unlimited_need(profile, cluster, options, inp, bounds, microbatch_size, m)}"
             "try more devices, a smaller --microbatch-size, --optimizer sgd or --schedule 1f1b")
     stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
@@ -303,7 +304,7 @@ def _unlimited_need(profile: Profile, cluster: Cluster, options: PlanOptions, in
                          if len(specs) == 1 else cluster.inter_node_gb_per_s)
     stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
     ev = evaluate(layer_table(profile), cluster, Candidate(stages, microbatch_size, m), options)
-    return f"its best plan without the limit would need {max(ev.stage_memory_bytes) / GB:.2f} GB per device; "
+    return f"its best plan without the limit would need {format_bytes(max(ev.stage_memory_bytes))} per device; "
 
 
 def _fits(profile: Profile, cluster: Cluster, options: PlanOptions, bounds: list[int],

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from planner.formats import GB, Plan
+from planner.formats import Plan
 from planner.simulator import Simulation
+from planner.units import format_bytes
 
 
 def _layers(names: list[str]) -> str:
@@ -15,14 +16,6 @@ def _devices(devs: list[int]) -> str:
         return f"{devs[0]}-{devs[-1]}"
     text = ",".join(map(str, devs))
     return text if len(text) <= 24 else text[:21] + "..."
-
-
-def format_bytes(nbytes: float) -> str:
-    """Human units, decimal (1 GB = 1e9 bytes, as in cluster.json)."""
-    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from planner.cost import LayerTable, static_memory_bytes
 from planner.errors import PipeplanError
-from planner.formats import GB, Cluster
+from planner.formats import Cluster
+from planner.units import format_bytes
 
 
 def infeasible_error(table: LayerTable, cluster: Cluster, optimizer: str, schedule: str,
@@ -29,11 +30,11 @@ def infeasible_error(table: LayerTable, cluster: Cluster, optimizer: str, schedu
         w = need(worst, worst + 1, 1)
         static = static_memory_bytes(table.param_bytes(worst, worst + 1), optimizer)
         hint = ("a smaller microbatch" if static <= biggest else
-                f"devices with at least {w / GB:.2f} GB or an optimizer with less state (sgd)")
+                f"devices with at least {format_bytes(w)} or an optimizer with less state (sgd)")
         return PipeplanError(
-            f"layer {table.names[worst]!r} alone needs {w / GB:.2f} GB per device "
+            f"layer {table.names[worst]!r} alone needs {format_bytes(w)} per device "
             f"(microbatch size {b}, optimizer {optimizer}) but the largest device has "
-            f"{biggest / GB:.2f} GB; try {hint}")
+            f"{format_bytes(biggest)}; try {hint}")
     # greedy: fill stages front to back with as many layers as fit on the largest device;
     # the 1F1B stage s of S keeps up to S - s microbatches (GPipe: all m of them)
     m = global_batch // b
@@ -59,13 +60,13 @@ def infeasible_error(table: LayerTable, cluster: Cluster, optimizer: str, schedu
     inflight = m if schedule == "gpipe" else min(m, max(len(stages), 1))
     per_device = need(first_a, first_z, inflight)
     where = (f"stage 0 (layers {table.names[first_a]!r}..{table.names[first_z - 1]!r}) needs "
-             f"{per_device / GB:.2f} GB per device with {inflight} microbatches in flight")
+             f"{format_bytes(per_device)} per device with {inflight} microbatches in flight")
     if len(stages) > D:
         return PipeplanError(
-            f"no plan fits: on devices of {biggest / GB:.2f} GB the model needs at least "
+            f"no plan fits: on devices of {format_bytes(biggest)} the model needs at least "
             f"{len(stages)} pipeline stages but the cluster has {D} devices; {where}. Give more "
             f"devices or a smaller microbatch size than {b}")
     return PipeplanError(
-        f"no plan found that fits in device memory ({biggest / GB:.2f} GB per device, {D} "
+        f"no plan found that fits in device memory ({format_bytes(biggest)} per device, {D} "
         f"devices): with {len(stages)} stages {where}. Try a smaller microbatch size than {b}, "
         f"--optimizer sgd, more devices, or a longer --time-limit")
