@@ -136,4 +136,6 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
         ),
         solver=SolverInfo.model_validate(solver),
         rank_actions=rank_actions, generator=generator,
+        # how the profiler cut the model into layers: the runtime traces it the same way
+        **({"granularity": g} if (g := getattr(profile, "granularity", None)) else {}),
     )
