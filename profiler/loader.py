@@ -140,3 +140,18 @@ def batch_checked(mf: ModelFile, batch_size: int) -> tuple[tuple[Any, ...], Any]
             "tuple of tensors (the model's positional arguments)"
         )
     return tuple(inputs), target
+
+
+def loss_checked(mf: ModelFile, output: Any, target: Any) -> Any:
+    """`loss_fn(output, target)`, checked to return a scalar floating-point tensor (training
+    calls `.backward()` on it)."""
+    import torch
+
+    loss = call_user(mf.path, "loss_fn", mf.loss_fn, output, target)
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise PipeplanError(
+            f"{mf.path}: loss_fn(output, target) returned {what}; it must return a scalar "
+            "floating-point tensor (e.g. the mean loss over the batch). Reduce it, e.g. with .mean()."
+        )
+    return loss

@@ -14,7 +14,7 @@ import torch
 from planner.errors import PipeplanError
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
 from profiler.graph import LayerGraph, trace
-from profiler.loader import batch_checked, build_checked, call_user, load_model_file
+from profiler.loader import batch_checked, build_checked, call_user, load_model_file, loss_checked
 from profiler.measure import measure_all
 
 
@@ -104,7 +104,7 @@ def profile_model_file(
             f"{type(exc).__name__}: {exc}. make_batch's inputs must be the model's positional "
             "arguments."
         ) from exc
-    call_user(mf.path, "loss_fn", mf.loss_fn, out, target)
+    loss_checked(mf, out, target)
     del out
     lg = trace(model, inputs, granularity=granularity)
     if on_traced:

@@ -59,6 +59,8 @@ def loss_fn(out, y):
          ["build_model() returned int, not a torch.nn.Module"]),
         ("wrong_inputs", GOOD.replace("torch.randn(n, 4),", "torch.randn(n, 5),"),
          ["make_batch's inputs must be the model's positional arguments"]),
+        ("loss_not_scalar", GOOD.replace("return ((out - y) ** 2).mean()", "return (out - y) ** 2"),
+         ["loss_fn(output, target) returned a tensor of shape (4, 2)", ".mean()"]),
     ],
 )
 def test_bad_model_files_are_clear_errors(tmp_path, case, source, expected) -> None:
