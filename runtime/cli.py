@@ -15,6 +15,7 @@ import sys
 from planner.errors import PipeplanError
 from planner.formats import Plan
 from planner.io import load_model
+from planner.runnable import runnable_plan
 from runtime.options import RunOptions
 
 log = logging.getLogger("runtime")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank_main(args, os.environ.get(ERROR_FILE_ENV))
     try:
-        plan = load_model(args.plan, Plan, "plan")
+        plan = runnable_plan(load_model(args.plan, Plan, "plan"))
         opts = options_from_args(args, plan)
         granularity = preflight(plan, opts)
     except PipeplanError as exc:
@@ -125,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from runtime.launch import launch
 
+    cores = os.cpu_count() or 1
+    if plan.world_size > cores:
+        print(f"warning: {plan.world_size} rank processes on {cores} CPU cores; they will share "
+              "the cores (for a plan of many devices, start it on its machines with torchrun)",
+              file=sys.stderr)
     print(f"running {plan.world_size} ranks on this machine "
           f"({len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, "
           f"{plan.num_microbatches} microbatches of "
@@ -150,7 +156,7 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
 
     env = DistEnv.from_environ()
     try:
-        plan = load_model(args.plan, Plan, "plan")
+        plan = runnable_plan(load_model(args.plan, Plan, "plan"))
         opts = options_from_args(args, plan)
         if env.world_size != plan.world_size:
             raise PipeplanError(

@@ -1,0 +1,81 @@
+"""What the runtime executes: a plan.json checked for consistency, its devices renumbered as the
+process ranks 0..n-1.
+
+The planner numbers devices as ranks of the whole cluster and may leave some idle (on a mixed
+cluster the fast devices do the work); the runtime starts one process per *used* device.
+Process rank i plays the i-th used device in cluster order (`device_of_rank[i]`).
+
+A plan file can be edited by hand, so everything the runtime relies on is checked here, before
+any process starts: stage order, devices, the schedule's generator, and that every rank's
+action list belongs to its stage and replica (microbatch j on replica j mod r), runs every
+forward and backward once and cannot deadlock (`planner.validate`).
+"""
+
+from __future__ import annotations
+
+from planner.actions import Action, parse_actions
+from planner.errors import PipeplanError
+from planner.formats import Plan
+from planner.schedules import generate
+from planner.validate import ScheduleError, format_grid, validate
+
+
+def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]) -> dict[int, list[Action]]:
+    m = plan.num_microbatches
+    if plan.rank_actions is None:
+        assert plan.generator is not None  # Plan's validator requires one of the two
+        if plan.generator.name != plan.schedule:
+            raise PipeplanError(f"plan: schedule is {plan.schedule!r} but its generator is "
+                                f"{plan.generator.name!r}; make the plan again")
+        gm = plan.generator.params.get("num_microbatches", m)
+        if gm != m:
+            raise PipeplanError(f"plan: num_microbatches is {m} but the schedule generator's is "
+                                f"{gm}; make the plan again")
+        return generate(plan.generator.name, stage_devices, m)
+    try:
+        keys = {int(k): k for k in plan.rank_actions}
+    except ValueError:
+        raise PipeplanError("plan: rank_actions must be keyed by device numbers") from None
+    if set(keys) != set(rank_of):
+        raise PipeplanError(
+            f"plan: rank_actions has devices {sorted(keys)} but the stages use devices "
+            f"{sorted(rank_of)}; every device of a stage needs its action list, and only those")
+    try:
+        return {rank_of[d]: parse_actions(plan.rank_actions[k]) for d, k in keys.items()}
+    except ValueError as exc:
+        raise PipeplanError(f"plan: rank_actions: {exc}") from None
+
+
+def runnable_plan(plan: Plan) -> Plan:
+    """`plan` checked and renumbered for execution (see the module docstring); a PipeplanError
+    says what is inconsistent."""
+    S = len(plan.stages)
+    for i, st in enumerate(plan.stages):
+        if st.index != i:
+            raise PipeplanError(f"plan: stages[{i}] has index {st.index}; list the stages in "
+                                f"order, with indices 0..{S - 1}")
+        for d in st.devices:
+            if not 0 <= d < plan.cluster.num_devices:
+                raise PipeplanError(f"plan: stage {i} uses device {d} but its cluster has "
+                                    f"{plan.cluster.num_devices} devices (0..{plan.cluster.num_devices - 1})")
+    used = sorted(d for st in plan.stages for d in st.devices)
+    rank_of = {d: i for i, d in enumerate(used)}
+    stage_devices = [[rank_of[d] for d in st.devices] for st in plan.stages]
+    schedule = _actions(plan, rank_of, stage_devices)
+
+    for s, ranks in enumerate(stage_devices):
+        r = len(ranks)
+        for k, rank in enumerate(ranks):
+            for step, a in enumerate(schedule[rank]):
+                if a.stage != s or a.mb % r != k:
+                    raise ScheduleError(
+                        f"invalid schedule: rank {rank} (device {used[rank]}) is replica {k} of "
+                        f"stage {s}, which runs stage {s}'s microbatches j with j mod {r} == {k}, "
+                        f"but its step {step} is {a}\n{format_grid(schedule, [(rank, step)])}")
+    validate(schedule, S, plan.num_microbatches)
+
+    stages = [st.model_copy(update={"devices": devs}) for st, devs in zip(plan.stages, stage_devices, strict=True)]
+    rank_actions = None if plan.rank_actions is None else {
+        str(rank_of[int(k)]): v for k, v in plan.rank_actions.items()}
+    return plan.model_copy(update={"stages": stages, "rank_actions": rank_actions,
+                                   "device_of_rank": used})

@@ -1,0 +1,72 @@
+"""The plan as the runtime executes it: idle devices renumbered away, hand edits caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import PipeplanError
+from planner.formats import Cluster, PlanOptions
+from planner.runnable import runnable_plan
+from planner.schedules import actions_for_rank
+from planner.solve import make_plan
+from planner.validate import ScheduleError
+from tests.planner.helpers import chain_profile, cluster
+
+
+def _plan(**kw):
+    profile = chain_profile([1.0] * 6)
+    options = PlanOptions(global_batch=8, microbatch_size=1, method="manual", split=[3, 3],
+                          replicas=[2, 1], **kw)
+    return make_plan(profile, cluster(per_node=3), options)
+
+
+def test_idle_devices_are_renumbered_to_process_ranks() -> None:
+    # a mixed cluster: the planner puts the work on the fast devices 2..3 and leaves 0..1 idle
+    mixed = Cluster.model_validate({
+        "nodes": [{"name": "slow", "devices": 2, "device_memory_gb": 16, "speed": 0.1},
+                  {"name": "fast", "devices": 2, "device_memory_gb": 16, "speed": 1.0}],
+        "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 100})
+    plan = make_plan(chain_profile([1.0] * 6), mixed,
+                     PlanOptions(global_batch=4, microbatch_size=1, method="cpsat", time_limit_s=5))
+    used = sorted(d for st in plan.stages for d in st.devices)
+    assert used != list(range(len(used)))  # the case that needs renumbering
+    run = runnable_plan(plan)
+    assert sorted(d for st in run.stages for d in st.devices) == list(range(len(used)))
+    assert run.device_of_rank == used
+    for rank, device in enumerate(used):
+        assert actions_for_rank(run, rank) == actions_for_rank(plan, device)
+
+
+def test_swapped_replica_lists_are_rejected() -> None:
+    plan = _plan()
+    a = dict(plan.rank_actions)
+    a["0"], a["1"] = a["1"], a["0"]  # replica 0 would run replica 1's microbatches
+    with pytest.raises(ScheduleError, match="replica 0 of stage 0"):
+        runnable_plan(plan.model_copy(update={"rank_actions": a}))
+
+
+def test_a_dropped_action_is_rejected() -> None:
+    plan = _plan()
+    a = dict(plan.rank_actions)
+    a["2"] = a["2"][:-1]
+    with pytest.raises(ScheduleError, match="1B7, which no rank runs"):
+        runnable_plan(plan.model_copy(update={"rank_actions": a}))
+
+
+def test_devices_outside_the_cluster_and_missing_lists_are_rejected() -> None:
+    plan = _plan()
+    stages = [plan.stages[0].model_copy(update={"devices": [0, 5]}), plan.stages[1]]
+    with pytest.raises(PipeplanError, match="uses device 5 but its cluster has 3 devices"):
+        runnable_plan(plan.model_copy(update={"stages": stages}))
+    a = {k: v for k, v in plan.rank_actions.items() if k != "1"}
+    with pytest.raises(PipeplanError, match="every device of a stage needs its action list"):
+        runnable_plan(plan.model_copy(update={"rank_actions": a}))
+
+
+def test_generator_form_is_checked_and_expanded() -> None:
+    plan = _plan().model_copy(update={"rank_actions": None})
+    run = runnable_plan(plan)
+    assert [len(actions_for_rank(run, r)) for r in range(3)] == [8, 8, 16]
+    bad = plan.model_copy(update={"generator": plan.generator.model_copy(update={"name": "gpipe"})})
+    with pytest.raises(PipeplanError, match="generator"):
+        runnable_plan(bad)
