@@ -104,12 +104,21 @@ def profile_tensors(profile: Profile) -> list[Tensor]:
     return [Tensor(p, tuple(sorted(c)), b) for p, c, b in acc.values()]
 
 
+def loss_ms(profile: Profile) -> float:
+    """The loss's forward and backward time, when the profiler measured it (`measured.loss_ms`);
+    the stage holding the model's output pays it."""
+    return float(getattr(profile.measured, "loss_ms", 0.0) or 0.0) if profile.measured else 0.0
+
+
 def layer_table(profile: Profile) -> LayerTable:
+    """The profile as prefix sums; the loss's time is added to the last layer's forward."""
     layers = profile.layers
+    fwd = [x.fwd_ms for x in layers]
+    fwd[-1] += loss_ms(profile)
     return LayerTable(
         batch_size=profile.batch_size,
         names=tuple(x.name for x in layers),
-        fwd_prefix_ms=_prefix([x.fwd_ms for x in layers]),
+        fwd_prefix_ms=_prefix(fwd),
         bwd_prefix_ms=_prefix([x.bwd_ms for x in layers]),
         param_prefix_bytes=_prefix([x.param_bytes for x in layers]),
         activation_prefix_bytes=_prefix([x.activation_bytes for x in layers]),

@@ -59,3 +59,16 @@ def test_pipeline_costs_scale_with_microbatch_and_links() -> None:
     assert s12.ms == pytest.approx(cost.transfer_ms(150.0, 100.0, 2.0))
     lb = cost.lower_bound_ms(cost.layer_table(p), 4, 0.5, 4.0)
     assert lb == pytest.approx(4 * 0.5 * 30.0 / 4)
+
+
+def test_the_loss_time_is_paid_by_the_last_layer() -> None:
+    from planner.cost import layer_table
+    from planner.formats import Measured
+
+    profile = chain_profile([1.0, 2.0, 3.0])
+    base = layer_table(profile)
+    measured = Measured(fwd_ms=6.0, bwd_ms=12.0, loss_ms=0.5)
+    with_loss = layer_table(profile.model_copy(update={"measured": measured}))
+    assert with_loss.fwd_ms(0, 2) == base.fwd_ms(0, 2)
+    assert with_loss.fwd_ms(2, 3) == base.fwd_ms(2, 3) + 0.5
+    assert with_loss.bwd_ms(0, 3) == base.bwd_ms(0, 3)
