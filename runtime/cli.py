@@ -8,9 +8,11 @@ torchrun (RANK, WORLD_SIZE, ... set) it is one rank: it checks the world size an
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from planner.errors import PipeplanError
 from planner.formats import Plan
@@ -30,10 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan.json written by `python -m planner plan`")
     p.add_argument("--model", required=True, help="the model.py the plan was made for")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default 0.01, or the checkpoint's with --resume)")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None,
-                   help="optimizer (default: the one the plan was made for)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
+                   help="optimizer (default: the checkpoint's with --resume, else the one the plan "
+                        "was made for)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the model and the batches (default 0, or the checkpoint's)")
     p.add_argument("--save", metavar="DIR", help="write the trained state dict (+ optimizer state)")
     p.add_argument("--resume", metavar="DIR", help="continue from a --save directory")
     p.add_argument("--report", metavar="FILE", help="write report.json")
@@ -47,15 +52,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resume_meta(directory: str) -> dict[str, object]:
+    """The optimizer, learning rate and seed a checkpoint was trained with (its meta.json)."""
+    path = Path(directory) / "meta.json"
+    if not path.is_file():
+        raise PipeplanError(f"--resume {directory}: no checkpoint there (no meta.json); give a "
+                            "directory written by --save")
+    try:
+        return dict(json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        raise PipeplanError(f"--resume {directory}: meta.json is not valid JSON; the checkpoint "
+                            "is damaged") from None
+
+
 def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     if args.steps < 1:
         raise PipeplanError("--steps must be at least 1")
     if args.timeout <= 0:
         raise PipeplanError("--timeout must be positive (seconds)")
     granularity = args.granularity or getattr(plan, "granularity", None)
+    meta = _resume_meta(args.resume) if args.resume else {}
+    optimizer = args.optimizer or meta.get("optimizer") or plan.options.optimizer
+    if meta.get("optimizer") and optimizer != meta["optimizer"]:
+        raise PipeplanError(
+            f"--optimizer {optimizer}: the checkpoint in {args.resume} was trained with "
+            f"{meta['optimizer']} and holds its state; resume with --optimizer {meta['optimizer']} "
+            "(or leave --optimizer out)")
+    lr = args.lr if args.lr is not None else float(meta.get("lr", 0.01))
+    seed = args.seed if args.seed is not None else int(meta.get("seed", 0))
     return RunOptions(
-        plan=args.plan, model=args.model, steps=args.steps, lr=args.lr,
-        optimizer=args.optimizer or plan.options.optimizer, seed=args.seed, save=args.save,
+        plan=args.plan, model=args.model, steps=args.steps, lr=lr,
+        optimizer=optimizer, seed=seed, save=args.save,
         resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
         allow_mismatch=args.allow_mismatch, granularity=granularity,
     )
