@@ -9,7 +9,8 @@ iteration is exactly `(m + S - 1) * 3F`. For S = 2, 4 and m = 8, 16 (F = 5 ms) i
 - `torch.distributed.pipelining.Schedule1F1B` on the same model and split (target: pipeplan
   no slower);
 - the simulator's prediction for the plan (a profile whose times are the sleep times) against
-  the measured time (target within 5%);
+  the measured time (target within 5%): on the nominal cluster (latency-free links) and on one
+  whose `latency_us` is gloo's one-way latency measured by a ping-pong right before each row;
 - GPipe against 1F1B: time and peak saved-activation bytes of stage 0.
 
 Times are medians over the steps after the first of rank 0's wall time per step.
@@ -48,11 +49,16 @@ F_MS = float(os.environ.get("PIPEPLAN_SLEEP_F_MS", "5"))
 DIM = int(os.environ.get("PIPEPLAN_SLEEP_DIM", "64"))
 
 
+# time.sleep overshoots by ~0.1 ms here when a core is free: spin only the last 0.2 ms, so
+# four ranks on two cores steal little CPU from one another (the wait is still exactly F / 2F)
+SPIN_MS = float(os.environ.get("PIPEPLAN_SLEEP_SPIN_MS", "0.2"))
+
+
 def wait_ms(ms):
-    """Sleep most of the time, spin the last half millisecond: time.sleep alone overshoots."""
+    """Sleep most of the time, spin the last SPIN_MS milliseconds: time.sleep alone overshoots."""
     deadline = time.perf_counter() + ms / 1e3
-    if ms > 0.5:
-        time.sleep((ms - 0.5) / 1e3)
+    if ms > SPIN_MS:
+        time.sleep((ms - SPIN_MS) / 1e3)
     while time.perf_counter() < deadline:
         pass
 
@@ -103,8 +109,10 @@ def sleep_env(S: int, f_ms: float, dim: int) -> dict[str, str]:
             "PIPEPLAN_SLEEP_DIM": str(dim)}
 
 
-def sleep_plan(model_path: Path, S: int, m: int, b: int, f_ms: float, dim: int, schedule: str):
-    """A profile whose layer times are the sleep times, planned one layer per stage."""
+def sleep_plan(model_path: Path, S: int, m: int, b: int, f_ms: float, dim: int, schedule: str,
+               latency_us: float = 0.0):
+    """A profile whose layer times are the sleep times, planned one layer per stage, on a
+    cluster whose links have `latency_us` per message (0: the nominal, latency-free cluster)."""
     import torch
 
     from planner.formats import Cluster, DeviceInfo, LayerProfile, ModelRef, PlanOptions, Profile
@@ -125,7 +133,7 @@ def sleep_plan(model_path: Path, S: int, m: int, b: int, f_ms: float, dim: int, 
         edges=lg.edges(),
     )
     cluster = Cluster(nodes=1, devices_per_node=S, device_memory_gb=1, intra_node_gb_per_s=1000,
-                      inter_node_gb_per_s=1000)
+                      inter_node_gb_per_s=1000, latency_us=latency_us)
     options = PlanOptions(global_batch=m * b, microbatch_size=b, schedule=schedule,  # type: ignore[arg-type]
                           method="manual", split=[1] * S, replicas=[1] * S, optimizer="sgd")
     return make_plan(profile, cluster, options)
@@ -159,6 +167,56 @@ def simulate_with_measured(plan, report: dict) -> float:
         bwd_ms=tuple(by_stage[s]["bwd_ms_per_microbatch"] for s in range(len(plan.stages))),
     )
     return simulate_costs(costs, plan_actions(plan)).iteration_ms
+
+
+# ---------------------------------------------------------------- transport latency
+
+
+def pingpong_worker(rounds: int, out: str) -> None:
+    """One of two ranks bouncing one microbatch-sized tensor over gloo (isend/irecv + wait, as
+    the runtime does); rank 0 writes the round-trip times in microseconds."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    buf = torch.zeros(int(os.environ["PINGPONG_NUMEL"]))
+    peer = 1 - rank
+    rts = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.isend(buf, peer, tag=i).wait()
+        dist.irecv(buf, peer, tag=i).wait()
+        if rank == 1:
+            dist.isend(buf, peer, tag=i).wait()
+        rts.append((time.perf_counter() - t0) * 1e6)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rts))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_latency_us(numel: int, tmp: Path, rounds: int = 400) -> float:
+    """One-way gloo message latency on this machine: median round trip / 2 (the first 10%
+    dropped as warm-up). This is what a user would put into their cluster's `latency_us`."""
+    from runtime.launch import free_port
+
+    out = tmp / "pingpong.json"
+    port = free_port()
+    procs = []
+    for r in range(2):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), OMP_NUM_THREADS="1", PINGPONG_NUMEL=str(numel))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--pingpong-worker", str(rounds), str(out)],
+                                      env=e, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        if p.returncode:
+            raise RuntimeError(f"ping-pong rank failed:\n{err.decode()[-2000:]}")
+    rts = json.loads(out.read_text())
+    return float(statistics.median(rts[len(rts) // 10:])) / 2
 
 
 # ---------------------------------------------------------------- torch.distributed.pipelining
@@ -254,6 +312,9 @@ def main() -> None:
                 ideal = (m + S - 1) * 3 * f
                 plan_1f1b = sleep_plan(model_path, S, m, b, f, dim, "1f1b")
                 plan_gpipe = sleep_plan(model_path, S, m, b, f, dim, "gpipe")
+                # measured right before the row: it depends on the machine's load at the time
+                latency_us = measure_latency_us(b * dim, tmp, rounds=200)
+                plan_lat = sleep_plan(model_path, S, m, b, f, dim, "1f1b", latency_us)
                 rep = run_pipeplan(plan_1f1b, model_path, env, args.steps, tmp)
                 rep_g = run_pipeplan(plan_gpipe, model_path, env, args.steps, tmp)
                 torch_ms = median_steady(run_torch(model_path, env, S, m, b, args.steps, tmp))
@@ -270,6 +331,10 @@ def main() -> None:
                     "torch_1f1b_ms": torch_ms, "torch_pct_of_ideal": 100 * ideal / torch_ms,
                     "predicted_ms": pred, "prediction_error_pct": 100 * (pred - ours) / ours,
                     "predicted_with_measured_stage_ms": simulate_with_measured(plan_1f1b, rep),
+                    "latency_us": latency_us,
+                    "predicted_latency_ms": plan_lat.predicted.iteration_ms,
+                    "prediction_latency_error_pct": 100 * (plan_lat.predicted.iteration_ms - ours) / ours,
+                    "predicted_latency_measured_stage_ms": simulate_with_measured(plan_lat, rep),
                     "pipeplan_gpipe_ms": rep_g["iteration_ms"],
                     "predicted_gpipe_ms": plan_gpipe.predicted.iteration_ms,
                     "act_bytes_stage0_1f1b": rep["ranks"][0]["peak_activation_bytes"],
@@ -281,13 +346,15 @@ def main() -> None:
                 r = rows[-1]
                 print(f"S={S} m={m}: ideal {ideal:.0f} ms, pipeplan {ours:.1f} ms "
                       f"({r['pipeplan_pct_of_ideal']:.1f}%), torch {torch_ms:.1f} ms "
-                      f"({r['torch_pct_of_ideal']:.1f}%), predicted {pred:.1f} ms", flush=True)
+                      f"({r['torch_pct_of_ideal']:.1f}%), predicted {pred:.1f} ms, with latency "
+                      f"{r['predicted_latency_ms']:.1f} ms ({latency_us:.0f} us)", flush=True)
     load_after = os.getloadavg()
     header = ("| S | m | ideal ms | pipeplan 1F1B ms | % of ideal | % of ideal (measured stage time) "
               "| torch Schedule1F1B ms | % of ideal | simulator ms | sim − measured | "
-              "simulator, measured stage times | GPipe ms | "
+              "simulator, measured stage times | gloo latency us | simulator with latency (error) | "
+              "with latency and measured stage times (error) | GPipe ms | "
               "act. bytes stage 0 1F1B / GPipe (in flight) |")
-    lines = [header, "|" + "---|" * 13]
+    lines = [header, "|" + "---|" * 16]
     for r in rows:
         lines.append(
             f"| {r['S']} | {r['m']} | {r['ideal_ms']:.0f} | {r['pipeplan_1f1b_ms']:.1f} | "
@@ -295,6 +362,9 @@ def main() -> None:
             f"{r['torch_1f1b_ms']:.1f} | {r['torch_pct_of_ideal']:.1f}% | {r['predicted_ms']:.1f} | "
             f"{r['prediction_error_pct']:+.1f}% | {r['predicted_with_measured_stage_ms']:.1f} "
             f"({100 * (r['predicted_with_measured_stage_ms'] - r['pipeplan_1f1b_ms']) / r['pipeplan_1f1b_ms']:+.1f}%) | "
+            f"{r['latency_us']:.0f} | {r['predicted_latency_ms']:.1f} ({r['prediction_latency_error_pct']:+.1f}%) | "
+            f"{r['predicted_latency_measured_stage_ms']:.1f} "
+            f"({100 * (r['predicted_latency_measured_stage_ms'] - r['pipeplan_1f1b_ms']) / r['pipeplan_1f1b_ms']:+.1f}%) | "
             f"{r['pipeplan_gpipe_ms']:.1f} | "
             f"{r['act_bytes_stage0_1f1b']} / {r['act_bytes_stage0_gpipe']} "
             f"({r['inflight_stage0_1f1b']} / {r['inflight_stage0_gpipe']}) |")
@@ -314,5 +384,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--torch-worker":
         _, _, path, S_, m_, b_, steps_, out_ = sys.argv
         torch_worker(path, int(S_), int(m_), int(b_), int(steps_), out_)
+    elif len(sys.argv) > 1 and sys.argv[1] == "--pingpong-worker":
+        pingpong_worker(int(sys.argv[2]), sys.argv[3])
     else:
         main()
