@@ -10,7 +10,9 @@ iteration is exactly `(m + S - 1) * 3F`. For S = 2, 4 and m = 8, 16 (F = 5 ms) i
   no slower);
 - the simulator's prediction for the plan (a profile whose times are the sleep times) against
   the measured time (target within 5%): on the nominal cluster (latency-free links) and on one
-  whose `latency_us` is gloo's one-way latency measured by a ping-pong right before each row;
+  whose `latency_us` is gloo's one-way latency to a receiver blocked for F ms (timestamped
+  messages between two processes, measured right before each row); the ping-pong latency and
+  the per-hop delay seen in the run's own trace are reported beside it;
 - GPipe against 1F1B: time and peak saved-activation bytes of stage 0.
 
 Times are medians over the steps after the first of rank 0's wall time per step.
@@ -144,11 +146,41 @@ def run_pipeplan(plan, model_path: Path, env: dict[str, str], steps: int, tmp: P
 
     plan_path = tmp / f"plan-{plan.schedule}.json"
     report_path = tmp / f"report-{plan.schedule}.json"
+    trace_path = tmp / f"trace-{plan.schedule}.json"
     save_model(plan, plan_path)
     cmd = [sys.executable, "-m", "runtime", str(plan_path), "--model", str(model_path),
-           "--steps", str(steps), "--lr", "0", "--optimizer", "sgd", "--report", str(report_path)]
+           "--steps", str(steps), "--lr", "0", "--optimizer", "sgd", "--report", str(report_path),
+           "--trace", str(trace_path)]
     subprocess.run(cmd, env=dict(os.environ, **env), check=True, cwd=ROOT, capture_output=True)
-    return json.loads(report_path.read_text())
+    rep = json.loads(report_path.read_text())
+    rep["hop_us"] = hop_latency_us(json.loads(trace_path.read_text()))
+    return rep
+
+
+def hop_latency_us(trace: dict) -> float | None:
+    """Median delay, in the last step's measured trace, between a stage finishing F(s-1, j)
+    (or B(s+1, j)) and the next stage starting F(s, j) (or B(s, j)), counted only where that
+    message was what the next stage waited for (it had finished its previous action earlier):
+    the per-hop latency the run itself saw, wake-ups under load included. A diagnostic of the
+    run, not an input to its prediction."""
+    evs = trace["traceEvents"] if isinstance(trace, dict) else trace
+    rows = [e for e in evs if e.get("ph") == "X" and e.get("pid") == 0 and e.get("cat") in ("F", "B")]
+    by_name = {e["name"]: e for e in rows}
+    prev_end: dict[str, float] = {}
+    for tid in {e["tid"] for e in rows}:
+        mine = sorted((e for e in rows if e["tid"] == tid), key=lambda e: e["ts"])
+        for a, b in zip(mine, mine[1:], strict=False):
+            prev_end[b["name"]] = a["ts"] + a["dur"]
+    gaps = []
+    for e in rows:
+        st, kind, mb = e["name"].partition(e["cat"])
+        src = f"{int(st) - 1}F{mb}" if kind == "F" else f"{int(st) + 1}B{mb}"
+        if src not in by_name:
+            continue
+        ready = by_name[src]["ts"] + by_name[src]["dur"]
+        if ready > prev_end.get(e["name"], float("-inf")):
+            gaps.append(e["ts"] - ready)
+    return float(statistics.median(gaps)) if gaps else None
 
 
 def simulate_with_measured(plan, report: dict) -> float:
@@ -172,18 +204,21 @@ def simulate_with_measured(plan, report: dict) -> float:
 # ---------------------------------------------------------------- transport latency
 
 
-def pingpong_worker(rounds: int, out: str) -> None:
-    """One of two ranks bouncing one microbatch-sized tensor over gloo (isend/irecv + wait, as
-    the runtime does); rank 0 writes the round-trip times in microseconds."""
+def latency_worker(rounds: int, idle_ms: float, out: str) -> None:
+    """One of two ranks sending one microbatch-sized tensor over gloo (isend/irecv + wait, as
+    the runtime does). Two ways: a ping-pong (both ranks hot: median round trip / 2), and
+    one-way messages that rank 0 sends after `idle_ms` with its `time.time()` inside, so rank 1
+    has been blocked in `wait()` that long, as a pipeline stage waiting for its next input is
+    (arrival time − stamp). Rank 0 writes both lists in microseconds."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
-    buf = torch.zeros(int(os.environ["PINGPONG_NUMEL"]))
+    buf = torch.zeros(int(os.environ["PINGPONG_NUMEL"]), dtype=torch.float64)
     peer = 1 - rank
-    rts = []
+    hot, cold = [], []
     for i in range(rounds):
         t0 = time.perf_counter()
         if rank == 0:
@@ -191,32 +226,47 @@ def pingpong_worker(rounds: int, out: str) -> None:
         dist.irecv(buf, peer, tag=i).wait()
         if rank == 1:
             dist.isend(buf, peer, tag=i).wait()
-        rts.append((time.perf_counter() - t0) * 1e6)
+        hot.append((time.perf_counter() - t0) * 1e6 / 2)
+    for i in range(rounds // 4):
+        tag = rounds + i
+        if rank == 0:
+            time.sleep(idle_ms / 1e3)
+            buf[0] = time.time()
+            dist.isend(buf, peer, tag=tag).wait()
+            dist.irecv(buf[:1], peer, tag=tag).wait()
+            cold.append(float(buf[0]))
+        else:
+            dist.irecv(buf, peer, tag=tag).wait()
+            buf[0] = (time.time() - float(buf[0])) * 1e6
+            dist.isend(buf[:1], peer, tag=tag).wait()
     if rank == 0:
-        Path(out).write_text(json.dumps(rts))
+        Path(out).write_text(json.dumps({"hot": hot, "cold": cold}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_latency_us(numel: int, tmp: Path, rounds: int = 400) -> float:
-    """One-way gloo message latency on this machine: median round trip / 2 (the first 10%
-    dropped as warm-up). This is what a user would put into their cluster's `latency_us`."""
+def measure_latency_us(numel: int, idle_ms: float, tmp: Path, rounds: int = 200) -> tuple[float, float]:
+    """gloo's one-way message latency on this machine, (hot, cold): the ping-pong's and the one a
+    receiver blocked for `idle_ms` sees (medians; the first 10% dropped as warm-up). The cold
+    one is what a pipeline stage waiting for its input pays, and what this benchmark puts into
+    its cluster's `latency_us`, as a user would measure their network."""
     from runtime.launch import free_port
 
-    out = tmp / "pingpong.json"
+    out = tmp / "latency.json"
     port = free_port()
     procs = []
     for r in range(2):
         e = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", PINGPONG_NUMEL=str(numel))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--pingpong-worker", str(rounds), str(out)],
-                                      env=e, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--latency-worker", str(rounds), str(idle_ms), str(out)],
+            env=e, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     for p in procs:
         _, err = p.communicate(timeout=300)
         if p.returncode:
-            raise RuntimeError(f"ping-pong rank failed:\n{err.decode()[-2000:]}")
-    rts = json.loads(out.read_text())
-    return float(statistics.median(rts[len(rts) // 10:])) / 2
+            raise RuntimeError(f"latency rank failed:\n{err.decode()[-2000:]}")
+    d = json.loads(out.read_text())
+    return tuple(float(statistics.median(x[len(x) // 10:])) for x in (d["hot"], d["cold"]))  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- torch.distributed.pipelining
@@ -313,7 +363,7 @@ def main() -> None:
                 plan_1f1b = sleep_plan(model_path, S, m, b, f, dim, "1f1b")
                 plan_gpipe = sleep_plan(model_path, S, m, b, f, dim, "gpipe")
                 # measured right before the row: it depends on the machine's load at the time
-                latency_us = measure_latency_us(b * dim, tmp, rounds=200)
+                hot_us, latency_us = measure_latency_us(b * dim // 2, f, tmp)  # float64: b x dim floats
                 plan_lat = sleep_plan(model_path, S, m, b, f, dim, "1f1b", latency_us)
                 rep = run_pipeplan(plan_1f1b, model_path, env, args.steps, tmp)
                 rep_g = run_pipeplan(plan_gpipe, model_path, env, args.steps, tmp)
@@ -331,7 +381,8 @@ def main() -> None:
                     "torch_1f1b_ms": torch_ms, "torch_pct_of_ideal": 100 * ideal / torch_ms,
                     "predicted_ms": pred, "prediction_error_pct": 100 * (pred - ours) / ours,
                     "predicted_with_measured_stage_ms": simulate_with_measured(plan_1f1b, rep),
-                    "latency_us": latency_us,
+                    "latency_us": latency_us, "pingpong_latency_us": hot_us,
+                    "hop_us_in_run": rep["hop_us"],
                     "predicted_latency_ms": plan_lat.predicted.iteration_ms,
                     "prediction_latency_error_pct": 100 * (plan_lat.predicted.iteration_ms - ours) / ours,
                     "predicted_latency_measured_stage_ms": simulate_with_measured(plan_lat, rep),
@@ -351,7 +402,7 @@ def main() -> None:
     load_after = os.getloadavg()
     header = ("| S | m | ideal ms | pipeplan 1F1B ms | % of ideal | % of ideal (measured stage time) "
               "| torch Schedule1F1B ms | % of ideal | simulator ms | sim − measured | "
-              "simulator, measured stage times | gloo latency us | simulator with latency (error) | "
+              "simulator, measured stage times | gloo latency us hot / cold / in run | simulator with latency (error) | "
               "with latency and measured stage times (error) | GPipe ms | "
               "act. bytes stage 0 1F1B / GPipe (in flight) |")
     lines = [header, "|" + "---|" * 16]
@@ -362,7 +413,7 @@ def main() -> None:
             f"{r['torch_1f1b_ms']:.1f} | {r['torch_pct_of_ideal']:.1f}% | {r['predicted_ms']:.1f} | "
             f"{r['prediction_error_pct']:+.1f}% | {r['predicted_with_measured_stage_ms']:.1f} "
             f"({100 * (r['predicted_with_measured_stage_ms'] - r['pipeplan_1f1b_ms']) / r['pipeplan_1f1b_ms']:+.1f}%) | "
-            f"{r['latency_us']:.0f} | {r['predicted_latency_ms']:.1f} ({r['prediction_latency_error_pct']:+.1f}%) | "
+            f"{r['pingpong_latency_us']:.0f} / {r['latency_us']:.0f} / {r['hop_us_in_run'] or 0:.0f} | {r['predicted_latency_ms']:.1f} ({r['prediction_latency_error_pct']:+.1f}%) | "
             f"{r['predicted_latency_measured_stage_ms']:.1f} "
             f"({100 * (r['predicted_latency_measured_stage_ms'] - r['pipeplan_1f1b_ms']) / r['pipeplan_1f1b_ms']:+.1f}%) | "
             f"{r['pipeplan_gpipe_ms']:.1f} | "
@@ -384,7 +435,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--torch-worker":
         _, _, path, S_, m_, b_, steps_, out_ = sys.argv
         torch_worker(path, int(S_), int(m_), int(b_), int(steps_), out_)
-    elif len(sys.argv) > 1 and sys.argv[1] == "--pingpong-worker":
-        pingpong_worker(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--latency-worker":
+        latency_worker(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])
     else:
         main()
