@@ -110,18 +110,26 @@ def loss_ms(profile: Profile) -> float:
     return float(getattr(profile.measured, "loss_ms", 0.0) or 0.0) if profile.measured else 0.0
 
 
+def loss_activation_bytes(profile: Profile) -> int:
+    """What the loss keeps for its backward (`measured.loss_activation_bytes`, e.g. the
+    log-probabilities of a cross-entropy), per profiled batch, when the profiler measured it."""
+    return int(getattr(profile.measured, "loss_activation_bytes", 0) or 0) if profile.measured else 0
+
+
 def layer_table(profile: Profile) -> LayerTable:
-    """The profile as prefix sums; the loss's time is added to the last layer's forward."""
+    """The profile as prefix sums; the loss's time and saved bytes are the last layer's."""
     layers = profile.layers
     fwd = [x.fwd_ms for x in layers]
     fwd[-1] += loss_ms(profile)
+    activation = [x.activation_bytes for x in layers]
+    activation[-1] += loss_activation_bytes(profile)
     return LayerTable(
         batch_size=profile.batch_size,
         names=tuple(x.name for x in layers),
         fwd_prefix_ms=_prefix(fwd),
         bwd_prefix_ms=_prefix([x.bwd_ms for x in layers]),
         param_prefix_bytes=_prefix([x.param_bytes for x in layers]),
-        activation_prefix_bytes=_prefix([x.activation_bytes for x in layers]),
+        activation_prefix_bytes=_prefix(activation),
         tensors=tuple(profile_tensors(profile)),
     )
 

@@ -171,8 +171,12 @@ class WholeRunner:
         self.device, self.timer = device, Timer(device, clock)
         state = list(model.parameters()) + list(model.buffers())
         with count_saved_bytes(state) as seen:
-            model(*inputs)
+            out = model(*inputs)
         self.activation_bytes = sum(seen.values())
+        with count_saved_bytes(state) as seen_by_loss:  # e.g. cross-entropy keeps its log-probs
+            loss_fn(out, target)
+        self.loss_activation_bytes = sum(seen_by_loss.values())
+        del out
         self.fwd: list[float] = []
         self.bwd: list[float] = []
         self.loss: list[float] = []
@@ -205,6 +209,7 @@ class WholeMeasurement:
     loss_ms: float  # loss forward + its backward to the model's output (in neither of the above)
     activation_bytes: int
     peak_memory_bytes: int | None
+    loss_activation_bytes: int = 0  # what the loss keeps for its backward (the last stage holds it)
 
 
 def _rounds(runners: list[Any], warmup: int, repeats: int,
@@ -276,7 +281,8 @@ def _whole_result(run: WholeRunner) -> WholeMeasurement:
         peak = int(torch.cuda.max_memory_allocated(run.device))
     run.model.zero_grad(set_to_none=True)
     return WholeMeasurement(statistics.median(run.fwd), statistics.median(run.bwd),
-                            statistics.median(run.loss), run.activation_bytes, peak)
+                            statistics.median(run.loss), run.activation_bytes, peak,
+                            run.loss_activation_bytes)
 
 
 def measure_layers(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,

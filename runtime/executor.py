@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from planner.actions import Action
+from profiler.measure import count_saved_bytes
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 
@@ -70,7 +71,7 @@ class StageExecutor:
         self.is_last = OUTPUT_KEY in routing.output_keys[stage]
         self._sends = routing.sends(stage)
         self._recvs = routing.recvs(stage)
-        self._param_ptrs = {p.data_ptr() for p in module.parameters()}
+        self._state = list(module.parameters()) + list(module.buffers())
         self.stats = Stats()
         self.events: list[TimedEvent] = []
         self._inflight: dict[int, _InFlight] = {}
@@ -129,15 +130,9 @@ class StageExecutor:
                 t.requires_grad_(True)
                 received[key] = t
             feed[key] = t
-        saved = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() not in self._param_ptrs:
-                saved[0] += t.numel() * t.element_size()
-            return t
-
         t0 = time.time()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # saved activations, each storage once, parameters and buffers not (as the profiler counts)
+        with count_saved_bytes(self._state) as seen:
             out = self.module(feed)
             loss = None
             if self.is_last:
@@ -149,8 +144,9 @@ class StageExecutor:
         for key, dsts in self._sends:
             for t in dsts:
                 self.p2p.send(out[key], self.rank_of(t, j), j, key, grad=False)
-        self._inflight[j] = _InFlight(received, out, loss, saved[0])
-        self._saved_now += saved[0]
+        saved = sum(seen.values())
+        self._inflight[j] = _InFlight(received, out, loss, saved)
+        self._saved_now += saved
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
         self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, self._saved_now)
         return float(loss.detach()) if loss is not None else 0.0

@@ -14,13 +14,11 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 from plans import make_plan, write_plan  # noqa: E402
+from runtime_paths import EXAMPLES, MODELS  # noqa: E402,F401
 
 from profiler.loader import load_model_file  # noqa: E402
 from runtime import stages  # noqa: E402
 from runtime.cli import main  # noqa: E402
-
-MODELS = HERE / "models"
-EXAMPLES = HERE.parent.parent / "examples"
 
 
 def traced_layers(model_path: str | Path, microbatch_size: int = 2) -> list[str]:

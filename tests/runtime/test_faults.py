@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MODELS
+from runtime_paths import MODELS
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ otherwise, and refuses an optimizer whose state the checkpoint does not hold."""
 from __future__ import annotations
 
 import torch
-from conftest import MODELS
 from reference import max_abs_diff, reference_train
+from runtime_paths import MODELS
 
 
 def test_resume_takes_optimizer_lr_and_seed_from_the_checkpoint(run, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import EXAMPLES, MODELS
 from reference import max_abs_diff, reference_train
+from runtime_paths import EXAMPLES, MODELS
 
 from profiler.loader import load_model_file
 
