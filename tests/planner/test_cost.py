@@ -61,26 +61,18 @@ def test_pipeline_costs_scale_with_microbatch_and_links() -> None:
     assert lb == pytest.approx(4 * 0.5 * 30.0 / 4)
 
 
-def test_the_loss_time_is_paid_by_the_last_layer() -> None:
+
+def test_the_loss_is_paid_by_the_last_layer() -> None:
+    """Its time (forward) and the bytes it keeps for backward."""
     from planner.cost import layer_table
     from planner.formats import Measured
 
     profile = chain_profile([1.0, 2.0, 3.0])
     base = layer_table(profile)
-    measured = Measured(fwd_ms=6.0, bwd_ms=12.0, loss_ms=0.5)
+    measured = Measured(fwd_ms=6.0, bwd_ms=12.0, loss_ms=0.5, loss_activation_bytes=1000)
     with_loss = layer_table(profile.model_copy(update={"measured": measured}))
     assert with_loss.fwd_ms(0, 2) == base.fwd_ms(0, 2)
     assert with_loss.fwd_ms(2, 3) == base.fwd_ms(2, 3) + 0.5
     assert with_loss.bwd_ms(0, 3) == base.bwd_ms(0, 3)
-
-
-def test_the_loss_saved_bytes_are_held_by_the_last_layer() -> None:
-    from planner.cost import layer_table
-    from planner.formats import Measured
-
-    profile = chain_profile([1.0, 2.0, 3.0])
-    base = layer_table(profile)
-    measured = Measured(fwd_ms=6.0, bwd_ms=12.0, loss_activation_bytes=1000)
-    with_loss = layer_table(profile.model_copy(update={"measured": measured}))
     assert with_loss.activation_bytes(0, 2) == base.activation_bytes(0, 2)
     assert with_loss.activation_bytes(2, 3) == base.activation_bytes(2, 3) + 1000
