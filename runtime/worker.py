@@ -50,6 +50,10 @@ def _device(env: DistEnv) -> tuple[torch.device, str]:
     if torch.cuda.is_available() and torch.cuda.device_count() >= env.local_world_size:
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank), "nccl"
+    if torch.cuda.is_available() and env.local_rank == 0:
+        print(f"warning: {env.local_world_size} ranks on this machine but {torch.cuda.device_count()} "
+              "GPUs: every rank runs on the CPU with gloo (start one rank per GPU to use them)",
+              file=sys.stderr, flush=True)
     return torch.device("cpu"), "gloo"
 
 
