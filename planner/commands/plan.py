@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from planner.errors import PipeplanError
 
@@ -46,12 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.commands.simulate import show_simulation
     from planner.formats import Cluster, PlanOptions, Profile
     from planner.io import load_model, parse_model, save_model
     from planner.report_table import format_plan
     from planner.simulator import simulate
     from planner.solve import default_method, make_plan
-    from planner.trace import chrome_trace, text_timeline
 
     profile = load_model(args.profile, Profile, f"profile {args.profile}")
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
@@ -72,10 +70,5 @@ def run(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     print(f"wrote {args.output}")
     if args.trace or args.timeline:
-        sim = simulate(plan)
-        if args.trace:
-            Path(args.trace).write_text(json.dumps(chrome_trace(sim, {"plan": args.output})))
-            print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-        if args.timeline:
-            print(text_timeline(sim))
+        show_simulation(simulate(plan), args.output, args.trace, args.timeline)
     return 0

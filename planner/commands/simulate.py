@@ -22,15 +22,21 @@ def run(args: argparse.Namespace) -> int:
     from planner.io import load_model
     from planner.report_table import format_simulation
     from planner.simulator import simulate
-    from planner.trace import chrome_trace, text_timeline
 
     plan = load_model(args.plan, Plan, f"plan {args.plan}")
     sim = simulate(plan)
     print(format_simulation(sim))
     print(f"plan predicted {plan.predicted.iteration_ms:.2f} ms")
-    if args.trace:
-        Path(args.trace).write_text(json.dumps(chrome_trace(sim, {"plan": args.plan})))
-        print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-    if args.timeline:
-        print(text_timeline(sim))
+    show_simulation(sim, args.plan, args.trace, args.timeline)
     return 0
+
+
+def show_simulation(sim: object, plan_path: str, trace: str | None, timeline: bool) -> None:
+    """The `--trace FILE` and `--timeline` outputs of `plan` and `simulate`."""
+    from planner.trace import chrome_trace, text_timeline
+
+    if trace:
+        Path(trace).write_text(json.dumps(chrome_trace(sim, {"plan": plan_path})))
+        print(f"wrote {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if timeline:
+        print(text_timeline(sim))
