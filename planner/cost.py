@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.formats import GB, INPUT_NODE, Cluster, Device, Profile
+from planner.formats import GB, INPUT_NODE, Cluster, Device, Profile, crossing_bytes
 from planner.partition import Candidate
 
 LinkKind = Literal["intra", "inter"]
@@ -68,17 +68,8 @@ class LayerTable:
     def cut_bytes(self) -> list[int]:
         """`result[i]` = bytes of every non-input tensor produced at or before layer i and used
         after it (a chain cut between layers i and i+1; what PipeDream's DP uses), i < L-1."""
-        n = self.num_layers
-        diff = [0] * (n + 1)
-        for t in self.tensors:
-            if t.producer >= 0 and t.consumers[-1] > t.producer:
-                diff[t.producer] += t.nbytes
-                diff[t.consumers[-1]] -= t.nbytes
-        out, acc = [], 0
-        for i in range(n - 1):
-            acc += diff[i]
-            out.append(acc)
-        return out
+        spans = ((t.producer, t.consumers[-1], t.nbytes) for t in self.tensors if t.producer >= 0)
+        return crossing_bytes(spans, self.num_layers)
 
 
 def _prefix(values: Sequence[float]) -> tuple:

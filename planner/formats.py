@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -119,17 +120,23 @@ class Profile(_Open):
             span = spans.setdefault(key, [p, p, 0])
             span[1] = max(span[1], index[e.dst])
             span[2] = max(span[2], e.bytes)
-        diff = [0] * (n + 1)
-        for p, last, nbytes in spans.values():
-            lo = max(p, 0)
-            if last > lo:
-                diff[lo] += nbytes
-                diff[last] -= nbytes
-        out, acc = [], 0
-        for i in range(n - 1):
-            acc += diff[i]
-            out.append(acc)
-        return out
+        return crossing_bytes(spans.values(), n)
+
+
+def crossing_bytes(spans: Iterable[Sequence[int]], num_layers: int) -> list[int]:
+    """`result[i]` = summed bytes of the `(producer, last_consumer, bytes)` spans with
+    `producer <= i < last_consumer`, for each cut i in 0..num_layers-2 (producer -1: a model input)."""
+    diff = [0] * (num_layers + 1)
+    for p, last, nbytes in spans:
+        lo = max(p, 0)
+        if last > lo:
+            diff[lo] += nbytes
+            diff[last] -= nbytes
+    out, acc = [], 0
+    for i in range(num_layers - 1):
+        acc += diff[i]
+        out.append(acc)
+    return out
 
 
 def digest(model: BaseModel) -> str:
