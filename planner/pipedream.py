@@ -268,7 +268,7 @@ def solve_pipedream(profile: Profile, cluster: Cluster, options: PlanOptions, mi
         d = specs[0].devices
         res = solve_hierarchical(inp, len(specs), d, cluster.intra_node_gb_per_s,
                                  cluster.inter_node_gb_per_s, 0)
-        if res.stages and not _fits(profile, cluster, options, bounds, res, microbatch_size, m):
+        if res.stages and not _fits(table, cluster, options, bounds, res, microbatch_size, m):
             check = "conservative"
             res = solve_hierarchical(inp, len(specs), d, cluster.intra_node_gb_per_s,
                                      cluster.inter_node_gb_per_s, (len(specs) - 1) * d)
@@ -278,16 +278,20 @@ def solve_pipedream(profile: Profile, cluster: Cluster, options: PlanOptions, mi
     if not res.stages:
         raise PipeplanError(
             f"pipedream: no partition fits in device memory ({format_bytes(limit)} per device); "
-            f"{_unlimited_need(profile, cluster, options, inp, bounds, microbatch_size, m)}"
+            f"{_unlimited_need(table, cluster, options, inp, bounds, microbatch_size, m)}"
             "try more devices, a smaller --microbatch-size, --optimizer sgd or --schedule 1f1b")
-    stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
-    return Candidate(stages, microbatch_size, m, solver={
+    return Candidate(_stages(bounds, res), microbatch_size, m, solver={
         "name": "pipedream", "status": "HEURISTIC", "objective": res.objective_ms,
         "wall_s": time.perf_counter() - t0, "groups": len(bounds) - 1, "memory_check": check,
     })
 
 
-def _unlimited_need(profile: Profile, cluster: Cluster, options: PlanOptions, inp: DPInput,
+def _stages(bounds: list[int], res: DPResult) -> tuple[StageChoice, ...]:
+    """The DP's stages (runs of layer groups) as layer ranges."""
+    return tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
+
+
+def _unlimited_need(table: LayerTable, cluster: Cluster, options: PlanOptions, inp: DPInput,
                     bounds: list[int], microbatch_size: int, m: int) -> str:
     """What the DP's plan would need per device without the memory limit, as a sentence."""
     from dataclasses import replace
@@ -302,14 +306,12 @@ def _unlimited_need(profile: Profile, cluster: Cluster, options: PlanOptions, in
     else:
         res = solve_flat(free, cluster.num_devices, cluster.intra_node_gb_per_s
                          if len(specs) == 1 else cluster.inter_node_gb_per_s)
-    stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
-    ev = evaluate(layer_table(profile), cluster, Candidate(stages, microbatch_size, m), options)
+    ev = evaluate(table, cluster, Candidate(_stages(bounds, res), microbatch_size, m), options)
     return f"its best plan without the limit would need {format_bytes(max(ev.stage_memory_bytes))} per device; "
 
 
-def _fits(profile: Profile, cluster: Cluster, options: PlanOptions, bounds: list[int],
+def _fits(table: LayerTable, cluster: Cluster, options: PlanOptions, bounds: list[int],
           res: DPResult, microbatch_size: int, m: int) -> bool:
     from planner.build import evaluate  # build does not import this module; keep it that way
 
-    stages = tuple(StageChoice(bounds[i], bounds[j + 1], devs) for i, j, devs in res.stages)
-    return evaluate(layer_table(profile), cluster, Candidate(stages, microbatch_size, m), options).fits
+    return evaluate(table, cluster, Candidate(_stages(bounds, res), microbatch_size, m), options).fits

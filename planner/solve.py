@@ -29,14 +29,9 @@ def _pipedream(profile: Profile, cluster: Cluster, options: PlanOptions) -> Cand
 
 
 def _cpsat(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
-    try:
-        module = importlib.import_module("planner.cpsat")
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("planner.cpsat"):
-            raise PipeplanError("method cpsat is not available (planner.cpsat is missing); "
-                                "use --method pipedream, blocks, params, uniform or manual") from None
-        raise
-    return module.solve(profile, cluster, options)
+    from planner.cpsat import solve  # lazy: ortools loads only when CP-SAT is asked for
+
+    return solve(profile, cluster, options)
 
 
 METHODS: dict[str, Method] = {

@@ -1,40 +1,26 @@
 """The best baseline plan: CP-SAT's hint and its fallback when the time runs out.
 
 Internal module. Uses the core's partitioners (`planner.solve` methods `pipedream`, `blocks`,
-`params`, `uniform`) when they are available, each judged by the simulator; a baseline that
-fails (does not fit, or is not built) is skipped.
+`params`, `uniform`), each judged by the simulator; a baseline that fails (does not fit) is
+skipped.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
-from collections.abc import Callable
 
 from planner.build import evaluate
 from planner.cost import LayerTable
 from planner.cpsat.search import throughput_objective_ms
 from planner.formats import Cluster, Device, PlanOptions, Profile
 from planner.partition import Candidate
+from planner.solve import METHODS
 
 log = logging.getLogger(__name__)
 
 BASELINES = ("pipedream", "uniform", "params", "blocks")  # cheapest first
 SLOW_BLOCKS = 100_000  # layers x devices above which `blocks` is not run as a hint
-
-
-def baseline_method(name: str) -> Callable[[Profile, Cluster, PlanOptions], Candidate] | None:
-    """The core's partitioner called `name`, or None if it is not there."""
-    try:
-        solve_mod = importlib.import_module("planner.solve")
-    except ModuleNotFoundError:
-        return None
-    methods = getattr(solve_mod, "METHODS", None)
-    if isinstance(methods, dict) and name in methods:
-        fn = methods[name]
-        return fn if callable(fn) else None
-    return None
 
 
 def best_baseline(profile: Profile, cluster: Cluster, options: PlanOptions, table: LayerTable,
@@ -49,9 +35,7 @@ def best_baseline(profile: Profile, cluster: Cluster, options: PlanOptions, tabl
             break  # no new baseline once its share of the time limit is spent
         if name == "blocks" and table.num_layers * len(devices) > SLOW_BLOCKS:
             continue  # its depth sweep alone can outlast the time limit (13-26 s measured)
-        fn = baseline_method(name)
-        if fn is None:
-            continue
+        fn = METHODS[name]
         try:
             opts = options.model_copy(update={"method": name})
             cand = fn(profile, cluster, opts)

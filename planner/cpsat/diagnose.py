@@ -4,7 +4,7 @@ Internal module; the numbers come from `planner.cost`."""
 
 from __future__ import annotations
 
-from planner.cost import LayerTable, static_memory_bytes
+from planner.cost import LayerTable, microbatch_scale, stage_memory_bytes, static_memory_bytes
 from planner.errors import PipeplanError
 from planner.formats import Cluster
 from planner.units import format_bytes
@@ -17,12 +17,12 @@ def infeasible_error(table: LayerTable, cluster: Cluster, optimizer: str, schedu
     biggest = max(d.memory_bytes for d in devices)
     D = len(devices)
     b = min(microbatch_sizes)
-    scale = b / table.batch_size
+    scale = microbatch_scale(table.batch_size, b)
     L = table.num_layers
 
     def need(a: int, z: int, inflight: int) -> float:
-        return (static_memory_bytes(table.param_bytes(a, z), optimizer)
-                + scale * table.activation_bytes(a, z) * inflight)
+        return stage_memory_bytes(table.param_bytes(a, z), table.activation_bytes(a, z), scale,
+                                  inflight, optimizer)
 
     # the single layer that does not fit anywhere, even alone with one microbatch in flight
     worst = max(range(L), key=lambda i: need(i, i + 1, 1))
