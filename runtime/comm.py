@@ -67,7 +67,6 @@ class P2P:
     timeout_s: float
     describe_rank: dict[int, str] = field(default_factory=dict)  # rank -> "rank 2 (stage 1)"
     comm_ms: float = 0.0  # time spent posting sends and in flush waits
-    wait_ms: float = 0.0  # time blocked waiting for data from a peer
     _shapes: dict[tuple[int, str, bool, bool], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
     _sends: list[_Pending] = field(default_factory=list)
     _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
@@ -151,7 +150,6 @@ class P2P:
         return True
 
     def recv(self, peer: int, mb: int, key: str, grad: bool) -> torch.Tensor:
-        t0 = time.perf_counter()
         if not self.post_recv(peer, mb, key, grad):
             h = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
@@ -161,5 +159,4 @@ class P2P:
             self.post_recv(peer, mb, key, grad)
         p = self._recvs.pop((peer, key, mb, grad))
         self._wait(p)
-        self.wait_ms += (time.perf_counter() - t0) * 1e3
         return p.buf

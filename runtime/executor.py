@@ -105,8 +105,6 @@ class StageExecutor:
         this rank's scaled microbatch losses (0 on other stages than the last)."""
         total = 0.0
         for i, a in enumerate(actions):
-            if a.stage != self.stage:
-                raise RuntimeError(f"action {a} is for stage {a.stage}, but this rank runs stage {self.stage}")
             self._post(a)
             if i + 1 < len(actions):
                 self._post(actions[i + 1])

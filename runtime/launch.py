@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,12 +32,6 @@ class Failure:
     exit_code: int
     kind: str  # "user" | "error" | "peer" | "crash"
     message: str
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _read_error(path: Path, rank: int, code: int) -> Failure:

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from planner.errors import PipeplanError
-from planner.formats import Plan
+from planner.formats import INPUT_NODE, Plan
+from profiler.graph import OUTPUT_KEY  # noqa: F401 - re-exported for the executor
 
-OUTPUT_KEY = "<output>"
-INPUT_PREFIX = "<input>:"
+INPUT_PREFIX = f"{INPUT_NODE}:"  # profiler.graph.input_key(i) == INPUT_PREFIX + str(i)
 
 
 @dataclass
@@ -72,19 +72,10 @@ def layer_names(graph: object) -> list[str]:
 
 
 def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], granularity: str) -> object:
-    """The profiler's layer graph; buffers (e.g. batch-norm statistics) are restored afterwards
-    so tracing leaves the model exactly as `build_model()` made it."""
+    """The profiler's layer graph (tracing leaves the model's buffers as they were)."""
     from profiler.graph import trace
 
-    saved = {k: v.detach().clone() for k, v in model.named_buffers()}
-    try:
-        graph = trace(model, example_inputs, granularity=granularity)
-    finally:
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                if k in saved:
-                    v.copy_(saved[k])
-    return graph
+    return trace(model, example_inputs, granularity=granularity)
 
 
 def trace_for_plan(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], plan: Plan,

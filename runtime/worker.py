@@ -159,10 +159,7 @@ class Worker:
         from planner.schedules import actions_for_rank
 
         self.actions = actions_for_rank(plan, self.rank)
-        wrong = [str(a) for a in self.actions if a.stage != self.stage]
-        if wrong:
-            raise PipeplanError(f"rank {self.rank} holds stage {self.stage} but its actions include "
-                                f"{', '.join(wrong[:3])}; this runtime runs one stage per rank")
+        # (planner.runnable has checked that every action is this rank's stage and replica)
         self.last_stage_ranks = list(plan.stages[-1].devices)
 
     # ------------------------------------------------------------------ gradients
