@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from profiler.graph import LayerGraph, StageModule, build_stage
+from planner.formats import INPUT_NODE
+from profiler.graph import LayerGraph, StageModule, build_stage, input_key
 
 
 @dataclass
@@ -110,7 +111,7 @@ def _fresh(stage: StageModule, values: dict[str, torch.Tensor]) -> dict[str, tor
     feed = {}
     for k in stage.input_keys:
         v = values[k]
-        if not k.startswith("<input>"):
+        if not k.startswith(INPUT_NODE):
             v = v.detach().requires_grad_(v.is_floating_point() or v.is_complex())
         feed[k] = v
     return feed
@@ -122,7 +123,7 @@ def _grad_targets(out: dict[str, Any]) -> list[torch.Tensor]:
 
 def layer_values(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     """Every value crossing a layer boundary, from running the layers one by one (no grad)."""
-    values: dict[str, Any] = {f"<input>:{i}": t for i, t in enumerate(inputs)}
+    values: dict[str, Any] = {input_key(i): t for i, t in enumerate(inputs)}
     with torch.no_grad():
         for name in lg.layer_names():
             stage = build_stage(lg, [name])
