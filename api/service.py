@@ -8,8 +8,6 @@ clamping}: the same request twice finds the stored plan instead of solving again
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +18,7 @@ from api.jobs import Outcome, ResultHandler
 from api.schemas import CompareOut, CompareRow, JobOut, PlanOut, PlanRequest
 from api.settings import Settings
 from api.storage import JobRow, PlanRow, ProfileRow, Storage
-from planner.formats import Cluster, PlanOptions, Profile, digest
+from planner.formats import Cluster, PlanOptions, Profile, digest_data
 
 
 @dataclass(frozen=True)
@@ -78,16 +76,6 @@ def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> No
         raise limit_error([*loc, *bad[0]], bad[1])
 
 
-def known_methods() -> list[str] | None:
-    """The planner's methods, if it publishes them (planner.solve.METHODS), else None."""
-    try:
-        from planner import solve
-    except ImportError:
-        return None
-    methods = getattr(solve, "METHODS", None)
-    return list(methods) if methods else None
-
-
 # ---------------------------------------------------------------- profiles
 
 
@@ -98,7 +86,7 @@ def store_profile(storage: Storage, settings: Settings, profile: Profile,
                           f"at most {settings.max_layers} (PIPEPLAN_MAX_LAYERS)")
     body = profile.model_dump(mode="json")
     check_range(body, loc)
-    sha = digest(profile)
+    sha = digest_data(body)  # == digest(profile), without dumping the profile a second time
     row = storage.get_profile_by_sha(sha)
     if row is not None:
         return row, False
@@ -143,16 +131,11 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
         raise limit_error(["body", "options", "global_batch"],
                           f"{microbatches} microbatches; this server simulates at most "
                           f"{settings.max_microbatches} (raise microbatch_size)")
-    methods = known_methods()
-    if methods is not None and options.method not in methods:
-        raise limit_error(["body", "options", "method"],
-                          f"unknown method {options.method!r}; choose one of {', '.join(methods)}")
 
 
 def cache_key(profile_sha256: str, cluster: Cluster, options: PlanOptions) -> str:
-    doc = {"profile_sha256": profile_sha256, "cluster": cluster.model_dump(mode="json"),
-           "options": options.model_dump(mode="json")}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return digest_data({"profile_sha256": profile_sha256, "cluster": cluster.model_dump(mode="json"),
+                        "options": options.model_dump(mode="json")})
 
 
 def prepare(storage: Storage, settings: Settings, req: PlanRequest) -> Prepared:

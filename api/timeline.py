@@ -81,9 +81,3 @@ def render(sim: Simulation, fmt: str, title: str = "") -> bytes:
         metadata: dict[str, Any] = {"Date": None} if fmt == "svg" else {}
         fig.savefig(buf, format=fmt, dpi=100, metadata=metadata)
     return buf.getvalue()
-
-
-def chrome_trace(sim: Simulation) -> dict[str, Any]:
-    from planner.trace import chrome_trace as planner_trace
-
-    return planner_trace(sim)

@@ -34,14 +34,13 @@ def execute(task: dict[str, Any]) -> Any:
     if task["kind"] == "plan":
         return {"plan": _make_plan(profile, cluster, options)}
     if task["kind"] == "compare":
-        rows: list[dict[str, Any]] = []
-        for method in task["methods"]:
-            opts = PlanOptions.model_validate({**task["options"], "method": method})
-            try:
-                rows.append({"method": method, "plan": _make_plan(profile, cluster, opts)})
-            except PipeplanError as exc:
-                rows.append({"method": method, "error": str(exc)})
-        return {"rows": rows}
+        from planner.solve import compare
+
+        return {"rows": [
+            {"method": r.method, "plan": r.plan.model_dump(mode="json")} if r.plan is not None
+            else {"method": r.method, "error": r.error}
+            for r in compare(profile, cluster, options, task["methods"])
+        ]}
     raise ValueError(f"unknown task kind {task['kind']!r}")
 
 

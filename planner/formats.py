@@ -141,8 +141,13 @@ def crossing_bytes(spans: Iterable[Sequence[int]], num_layers: int) -> list[int]
 
 def digest(model: BaseModel) -> str:
     """sha256 of a model's canonical JSON (sorted keys, no whitespace)."""
-    data = json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(data.encode()).hexdigest()
+    return digest_data(model.model_dump(mode="json"))
+
+
+def digest_data(data: object) -> str:
+    """sha256 of JSON-able data in canonical form (sorted keys, no whitespace)."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------- cluster.json

@@ -8,6 +8,7 @@ from api import service
 from api.deps import JobsDep, StorageDep
 from api.routers.common import errors
 from api.schemas import JobOut
+from api.storage import UNFINISHED
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -26,7 +27,7 @@ def cancel_job(job_id: str, storage: StorageDep, jobs: JobsDep) -> JobOut:
     job = storage.get_job(job_id)
     if job is None:
         raise HTTPException(404, detail=f"no job with id {job_id!r}")
-    if job.status not in ("queued", "running"):
+    if job.status not in UNFINISHED:
         raise HTTPException(409, detail=f"job {job_id} has already finished ({job.status})")
     job = jobs.cancel(job_id)
     assert job is not None

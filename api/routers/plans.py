@@ -30,6 +30,8 @@ from api.schemas import (
 from api.settings import Settings
 from api.storage import PlanRow, Storage
 from planner.formats import Plan
+from planner.solve import METHODS
+from planner.trace import chrome_trace
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"])
 
@@ -114,7 +116,7 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
 async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep) -> Any:
     """The same profile and cluster under several methods, one row each (plans are stored and
     cached like single plans; `plan_id` links each row to its plan)."""
-    methods = req.methods or [m for m in (service.known_methods() or ["blocks"]) if m != "manual"]
+    methods = req.methods or [m for m in METHODS if m != "manual"]
     methods = list(dict.fromkeys(methods))
     if len(methods) > settings.max_compare_methods:
         raise service.limit_error(["body", "methods"], f"{len(methods)} methods; at most "
@@ -182,7 +184,7 @@ def _render(storage: Storage, settings: Settings, plan_id: str, kind: str) -> by
     except timeline.TooLarge as exc:
         raise HTTPException(422, detail=str(exc)) from None
     if kind == "trace":
-        body = json.dumps(timeline.chrome_trace(sim)).encode()
+        body = json.dumps(chrome_trace(sim)).encode()
     else:
         body = timeline.render(sim, kind, title=f"{row.method} plan {row.id[:8]}: ")
     storage.put_render(plan_id, kind, body)
