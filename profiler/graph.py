@@ -237,17 +237,20 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
 
 
 def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str) -> LayerGraph:
-    seg.parse_granularity(granularity)  # a bad value fails before tracing
-    traced = capture(model, inputs)
+    mode, _ = seg.parse_granularity(granularity)  # a bad value fails before tracing
+    leaves = seg.leaf_modules(model, granularity)
+    keep = seg.natural_blocks(model)[0] if mode in ("blocks", "split") else None
+    traced = capture(model, inputs, leaves, keep)
     gm = traced.gm
     root: torch.nn.Module = model if traced.method == "fx" else gm
-    if traced.method == "export":
+    if traced.out_spec is not None:
         setattr(gm, OUT_SPEC_ATTR, traced.out_spec)
     is_tensor, nbytes = _record(traced, inputs)
     kind = seg.classify(gm, is_tensor)
     keys, labels = seg.group_keys(gm, model, traced.paths, granularity)
     segs, owner = seg.segment(gm, keys, kind, labels)
     segs, owner = seg.merge_untransferable(segs, owner, gm, kind, is_tensor)
+    segs, owner = seg.merge_at_split_points(segs, owner, seg.split_points(granularity))
     named = seg.name_segments(segs, model)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     owner[output_node.name] = len(segs) - 1
@@ -368,7 +371,7 @@ def build_stage(layer_graph: LayerGraph, layer_names: list[str]) -> StageModule:
     output_keys = list(produced)
     if owns_output:
         out_arg = fx.map_arg(output_node.args[0], lambda a: env[a])
-        if lg.method == "export":
+        if getattr(lg.gm, OUT_SPEC_ATTR, None) is not None:
             spec = g.get_attr(OUT_SPEC_ATTR)
             flat = list(out_arg) if isinstance(out_arg, tuple | list) else [out_arg]
             out_arg = g.call_function(pytree.tree_unflatten, (flat, spec))

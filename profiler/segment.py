@@ -6,7 +6,11 @@ Each node gets a *group key* from its module path and the granularity:
   runs of other modules between them (embeddings, final norm + head, a UNet's middle) each
   form one layer;
 - `modules`: every leaf module call;
-- `depth:N`: module paths truncated to N components.
+- `depth:N`: module paths truncated to N components;
+- `split:A,B,...` (`--split-points`): the `blocks` layers merged into runs, a new layer starting
+  at each named module (as torchtitan's `pipeline_parallel_split_points`).
+At `blocks` and `split`, the blocks and the modules outside them are fx leaves (called as the
+user wrote them, see `leaf_modules`); only the code between them is traced.
 Code outside those modules ("glue": adds, reshapes, masks, getattr) has no key. Layers are
 contiguous runs of the graph's (topological) node order, so the layer order is topological.
 A glue node joins the layer of its latest producer; glue with no computed producer (parameter
@@ -34,16 +38,62 @@ class Segment:
     paths: list[str] = field(default_factory=list)  # distinct module paths, in order
 
 
+SPLIT_PREFIX = "split:"
+
+
 def parse_granularity(granularity: str) -> tuple[str, int]:
     if granularity in ("blocks", "modules"):
         return granularity, 0
     m = re.fullmatch(r"depth:(\d+)", granularity)
     if m and int(m.group(1)) >= 1:
         return "depth", int(m.group(1))
+    if granularity.startswith(SPLIT_PREFIX) and split_points(granularity):
+        return "split", 0
     raise PipeplanError(
         f"granularity {granularity!r}: use 'blocks' (natural blocks), 'modules' (every leaf "
-        "module) or 'depth:N' (module paths cut to N components, N >= 1)"
+        "module), 'depth:N' (module paths cut to N components, N >= 1) or 'split:A,B' "
+        "(--split-points: layers start at the named modules)"
     )
+
+
+def split_granularity(points: list[str]) -> str:
+    """The granularity string of `--split-points A,B` (recorded in the profile and the plan)."""
+    return SPLIT_PREFIX + ",".join(p.strip() for p in points if p.strip())
+
+
+def split_points(granularity: str) -> list[str]:
+    if not granularity.startswith(SPLIT_PREFIX):
+        return []
+    return [p.strip() for p in granularity[len(SPLIT_PREFIX):].split(",") if p.strip()]
+
+
+def leaf_modules(model: torch.nn.Module, granularity: str) -> set[str]:
+    """Modules the tracer must call rather than trace into: at `blocks`/`split`, the natural
+    blocks and every module outside them (only the glue between them is traced); none else."""
+    mode, _ = parse_granularity(granularity)
+    if mode not in ("blocks", "split"):
+        return set()
+    blocks, ancestors = natural_blocks(model)
+    leaves = set(blocks)
+    for name, _ in model.named_modules():
+        if name and name not in ancestors and _top_outside(name, ancestors) == name:
+            leaves.add(name)
+    if mode == "split":
+        modules = dict(model.named_modules())
+        for point in split_points(granularity):
+            if point not in modules:
+                near = [n for n in sorted(leaves) if n.rsplit(".", 1)[0] == point.rsplit(".", 1)[0]][:5]
+                raise PipeplanError(
+                    f"--split-points: the model has no module {point!r} (modules at the block "
+                    f"level: {', '.join(near or sorted(leaves)[:8])})"
+                )
+            inside = [leaf for leaf in leaves if point.startswith(leaf + ".")]
+            if inside:
+                raise PipeplanError(
+                    f"--split-points: {point!r} is inside the block {inside[0]!r}; a split point "
+                    f"must be a block or a module outside the blocks, e.g. {sorted(leaves)[:6]}"
+                )
+    return leaves
 
 
 def _is_block_list(m: torch.nn.Module) -> bool:
@@ -104,7 +154,7 @@ def group_keys(
     """(group key per compute node name (None = glue), label: the module path naming it)."""
     mode, depth = parse_granularity(granularity)
     modules = dict(model.named_modules())
-    blocks, ancestors = natural_blocks(model) if mode == "blocks" else ([], set())
+    blocks, ancestors = natural_blocks(model) if mode in ("blocks", "split") else ([], set())
     block_set = set(blocks)
     keys: dict[str, str | None] = {}
     labels: dict[str, str] = {}
@@ -115,7 +165,7 @@ def group_keys(
         is_leaf = node.op == "call_module" or (p in modules and not any(True for _ in modules[p].children()))
         key: str | None
         label = p
-        if mode == "blocks":
+        if mode in ("blocks", "split"):
             b = _under(p, block_set)
             if b is not None:
                 key = label = b
@@ -132,6 +182,37 @@ def group_keys(
         if key is not None:
             labels[node.name] = label or ""
     return keys, labels
+
+
+def merge_at_split_points(segs: list[Segment], owner: dict[str, int],
+                          points: list[str]) -> tuple[list[Segment], dict[str, int]]:
+    """Join consecutive segments into one layer per run that starts at a split point."""
+    if not points:
+        return segs, owner
+    starts = set(points)
+
+    def starts_here(seg: Segment) -> bool:
+        return any(p == s or p.startswith(s + ".") for p in seg.paths for s in starts)
+
+    found = {s for seg in segs for s in starts if any(p == s or p.startswith(s + ".") for p in seg.paths)}
+    missing = [s for s in points if s not in found]
+    if missing:
+        raise PipeplanError(
+            f"--split-points: {', '.join(map(repr, missing))} never runs in the model's forward; "
+            f"layers that do: {', '.join(p for seg in segs for p in seg.paths[:1])}"
+        )
+    merged: list[Segment] = []
+    remap: dict[int, int] = {}
+    for i, seg in enumerate(segs):
+        if merged and not starts_here(seg):
+            m = merged[-1]
+            m.key = f"{m.key}|{seg.key}"
+            m.nodes.extend(seg.nodes)
+            m.paths.extend(p for p in seg.paths if p not in m.paths)
+        else:
+            merged.append(Segment(seg.key, list(seg.nodes), list(seg.paths)))
+        remap[i] = len(merged) - 1
+    return merged, {n: remap[s] for n, s in owner.items()}
 
 
 def is_random(node: fx.Node) -> bool:

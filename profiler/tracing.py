@@ -1,13 +1,19 @@
 """Capture a model's computation as a torch.fx graph whose nodes know their module path.
 
-Internal to `profiler.graph`. Strategy, in order:
-1. `torch.fx` symbolic tracing (batch-size independent; leaf modules stay one call node);
-2. if tracing fails inside a submodule, that submodule becomes a leaf (it is called as a whole,
-   so its untraceable code never gets traced) and tracing is retried;
-3. if it fails at the top level, `torch.export` (non-strict), which handles code symbolic
-   tracing cannot (decorators, `**kwargs`, Python containers) but specialises on shapes.
-Each node's module path is the innermost entry of `node.meta["nn_module_stack"]` ("" for code
-in the root's own forward).
+Internal to `profiler.graph`. `leaves` (the blocks and the modules around them, see
+`segment.leaf_modules`) are never traced into: each stays one `call_module` node that calls the
+user's own module object, so its Python code, custom `autograd.Function`s, hooks and in-place
+buffer updates run exactly as written. Strategy, in order:
+1. `torch.fx` symbolic tracing (batch-size independent) with those leaves;
+2. if tracing fails inside a submodule — untraceable code, a custom `autograd.Function` (a trace
+   would keep its forward and drop its backward) — or a submodule has hooks (a trace would skip
+   them), that submodule becomes a leaf too, with a warning naming it, and tracing is retried;
+3. if it fails at the top level (e.g. Hugging Face models: `**kwargs`, decorators),
+   `torch.export` (non-strict) with the leaves' call signatures preserved, after which the
+   leaves are swapped back for the user's modules (`torch.export._swap`); export specialises on
+   shapes. If that fails too, a plain export (leaves traced into, with a warning).
+Each node's module path is its target for a `call_module`, else the innermost entry of
+`node.meta["nn_module_stack"]` ("" for code in the root's own forward).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import inspect
 import io
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +45,14 @@ class Traced:
     leaves: list[str] = field(default_factory=list)  # modules made leaves to make tracing work
 
 
+class TracingWarning(UserWarning):
+    """A module is measured and run as one piece because its inside cannot be traced faithfully."""
+
+
+class _Opaque(Exception):
+    """Raised inside tracing when code must run as written (a custom autograd.Function)."""
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, extra_leaves: set[str]) -> None:
         super().__init__()
@@ -45,6 +60,29 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return qualname in self.extra_leaves or super().is_leaf_module(m, qualname)
+
+
+def _has_hooks(m: torch.nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None))
+
+
+@contextlib.contextmanager
+def _functions_are_opaque() -> Any:
+    """While tracing, a custom `autograd.Function` applied to traced values stops the trace
+    (symbolic tracing would record its forward's ops and lose its backward)."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
+            raise _Opaque(f"custom autograd.Function {cls.__name__}")
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original  # type: ignore[assignment]
 
 
 def _innermost(node: fx.Node) -> str:
@@ -86,37 +124,65 @@ def _inline_concrete_args(graph: fx.Graph, n_inputs: int) -> None:
         graph.erase_node(p)
 
 
-def _try_fx(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, list[str], str]:
-    leaves: set[str] = set()
+def _warn_leaf(model: torch.nn.Module, path: str, reason: str) -> None:
+    kind = type(model.get_submodule(path)).__name__
+    warnings.warn(
+        f"{path} ({kind}) is measured and run as one piece, not split into its submodules: "
+        f"{reason}", TracingWarning, stacklevel=4,
+    )
+
+
+def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
+            ) -> tuple[fx.GraphModule | None, list[str], str]:
+    leaves: set[str] = set(given)
+    for path, m in model.named_modules():
+        if not path or path in leaves or any(path.startswith(p + ".") for p in leaves):
+            continue
+        if _has_hooks(m) and not fx.Tracer().is_leaf_module(m, path):
+            leaves.add(path)
+            _warn_leaf(model, path, "it has hooks, which run only when the module is called whole")
     last_error = ""
     for _ in range(MAX_AUTO_LEAVES + 1):
         tracer = _Tracer(leaves)
         try:
-            graph = tracer.trace(model, concrete_args=_concrete_args(model, n_inputs))
+            with _functions_are_opaque():
+                graph = tracer.trace(model, concrete_args=_concrete_args(model, n_inputs))
         except PipeplanError:
             raise
         except Exception as exc:  # noqa: BLE001 - any tracing failure triggers the fallbacks
             last_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
             failing = [p for p, _ in tracer.module_stack.values() if isinstance(p, str) and p]
             if not failing or failing[-1] in leaves:
-                return None, sorted(leaves), last_error
+                return None, sorted(leaves - given), last_error
             leaves.add(failing[-1])
+            reason = (f"it applies a {exc}" if isinstance(exc, _Opaque)
+                      else f"torch.fx cannot trace its code ({last_error})")
+            _warn_leaf(model, failing[-1], reason)
             continue
         _inline_concrete_args(graph, n_inputs)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-        return gm, sorted(leaves), ""
-    return None, sorted(leaves), last_error
+        return gm, sorted(leaves - given), ""
+    return None, sorted(leaves - given), last_error
 
 
-def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, str]:
+def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                keep: list[str] = ()) -> tuple[Any, str]:  # type: ignore[assignment]
+    """Export; the modules in `keep` are swapped back in as the user's own objects."""
     quiet = [logging.getLogger(n) for n in ("torch", "torch.fx", "torch._dynamo", "torch.export")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # export prints failing graphs
-            ep = torch.export.export(model, tuple(inputs), strict=False)
-            gm = ep.module()
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # export's own notes on get_attr nodes and specs
+            ep = torch.export.export(model, tuple(inputs), strict=False,
+                                     preserve_module_call_signature=tuple(keep))
+            if keep:
+                from torch.export._swap import _swap_modules
+
+                gm = _swap_modules(ep, {k: model.get_submodule(k) for k in keep})
+            else:
+                gm = ep.module()
     except Exception as exc:  # noqa: BLE001
         return None, f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
     finally:
@@ -137,13 +203,34 @@ def _clean_export_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> Traced:
-    """Trace `model` called with `example_inputs` (its positional arguments)."""
-    gm, leaves, fx_error = _try_fx(model, len(example_inputs))
+def _paths(gm: fx.GraphModule) -> dict[str, str]:
+    return {n.name: (str(n.target) if n.op == "call_module" else _innermost(n)) for n in gm.graph.nodes}
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
+            leaves: set[str] | None = None, keep: list[str] | None = None) -> Traced:
+    """Trace `model` called with `example_inputs` (its positional arguments), calling the
+    modules in `leaves` rather than tracing into them; should fx fail, torch.export keeps the
+    modules in `keep` (the blocks) as calls to the user's objects."""
+    given = set(leaves or ())
+    gm, auto, fx_error = _try_fx(model, len(example_inputs), given)
     if gm is not None:
-        paths = {n.name: (n.target if n.op == "call_module" else _innermost(n)) for n in gm.graph.nodes}
-        return Traced(gm=gm, method="fx", paths=paths, leaves=leaves)
-    egm, export_error = _try_export(model, example_inputs)
+        return Traced(gm=gm, method="fx", paths=_paths(gm), leaves=auto)
+    export_error = ""
+    if keep:
+        egm, export_error = _try_export(model, example_inputs, list(keep))
+        if egm is not None:
+            _clean_export_graph(egm)
+            return Traced(gm=egm, method="export", paths=_paths(egm), out_spec=None, leaves=list(keep))
+    egm, error2 = _try_export(model, example_inputs)
+    if egm is not None and keep:
+        warnings.warn(
+            f"{type(model).__name__}: torch.export could not keep the blocks as calls to your "
+            f"modules ({export_error}); they are traced into, so custom autograd Functions, "
+            "hooks and buffer updates inside them will not run as written", TracingWarning,
+            stacklevel=2,
+        )
+    export_error = error2 or export_error
     if egm is None:
         raise PipeplanError(
             f"cannot trace {type(model).__name__} into a graph.\n"

@@ -23,7 +23,7 @@ from torch import nn
 
 from planner.errors import PipeplanError
 from planner.formats import Plan
-from runtime import checkpoint, stages
+from runtime import checkpoint, rng, stages
 from runtime.comm import P2P, PeerError
 from runtime.executor import StageExecutor, TimedEvent
 from runtime.options import RunOptions
@@ -81,6 +81,18 @@ def _wait(work: object, timeout_s: float, what: str) -> None:
     except Exception as exc:
         raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
                             f"({str(exc).splitlines()[0][:200]})") from None
+
+
+class SeededExecutor(StageExecutor):
+    """Each forward starts from its own random stream, seeded by (seed, step, stage,
+    microbatch): see runtime.rng for what this guarantees."""
+
+    seed: int = 0
+    step: int = 0
+
+    def forward(self, j: int, *args: object, **kwargs: object) -> float:  # type: ignore[override]
+        rng.seed_forward(self.seed, self.step, self.stage, j)
+        return super().forward(j, *args, **kwargs)  # type: ignore[arg-type]
 
 
 class Worker:
@@ -153,9 +165,10 @@ class Worker:
         describe = {d: f"rank {d} (stage {st.index})" for st in plan.stages for d in st.devices}
         self.p2p = P2P(self.rank, self.device, {k: i for i, k in enumerate(keys)}, opts.timeout,
                        describe)
-        self.executor = StageExecutor(self.module, self.stage, self.routing,
-                                      [list(s.devices) for s in plan.stages], self.p2p,
-                                      self.mf.loss_fn, self.m, self.device)
+        self.executor = SeededExecutor(self.module, self.stage, self.routing,
+                                       [list(s.devices) for s in plan.stages], self.p2p,
+                                       self.mf.loss_fn, self.m, self.device)
+        self.executor.seed = opts.seed
         from planner.schedules import actions_for_rank
 
         self.actions = actions_for_rank(plan, self.rank)
@@ -206,11 +219,16 @@ class Worker:
                         self.p2p.post_recv(r, 0, "<loss>", grad=False)
             torch.manual_seed(opts.seed + s)
             inputs, targets = split_batch(self.mf.make_batch(plan.global_batch), self.b, self.m)
+            counters = rng.int_buffers(self.module) if self.stage_group is not None else {}
+            self.executor.step = s
             loss = self.executor.run(self.actions, inputs, targets)
             self.p2p.flush()
             ar = self.sync_grads()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.stage_group is not None:
+                rng.sync_buffers(self.module, counters, plan.stages[self.stage].replicas,
+                                 self.stage_group, plan.stages[self.stage].devices[0])
             step_loss = self._gather_loss(loss)
             t1 = time.time()
             ms = (t1 - t0) * 1e3

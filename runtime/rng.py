@@ -1,0 +1,85 @@
+"""Random numbers and buffers of a pipeline run: what the runtime guarantees.
+
+Random numbers. Single-device training draws every random number (dropout masks, noise) from one
+generator in one sequence; a pipeline runs the same forwards on different processes in a
+different order, so it cannot reproduce that sequence, and trained weights of a model that draws
+random numbers in its forward are *not* equal to single-device training's. What the runtime
+guarantees instead: the forward of microbatch `j` of step `t` on stage `s` starts from its own
+generator state, seeded by `(seed, t, s, j)` (`stream_seed`). So
+- masks are independent across stages and microbatches (and so across replicas, which run
+  different microbatches);
+- they do not depend on the number of replicas, the schedule or the order actions run in: the
+  same stages and seed give the same weights, run after run (up to the summation order of
+  replicated gradients);
+- `--resume` continues the same streams (they depend only on the step number);
+- a recomputed forward (`torch.utils.checkpoint`) sees the same numbers (it restores the state).
+The batch itself is `make_batch(global_batch)` drawn right after `torch.manual_seed(seed + t)`
+on every rank, as in single-device training, so the data are equal.
+
+Buffers of replicated stages (BatchNorm running statistics, counters). Replica k runs only its
+own microbatches, so its buffers drift from the other replicas'. After every optimizer step the
+runtime makes them equal again within the stage (`sync_buffers`): floating-point buffers are
+*averaged* over the replicas (running means and variances: the mean of the replicas' estimates,
+not single-device training's value); integer buffers advance by the *sum* of every replica's
+increments in the step (BatchNorm's `num_batches_tracked`, step counters: equal to
+single-device training's and equal on every stage); boolean and complex buffers are broadcast
+from replica 0. Every checkpoint is therefore consistent across stages and replicas. With one replica per
+stage nothing is synchronised: every stage runs every microbatch in order, so buffers equal
+single-device training's exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def stream_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
+    """The generator seed of one forward: a hash of its coordinates (independent streams)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{stage}/{microbatch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def seed_forward(seed: int, step: int, stage: int, microbatch: int) -> None:
+    """Seed torch's generators (CPU and every CUDA device) for this forward."""
+    torch.manual_seed(stream_seed(seed, step, stage, microbatch))
+
+
+def int_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the integer buffers (their value at the start of a step)."""
+    return {k: b.detach().clone() for k, b in module.named_buffers()
+            if not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool}
+
+
+def sync_buffers(module: nn.Module, at_step_start: dict[str, torch.Tensor], replicas: int,
+                 group: object, first_rank: int) -> None:
+    """Make the buffers of a stage's replicas equal (see the module docstring)."""
+    buffers = dict(module.named_buffers())
+    if not buffers:
+        return
+    floats = [b for b in buffers.values() if b.is_floating_point()]
+    if floats:
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in floats])
+        dist.all_reduce(flat, group=group)
+        flat /= replicas
+        i = 0
+        with torch.no_grad():
+            for b in floats:
+                b.copy_(flat[i:i + b.numel()].view_as(b).to(b.dtype))
+                i += b.numel()
+    ints = [(k, b) for k, b in buffers.items() if k in at_step_start]
+    if ints:
+        delta = torch.cat([(b.detach() - at_step_start[k]).reshape(-1).to(torch.int64) for k, b in ints])
+        dist.all_reduce(delta, group=group)
+        i = 0
+        with torch.no_grad():
+            for k, b in ints:
+                b.copy_((at_step_start[k].reshape(-1).to(torch.int64) + delta[i:i + b.numel()])
+                        .view_as(b).to(b.dtype))
+                i += b.numel()
+    for b in buffers.values():
+        if b.dtype == torch.bool or b.is_complex():
+            dist.broadcast(b, src=first_rank, group=group)
