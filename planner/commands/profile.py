@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--granularity", default="blocks",
                    help="blocks (natural blocks, default) | modules (every leaf module) | "
                    "depth:N (module paths cut to N components)")
+    p.add_argument("--split-points", metavar="A,B,...",
+                   help="module names where layers start, e.g. model.layers.4,model.layers.8 (as "
+                   "torchtitan's pipeline_parallel_split_points): the blocks are grouped into "
+                   "one layer per run between split points (recorded as granularity split:A,B)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="CPU timing: wall (perf_counter, default) or thread (this thread's CPU "
@@ -103,10 +107,17 @@ def run(args: argparse.Namespace) -> int:
         if bar:
             bar[0].update(done - bar[0].n)
 
+    granularity = args.granularity
+    if args.split_points is not None:
+        points = [x.strip() for x in args.split_points.split(",") if x.strip()]
+        if not points or granularity != "blocks":
+            raise PipeplanError("--split-points takes module names separated by commas, e.g. "
+                                "--split-points layers.4,layers.8 (and no --granularity)")
+        granularity = "split:" + ",".join(points)
     try:
         profile = profile_model_file(
             args.model, args.batch_size, device=args.device, warmup=args.warmup,
-            repeats=args.repeats, granularity=args.granularity, on_round=on_round,
+            repeats=args.repeats, granularity=granularity, on_round=on_round,
             on_traced=on_traced, seed=args.seed, threads=args.threads,
             clock=args.clock, subtract_overhead=not args.keep_call_overhead,
         )
