@@ -2,9 +2,14 @@
 
 - times: median over `repeats` runs after `warmup` runs, layers and whole model interleaved
   round by round; on CPU with `time.perf_counter` (or the thread's CPU time, see `Timer`), on
-  CUDA with CUDA events (synchronised). The fixed cost of calling a stage and starting its
-  backward (measured on a stage that does nothing, see `overhead_runner`) is subtracted from
-  every layer: the whole model pays it once, a sum over L layers would pay it L times.
+  CUDA with CUDA events (synchronised). By default (`layer_timing="in-whole"`) every layer is
+  timed inside whole forward and backward passes of the traced model (`profiler.inwhole`), so
+  per-call costs land on the layers that cause them and the layers add up to the whole model.
+  With `layer_timing="isolated"` each layer runs alone as its own stage; the fixed cost of
+  calling a stage and starting its backward (measured on a stage that does nothing, see
+  `overhead_runner`) is then subtracted from every layer (`subtract_overhead`): the whole model
+  pays it once, a sum over L layers would pay it L times. The stage overhead is measured and
+  reported either way (a pipeline stage pays it once per microbatch).
   Gradients stay allocated and are zeroed in place
   before every run (freshly allocated gradients would add page-fault time that depends on
   how much the allocator happens to return to the system, not on the layer).
@@ -32,8 +37,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from planner.errors import PipeplanError
 from planner.formats import INPUT_NODE
 from profiler.graph import LayerGraph, StageModule, build_stage, input_key
+from profiler.inwhole import InWholeRunner
 
 
 @dataclass
@@ -265,7 +272,7 @@ def _layer_result(lg: LayerGraph, runners: list[StageRunner],
     for layer, run in zip(lg.layers, runners, strict=True):
         params = sum(p.numel() * p.element_size() for p in run.stage.parameters())
         buffers = sum(b.numel() * b.element_size() for b in run.stage.buffers())
-        fwd = max(0.0, statistics.median(run.fwd) - oh.fwd_ms)
+        fwd = max(0.0, statistics.median(run.fwd) - oh.fwd_ms) if run.fwd else 0.0
         bwd = max(0.0, statistics.median(run.bwd) - oh.bwd_ms) if any(run.bwd) else 0.0
         out.append(LayerMeasurement(
             layer.name, layer.kind, fwd, bwd, params, buffers, run.activation_bytes, run.output_bytes,
@@ -288,11 +295,13 @@ def _whole_result(run: WholeRunner) -> WholeMeasurement:
 
 def measure_layers(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
                    warmup: int = 2, repeats: int = 5) -> list[LayerMeasurement]:
-    """Every layer, each run as `build_stage(lg, [layer])` on the values before it."""
+    """Every layer: bytes from `build_stage(lg, [layer])` run on the values before it, times
+    from whole passes (`profiler.inwhole`)."""
     values = layer_values(lg, inputs)
     runners = [StageRunner(build_stage(lg, [name]), values, device) for name in lg.layer_names()]
-    _rounds(runners, warmup, repeats, None)
-    return _layer_result(lg, runners)
+    timed = InWholeRunner(lg, inputs, device)
+    _rounds([timed], warmup, repeats, None)
+    return _in_whole_result(lg, runners, timed)
 
 
 def measure_whole(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
@@ -303,18 +312,35 @@ def measure_whole(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], targ
     return _whole_result(run)
 
 
+def _in_whole_result(lg: LayerGraph, runners: list[StageRunner], timed: InWholeRunner
+                     ) -> list[LayerMeasurement]:
+    out = _layer_result(lg, runners)
+    for i, m in enumerate(out):
+        m.fwd_ms = statistics.median(run[i] for run in timed.fwd)
+        m.bwd_ms = statistics.median(run[i] for run in timed.bwd)
+    timed.zero()
+    return out
+
+
 def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                 target: Any, loss_fn: Callable[[Any, Any], Any], device: torch.device,
                 warmup: int = 2, repeats: int = 5,
                 on_round: Callable[[int, int], None] | None = None, clock: str = "wall",
-                subtract_overhead: bool = True,
+                subtract_overhead: bool = True, layer_timing: str = "in-whole",
                 ) -> tuple[list[LayerMeasurement], WholeMeasurement, Overhead]:
-    """Layers and whole model measured in interleaved rounds (see `_rounds`); with
-    `subtract_overhead`, each layer's times exclude the fixed per-stage call cost (returned)."""
+    """Layers and whole model measured in interleaved rounds (see `_rounds`). Layer times come
+    from whole passes (`in-whole`) or from each layer alone (`isolated`, minus the fixed
+    per-stage call cost with `subtract_overhead`); the stage overhead is returned."""
+    if layer_timing not in ("in-whole", "isolated"):
+        raise PipeplanError(f"layer timing {layer_timing!r}: use 'in-whole' or 'isolated'")
     values = layer_values(lg, inputs)
     runners = [StageRunner(build_stage(lg, [name]), values, device, clock) for name in lg.layer_names()]
     whole = WholeRunner(model, inputs, target, loss_fn, device, clock)
-    null = overhead_runner(device, clock) if subtract_overhead else None
-    _rounds([*runners, whole, *([null] if null else [])], warmup, repeats, on_round)
+    null = overhead_runner(device, clock)
+    if layer_timing == "in-whole":
+        timed = InWholeRunner(lg, inputs, device, clock)
+        _rounds([timed, whole, null], warmup, repeats, on_round)
+        return _in_whole_result(lg, runners, timed), _whole_result(whole), _overhead(null)
+    _rounds([*runners, whole, null], warmup, repeats, on_round)
     oh = _overhead(null)
-    return _layer_result(lg, runners, oh), _whole_result(whole), oh
+    return (_layer_result(lg, runners, oh if subtract_overhead else None), _whole_result(whole), oh)

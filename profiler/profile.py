@@ -70,6 +70,7 @@ def profile_model_file(
     threads: int | None = None,
     clock: str = "wall",
     subtract_overhead: bool = True,
+    layer_timing: str = "in-whole",
 ) -> Profile:
     """Profile `path` at `batch_size`. Progress: `on_traced(layer_graph)` once, then
     `on_round(done, total)` after each measuring round (every layer and the whole model once)."""
@@ -112,6 +113,7 @@ def profile_model_file(
     layers, whole, overhead = measure_all(
         lg, model, inputs, target, lambda o, t: call_user(mf.path, "loss_fn", mf.loss_fn, o, t),
         dev, warmup, repeats, on_round=on_round, clock=clock, subtract_overhead=subtract_overhead,
+        layer_timing=layer_timing,
     )
     layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
     whole_ms = whole.fwd_ms + whole.bwd_ms
@@ -142,6 +144,7 @@ def profile_model_file(
         warmup=warmup,
         repeats=repeats,
         seed=seed,
+        layer_timing=layer_timing,
         threads=torch.get_num_threads(),
         clock=clock if dev.type == "cpu" else "cuda-events",
         torch_version=torch.__version__,
