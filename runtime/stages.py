@@ -9,6 +9,7 @@ stages) are found here as well, so their gradients can be summed between those s
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -83,11 +84,25 @@ def trace_for_plan(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], p
     """Trace at `granularity`, or (None) at the first of the profiler's granularities whose
     layers are the plan's; checks the plan's layer names against the model."""
     tried = [granularity] if granularity else ["blocks", "modules"]
+    planned = [n for s in plan.stages for n in s.layers]
+    if not granularity and any("+" in n for n in planned[1:]):
+        # a profile made with --split-points: its layers start at these modules
+        tried.append("split:" + ",".join(n.split("+")[0] for n in planned[1:]))
     graph = None
     for g in tried:
-        graph = trace_model(model, example_inputs, g)
+        with warnings.catch_warnings(record=True) as said:  # only the chosen tracing's count
+            warnings.simplefilter("always")
+            try:
+                candidate = trace_model(model, example_inputs, g)
+            except PipeplanError:
+                if g != tried[-1] or graph is None:
+                    raise
+                break  # split points guessed from the layer names that do not fit this model
+        graph = candidate
         names = layer_names(graph)
-        if [n for s in plan.stages for n in s.layers] == names:
+        if planned == names:
+            for w in said:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             return graph, g
     assert graph is not None
     check_layers(plan, layer_names(graph), model_path, tried[-1])

@@ -36,8 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="CPU timing: wall (perf_counter, default) or thread (this thread's CPU "
                    "time: robust on a busy machine; needs --threads 1)")
+    p.add_argument("--layer-timing", choices=["in-whole", "isolated"], default="in-whole",
+                   help="in-whole (default): time every layer inside whole forward/backward passes, "
+                   "so per-call costs land on the layers that cause them; isolated: run each "
+                   "layer alone as its own stage")
     p.add_argument("--keep-call-overhead", action="store_true",
-                   help="do not subtract the fixed cost of calling a stage from each layer's times")
+                   help="with --layer-timing isolated: do not subtract the fixed cost of calling a "
+                   "stage from each layer's times")
     p.add_argument("--seed", type=int, default=0, help="torch seed for build_model and make_batch")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
     p.set_defaults(func=run)
@@ -120,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats, granularity=granularity, on_round=on_round,
             on_traced=on_traced, seed=args.seed, threads=args.threads,
             clock=args.clock, subtract_overhead=not args.keep_call_overhead,
+            layer_timing=args.layer_timing,
         )
     finally:
         if bar:

@@ -40,3 +40,21 @@ def test_custom_functions_three_stages_with_replicas(run, tmp_path):
     exact = [k for k, v in ref.items() if k.endswith(".calls") or not k.endswith(".mean")]
     assert _diff(got, ref, exact) < TOL
     assert all(int(v) == 8 for k, v in got.items() if k.endswith(".calls"))
+
+
+def test_plan_over_split_point_layers(run, tmp_path):
+    # layers made with `profile --split-points blocks.3`; the plan does not say so (a hand-made
+    # plan): the runtime finds the split points from the layer names
+    from plans import make_plan, write_plan
+
+    from runtime import stages
+
+    model = MODELS / "custom_code.py"
+    mf = __import__("profiler.loader", fromlist=["x"]).load_model_file(model)
+    torch.manual_seed(0)
+    graph = stages.trace_model(mf.build_model(), mf.make_batch(2)[0], "split:blocks.3")
+    layers = stages.layer_names(graph)
+    assert layers == ["inp+blocks.0+blocks.1+blocks.2", "blocks.3+blocks.4+blocks.5+out"]
+    plan = write_plan(make_plan(model, layers, [1, 1], [1, 1]), tmp_path / "plan.json")
+    got = _train(run, tmp_path, plan, model, steps=2)
+    assert _diff(got, reference_train(str(model), 2), got) < TOL

@@ -1,0 +1,132 @@
+"""The user's code runs as written: blocks are called, not traced; at finer granularities a
+module whose inside cannot be traced faithfully (a custom autograd Function, hooks) is kept
+whole with a warning naming it; --split-points groups blocks into layers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from profiler_helpers import ROOT, run_pipeline
+from torch import nn
+
+from planner.errors import PipeplanError
+from planner.formats import Profile
+from planner.io import load_model
+from profiler.graph import build_stage, trace
+from profiler.tracing import TracingWarning
+
+
+class STE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g
+
+
+class QuantLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return STE.apply(self.lin(x) * 3)
+
+
+class Hooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+        self.register_forward_hook(lambda m, a, out: out * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(Plain(), QuantLinear(), Hooked(), Plain())
+
+
+def _check_equal(model_fn, granularity: str) -> list[str]:
+    torch.manual_seed(0)
+    ref = model_fn()
+    torch.manual_seed(0)
+    model = model_fn()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    ref_out = ref(x)
+    nn.functional.mse_loss(ref_out, y).backward()
+    lg = trace(model, (x,), granularity)
+    names = lg.layer_names()
+    out, _, stages = run_pipeline(lg, [[n] for n in names], (x,), y, nn.functional.mse_loss)
+    assert torch.equal(out, ref_out)
+    grads = {k: p.grad for k, p in ref.named_parameters()}
+    for st in stages.values():
+        for k, p in st.named_parameters():
+            assert torch.equal(p.grad, grads[k]), k
+    return names
+
+
+def test_blocks_are_called_not_traced_and_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names = _check_equal(_net, "blocks")
+    assert names == ["0", "1", "2", "3"]
+    model = _net()
+    lg = trace(model, (torch.randn(2, 8),))
+    assert build_stage(lg, ["1"]).get_submodule("1") is model[1]
+
+
+def test_finer_granularity_keeps_opaque_modules_whole_with_a_warning():
+    with pytest.warns(TracingWarning) as caught:
+        names = _check_equal(_net, "modules")
+    text = " ".join(str(w.message) for w in caught)
+    assert "1 (QuantLinear)" in text and "autograd.Function STE" in text
+    assert "2 (Hooked)" in text and "hooks" in text
+    assert "0 (Plain)" not in text
+    # the plain modules are split into their leaves, the opaque ones are one layer each
+    assert names == ["0.lin", "0.act", "1", "2", "3.lin", "3.act"]
+    with pytest.warns(TracingWarning):
+        assert _check_equal(_net, "depth:2") == ["0.lin", "0.act", "1", "2", "3.lin", "3.act"]
+
+
+def test_split_points_group_blocks():
+    model = nn.Sequential(*(Plain() for _ in range(6)))
+    lg = trace(model, (torch.randn(2, 8),), "split:2,4")
+    assert lg.layer_names() == ["0+1", "2+3", "4+5"]
+    with pytest.raises(PipeplanError, match="no module 'nope'"):
+        trace(model, (torch.randn(2, 8),), "split:nope")
+    with pytest.raises(PipeplanError, match="inside the block '2'"):
+        trace(model, (torch.randn(2, 8),), "split:2.lin")
+
+
+def test_profile_cli_split_points(tmp_path):
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, "-m", "planner", "profile", str(ROOT / "examples" / "sleep.py"),
+                        "--batch-size", "2", "--warmup", "0", "--repeats", "1", "--split-points",
+                        "blocks.2", "-o", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "PIPEPLAN_SLEEP_MS": "0"})
+    assert r.returncode == 0, r.stderr
+    profile = load_model(out, Profile)
+    assert [x.name for x in profile.layers] == ["inp+blocks.0+blocks.1", "blocks.2+blocks.3"]
+    assert profile.granularity == "split:blocks.2"
+    r = subprocess.run([sys.executable, "-m", "planner", "profile", str(ROOT / "examples" / "sleep.py"),
+                        "--split-points", "blocks.9", "-o", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "no module 'blocks.9'" in r.stderr and "Traceback" not in r.stderr
