@@ -17,6 +17,9 @@ is named by its fx node name, which is deterministic for a given model and traci
 the profile, an edge's tensor is `edge.tensor` (this id) and its source the producing layer or
 `planner.formats.INPUT_NODE` for model inputs.
 
+At `blocks` and `split:` granularity the blocks and the modules around them are not traced
+into: a StageModule calls the user's own module objects (`stage.get_submodule("h.0") is
+model.h[0]`), so their code, custom autograd Functions, hooks and buffer updates run as written.
 A StageModule holds only the parameters and buffers of its layers, under the same state-dict
 keys as the original model (`build_model().load_state_dict(lg.complete_state_dict(merged))`
 accepts the union of all stages' state dicts). `input_keys` are the tensor ids it needs (from

@@ -50,3 +50,16 @@ def test_replicas_draw_the_masks_of_their_microbatches(run, tmp_path):
     replicated = _train(run, tmp_path, run.plan(MODEL, [2, 2], [2, 1], name="p2.json"), "two")
     weights = [k for k in single if not k.endswith((".masks", ".calls"))]
     assert max_abs_diff({k: single[k] for k in weights}, {k: replicated[k] for k in weights}) < 1e-5
+
+
+def test_resume_continues_the_same_streams(run, tmp_path):
+    plan = run.plan(MODEL, [2, 2])
+    straight = _train(run, tmp_path, plan, "straight")  # steps 1-2 in one run
+    rc, _, err, _ = run(plan, "--model", MODEL, "--steps", 1, "--save", tmp_path / "half",
+                        "--timeout", 60)
+    assert rc == 0, err
+    rc, _, err, _ = run(plan, "--model", MODEL, "--steps", 1, "--resume", tmp_path / "half",
+                        "--save", tmp_path / "resumed", "--timeout", 60)
+    assert rc == 0, err
+    resumed = torch.load(tmp_path / "resumed" / "model.pt")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
