@@ -101,6 +101,7 @@ class LayerGraph:
     alias_groups: list[list[str]] = field(repr=False, default_factory=list)
     orphans: dict[int, list[str]] = field(repr=False, default_factory=dict)
     layer_needs: list[list[str]] = field(repr=False, default_factory=list)  # node names per layer
+    is_tensor: dict[str, bool] = field(repr=False, default_factory=dict)  # per traced node
 
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self.layers]
@@ -226,12 +227,16 @@ def _get(root: torch.nn.Module, target: str) -> Any:
 
 
 def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | list[torch.Tensor],
-          granularity: str = "blocks") -> LayerGraph:
-    """Trace `model(*example_inputs)` into layers at `granularity` (blocks | modules | depth:N).
-    The model's buffers (batch-norm statistics, ...) are left as they were."""
+          granularity: str = "blocks", tensor_kinds: dict[str, bool] | None = None) -> LayerGraph:
+    """Trace `model(*example_inputs)` into layers at `granularity` (blocks | modules | depth:N |
+    split:A,B). To learn which values are tensors, and their bytes, the traced graph runs once
+    under no_grad (the model's buffers are left as they were; hooks and prints do fire). Given
+    `tensor_kinds` (`LayerGraph.is_tensor` of an earlier trace of the same model and
+    granularity, e.g. made by the launcher) that run is skipped — no user code runs, and edge
+    bytes are 0 — unless the graph's nodes differ from it."""
     saved = {k: v.detach().clone() for k, v in model.named_buffers()}
     try:
-        return _trace(model, tuple(example_inputs), granularity)
+        return _trace(model, tuple(example_inputs), granularity, tensor_kinds)
     finally:
         with torch.no_grad():
             for k, v in model.named_buffers():
@@ -239,7 +244,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
                     v.copy_(saved[k])
 
 
-def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str) -> LayerGraph:
+def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str,
+           tensor_kinds: dict[str, bool] | None = None) -> LayerGraph:
     mode, _ = seg.parse_granularity(granularity)  # a bad value fails before tracing
     leaves = seg.leaf_modules(model, granularity)
     keep = seg.natural_blocks(model)[0] if mode in ("blocks", "split") else None
@@ -248,7 +254,10 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
     root: torch.nn.Module = model if traced.method == "fx" else gm
     if traced.out_spec is not None:
         setattr(gm, OUT_SPEC_ATTR, traced.out_spec)
-    is_tensor, nbytes = _record(traced, inputs)
+    if tensor_kinds is not None and set(tensor_kinds) == {n.name for n in gm.graph.nodes}:
+        is_tensor, nbytes = dict(tensor_kinds), {}
+    else:
+        is_tensor, nbytes = _record(traced, inputs)
     kind = seg.classify(gm, is_tensor)
     keys, labels = seg.group_keys(gm, model, traced.paths, granularity)
     segs, owner = seg.segment(gm, keys, kind, labels)
@@ -323,7 +332,7 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
         layers=layers, graph=g, tensors=tensors, shared_parameters=shared,
         method=traced.method, granularity=granularity,
         num_inputs=len(inputs), gm=gm, root=root, kind=kind, owner=owner,
-        alias_groups=alias_groups, orphans=orphans, layer_needs=layer_needs,
+        alias_groups=alias_groups, orphans=orphans, layer_needs=layer_needs, is_tensor=is_tensor,
     )
 
 

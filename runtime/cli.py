@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run even if the model file changed since it was profiled")
     p.add_argument("--granularity", default=None,
                    help="layer granularity of the profile (default: the plan's, else blocks or modules, whichever has the plan's layers)")
+    p.add_argument("--trace-info", default=None, help=argparse.SUPPRESS)  # launcher -> ranks
     return p
 
 
@@ -85,6 +86,7 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         optimizer=optimizer, seed=seed, save=args.save,
         resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
         allow_mismatch=args.allow_mismatch, granularity=granularity,
+        trace_info=getattr(args, "trace_info", None),
     )
 
 
@@ -105,9 +107,10 @@ def check_model_hash(plan: Plan, model_path: str, allow_mismatch: bool, quiet: b
         print(f"warning: {text}; running anyway (--allow-mismatch)", file=sys.stderr)
 
 
-def preflight(plan: Plan, opts: RunOptions) -> str:
+def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> str:
     """Before any process starts: the model file matches and has every layer the plan names.
-    Returns the granularity the plan's layers were traced at."""
+    Returns the granularity the plan's layers were traced at; with `trace_info`, writes there
+    what the ranks need to trace the model without running it."""
     import torch
 
     from profiler.loader import batch_checked, build_checked, load_model_file
@@ -132,7 +135,9 @@ def preflight(plan: Plan, opts: RunOptions) -> str:
                                 "from") from None
     batch = batch_checked(mf, plan.microbatch_size)
     example, _ = split_batch(batch, plan.microbatch_size, 1)
-    _, granularity = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
+    graph, granularity = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
+    if trace_info:
+        stages.save_trace_info(graph, granularity, trace_info)
     return granularity
 
 
@@ -144,11 +149,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank_main(args, os.environ.get(ERROR_FILE_ENV))
+    import tempfile
+
+    info_dir = tempfile.TemporaryDirectory(prefix="pipeplan-trace-")
+    info = os.path.join(info_dir.name, "trace.json")
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))
         opts = options_from_args(args, plan)
-        granularity = preflight(plan, opts)
+        granularity = preflight(plan, opts, info)
     except PipeplanError as exc:
+        info_dir.cleanup()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from runtime.launch import launch
@@ -164,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan.microbatch_size}, schedule {plan.schedule})", flush=True)
     try:
         extra = [] if args.granularity else ["--granularity", granularity]
-        failures = launch(argv + extra, plan.world_size)
+        failures = launch(argv + extra + ["--trace-info", info], plan.world_size)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        info_dir.cleanup()
     if not failures:
         return 0
     first = failures[0]

@@ -20,3 +20,4 @@ class RunOptions:
     timeout: float = 300.0  # seconds a rank waits for a peer before giving up
     allow_mismatch: bool = False
     granularity: str | None = None  # how the profiler traced the model into layers (None: find it)
+    trace_info: str | None = None  # the launcher's trace record (runtime.stages.save_trace_info)

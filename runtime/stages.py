@@ -9,8 +9,10 @@ stages) are found here as well, so their gradients can be summed between those s
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -72,15 +74,33 @@ def layer_names(graph: object) -> list[str]:
     return list(graph.layer_names())  # type: ignore[attr-defined]
 
 
-def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], granularity: str) -> object:
-    """The profiler's layer graph (tracing leaves the model's buffers as they were)."""
+def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], granularity: str,
+                tensor_kinds: dict[str, bool] | None = None) -> object:
+    """The profiler's layer graph (tracing leaves the model's buffers as they were; with
+    `tensor_kinds` from the launcher's trace it runs no user code)."""
     from profiler.graph import trace
 
-    return trace(model, example_inputs, granularity=granularity)
+    return trace(model, example_inputs, granularity=granularity, tensor_kinds=tensor_kinds)
+
+
+def save_trace_info(graph: object, granularity: str, path: str | Path) -> None:
+    """What a rank needs to trace without running the model (see `load_trace_info`)."""
+    Path(path).write_text(json.dumps({"granularity": granularity,
+                                      "is_tensor": graph.is_tensor}))  # type: ignore[attr-defined]
+
+
+def load_trace_info(path: str | None, granularity: str | None) -> dict[str, bool] | None:
+    """The launcher's record of which traced values are tensors, if it was made at this
+    granularity (else None: the rank records it itself)."""
+    if not path or not Path(path).is_file():
+        return None
+    data = json.loads(Path(path).read_text())
+    return data["is_tensor"] if data.get("granularity") == granularity else None
 
 
 def trace_for_plan(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], plan: Plan,
-                   model_path: str, granularity: str | None) -> tuple[object, str]:
+                   model_path: str, granularity: str | None,
+                   tensor_kinds: dict[str, bool] | None = None) -> tuple[object, str]:
     """Trace at `granularity`, or (None) at the first of the profiler's granularities whose
     layers are the plan's; checks the plan's layer names against the model."""
     tried = [granularity] if granularity else ["blocks", "modules"]
@@ -93,7 +113,7 @@ def trace_for_plan(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], p
         with warnings.catch_warnings(record=True) as said:  # only the chosen tracing's count
             warnings.simplefilter("always")
             try:
-                candidate = trace_model(model, example_inputs, g)
+                candidate = trace_model(model, example_inputs, g, tensor_kinds if g == granularity else None)
             except PipeplanError:
                 if g != tried[-1] or graph is None:
                     raise

@@ -125,7 +125,9 @@ class Worker:
         torch.manual_seed(opts.seed)
         example, _ = split_batch(batch_checked(self.mf, self.b),
                                  self.b, 1)
-        graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
+        # with the launcher's record of the trace, tracing runs none of the user's code here
+        kinds = stages.load_trace_info(opts.trace_info, opts.granularity)
+        graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity, kinds)
         modules = stages.build_all_stages(graph, plan)
         self.routing = stages.routing_of(modules)
         names = [set(stages.named_tensors(mod)) for mod in modules]

@@ -33,3 +33,24 @@ def test_trains_like_single_process(run, tmp_path, name, split, replicas):
     assert rc == 0, err
     ref = reference_train(str(model), 2, optimizer="momentum")
     assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < 1e-5
+
+
+def test_profile_plan_run_llama_end_to_end(run, tmp_path):
+    # the real commands: profile at the default granularity, plan 3 stages, train
+    from planner.cli import main as planner_main
+
+    model = MODELS / "hf_llama.py"
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"nodes": 1, "devices_per_node": 3, "device_memory_gb": 1, '
+                       '"intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1}')
+    assert planner_main(["profile", str(model), "--batch-size", "2", "--warmup", "0", "--repeats", "1",
+                         "-q", "-o", str(tmp_path / "profile.json")]) == 0
+    assert planner_main(["plan", str(tmp_path / "profile.json"), "--cluster", str(cluster),
+                         "--method", "manual", "--split", "2,2,2", "--replicas", "1,1,1",
+                         "--global-batch", "8", "--microbatch-size", "2", "--optimizer", "momentum",
+                         "-o", str(tmp_path / "plan.json")]) == 0
+    rc, _, err, _ = run(tmp_path / "plan.json", "--model", model, "--steps", 2,
+                        "--save", tmp_path / "ck", "--timeout", 120)
+    assert rc == 0, err
+    ref = reference_train(str(model), 2, optimizer="momentum")
+    assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < 1e-5

@@ -58,3 +58,19 @@ def test_plan_over_split_point_layers(run, tmp_path):
     plan = write_plan(make_plan(model, layers, [1, 1], [1, 1]), tmp_path / "plan.json")
     got = _train(run, tmp_path, plan, model, steps=2)
     assert _diff(got, reference_train(str(model), 2), got) < TOL
+
+
+def test_setup_runs_no_user_code_on_the_ranks(run, tmp_path, monkeypatch):
+    # the launcher traces the model once (its pre-flight check) and hands the ranks what they
+    # need: on the ranks the blocks run only in training forwards
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("PIPEPLAN_CALL_LOG", str(log))
+    model = MODELS / "custom_code.py"
+    plan = run.plan(model, 2)
+    log.unlink(missing_ok=True)
+    _train(run, tmp_path, plan, model, steps=1)
+    lines = log.read_text().split()
+    calls = list(zip(lines[::2], lines[1::2], strict=True))
+    on_ranks = [c for c in calls if c[0] != "-"]
+    # 6 blocks, 3 per stage, 4 microbatches, one step: 12 training forwards per rank
+    assert sorted(on_ranks) == [("0", "1")] * 12 + [("1", "1")] * 12

@@ -2,7 +2,10 @@
 reversal (custom autograd Functions: their backward is not the derivative of their forward),
 forward hooks that change a block's output, a step counter and a running mean updated in place
 in forward. A pipeline that re-traced the blocks instead of calling them would train differently.
+With PIPEPLAN_CALL_LOG=<file>, every block forward appends "<RANK> <grad enabled>" to the file.
 """
+
+import os
 
 import torch
 from torch import nn
@@ -41,6 +44,9 @@ class Block(nn.Module):
         self.register_buffer("mean", torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.environ.get("PIPEPLAN_CALL_LOG"):
+            with open(os.environ["PIPEPLAN_CALL_LOG"], "a") as f:
+                f.write(f"{os.environ.get('RANK', '-')} {int(torch.is_grad_enabled())}\n")
         self.calls += 1
         with torch.no_grad():
             self.mean.mul_(0.9).add_(0.1 * x.mean(0))
