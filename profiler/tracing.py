@@ -136,9 +136,16 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             ) -> tuple[fx.GraphModule | None, list[str], str]:
     leaves: set[str] = set(given)
     for path, m in model.named_modules():
-        if not path or path in leaves or any(path.startswith(p + ".") for p in leaves):
+        if path in leaves or any(path.startswith(p + ".") for p in leaves) or not _has_hooks(m):
             continue
-        if _has_hooks(m) and not fx.Tracer().is_leaf_module(m, path):
+        if not path or any(p.startswith(path + ".") for p in given):
+            warnings.warn(
+                f"{path or 'the model'} ({type(m).__name__}) has hooks, but it holds modules that "
+                "are split between pipeline stages, so no stage calls it and its hooks do not run "
+                "in pipeline training (put them on the blocks or the modules inside)",
+                TracingWarning, stacklevel=3,
+            )
+        elif not fx.Tracer().is_leaf_module(m, path):
             leaves.add(path)
             _warn_leaf(model, path, "it has hooks, which run only when the module is called whole")
     last_error = ""

@@ -25,7 +25,10 @@ increments in the step (BatchNorm's `num_batches_tracked`, step counters: equal 
 single-device training's and equal on every stage); boolean and complex buffers are broadcast
 from replica 0. Every checkpoint is therefore consistent across stages and replicas. With one replica per
 stage nothing is synchronised: every stage runs every microbatch in order, so buffers equal
-single-device training's exactly.
+single-device training's exactly. (The reference is single-device training over the same
+microbatches, as with gradient accumulation: BatchNorm normalises each microbatch with its own
+statistics and updates its running statistics once per microbatch. torchgpipe's
+`DeferredBatchNorm`, which accumulates statistics over a whole mini-batch, is not provided.)
 """
 
 from __future__ import annotations

@@ -130,3 +130,11 @@ def test_profile_cli_split_points(tmp_path):
                         "--split-points", "blocks.9", "-o", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and "no module 'blocks.9'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hooks_on_a_module_holding_blocks_are_reported():
+    model = nn.Sequential(Plain(), Plain(), Plain())
+    model.register_forward_hook(lambda m, a, out: out)
+    with pytest.warns(TracingWarning, match="the model .Sequential. has hooks"):
+        lg = trace(model, (torch.randn(2, 8),))
+    assert lg.layer_names() == ["0", "1", "2"]  # still split at its blocks
