@@ -173,7 +173,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
 
 
 def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                keep: list[str] = ()) -> tuple[Any, str]:  # type: ignore[assignment]
+                keep: list[str] | None = None) -> tuple[Any, str]:
     """Export; the modules in `keep` are swapped back in as the user's own objects."""
     quiet = [logging.getLogger(n) for n in ("torch", "torch.fx", "torch._dynamo", "torch.export")]
     levels = [lg.level for lg in quiet]
@@ -183,7 +183,7 @@ def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
         with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # export's own notes on get_attr nodes and specs
             ep = torch.export.export(model, tuple(inputs), strict=False,
-                                     preserve_module_call_signature=tuple(keep))
+                                     preserve_module_call_signature=tuple(keep or ()))
             if keep:
                 from torch.export._swap import _swap_modules
 
