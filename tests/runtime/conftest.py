@@ -8,26 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from plans import make_plan, write_plan  # noqa: E402
+from plans import make_plan, traced_layers, write_plan  # noqa: E402,F401
 from runtime_paths import EXAMPLES, MODELS  # noqa: E402,F401
 
-from profiler.loader import load_model_file  # noqa: E402
-from runtime import stages  # noqa: E402
 from runtime.cli import main  # noqa: E402
-
-
-def traced_layers(model_path: str | Path, microbatch_size: int = 2) -> list[str]:
-    mf = load_model_file(model_path)
-    torch.manual_seed(0)
-    inputs, _ = mf.make_batch(microbatch_size)
-    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    graph = stages.trace_model(mf.build_model(), inputs, "blocks")
-    return stages.layer_names(graph)
 
 
 def split_evenly(n: int, stages_: int) -> list[int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from planner.formats import (
     Cluster,
     ModelRef,
@@ -17,7 +19,8 @@ from planner.formats import (
 )
 from planner.io import save_model
 from planner.schedules import plan_schedule_fields
-from profiler.loader import file_sha256
+from profiler.loader import file_sha256, load_model_file
+from runtime import stages as runtime_stages
 
 
 def make_plan(model_path: str | Path, layers: list[str], split: list[int], replicas: list[int],
@@ -52,3 +55,12 @@ def make_plan(model_path: str | Path, layers: list[str], split: list[int], repli
 def write_plan(plan: Plan, path: Path) -> Path:
     save_model(plan, path)
     return path
+
+
+def traced_layers(model_path: str | Path, microbatch_size: int = 2) -> list[str]:
+    mf = load_model_file(model_path)
+    torch.manual_seed(0)
+    inputs, _ = mf.make_batch(microbatch_size)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    graph = runtime_stages.trace_model(mf.build_model(), inputs, "blocks")
+    return runtime_stages.layer_names(graph)

@@ -6,7 +6,7 @@ averaged)."""
 from __future__ import annotations
 
 import torch
-from conftest import traced_layers
+from plans import traced_layers
 from reference import max_abs_diff, reference_train
 from runtime_paths import MODELS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import traced_layers
+from plans import traced_layers
 from reference import max_abs_diff, reference_train
 from runtime_paths import MODELS
 
