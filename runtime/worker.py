@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from planner.errors import PipeplanError
 from planner.formats import Plan
+from profiler.tracing import TracingWarning
 from runtime import checkpoint, rng, stages
 from runtime.comm import P2P, PeerError
 from runtime.executor import StageExecutor, TimedEvent
@@ -127,7 +129,11 @@ class Worker:
                                  self.b, 1)
         # with the launcher's record of the trace, tracing runs none of the user's code here
         kinds = stages.load_trace_info(opts.trace_info, opts.granularity)
-        graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity, kinds)
+        with warnings.catch_warnings():
+            if opts.trace_info or self.rank != 0:  # the launcher (or rank 0) has said it
+                warnings.simplefilter("ignore", TracingWarning)
+            graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity,
+                                             kinds)
         modules = stages.build_all_stages(graph, plan)
         self.routing = stages.routing_of(modules)
         names = [set(stages.named_tensors(mod)) for mod in modules]
