@@ -292,7 +292,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         kind = link_kind(devices, candidate.stages[s].devices, candidate.stages[t].devices)
         scaled = scale * nbytes
         sends[(s, t)] = Send(scaled, transfer_ms(scaled, link_gb_per_s(cluster, kind),
-                                                 link_latency_us(cluster, kind)))
+                                                 link_latency_us(cluster, kind) + cluster.p2p_overhead_us))
     return PipelineCosts(
         stage_devices=tuple(st.devices for st in candidate.stages),
         num_microbatches=candidate.num_microbatches,
