@@ -9,8 +9,9 @@ Every step is the real command a user runs (subprocesses): `python -m planner pr
   backward; one layer per stage), S = 2 and 4 stages, 8 microbatches, F = 5 ms;
 - **GPT example** (examples/gpt.py at its default size), S = 2 and 4 stages (`--method manual`),
   global batch 32, microbatches of 4, profiled at batch 4 with one thread;
-- **the README's main job**: calibrate first (reference workload, devices of 6 MB), then
-  profile, `plan` (cpsat chooses the stages) and run — predicted against measured;
+- **the README's main job**: calibrate first (one rank per CPU core, reference workload,
+  devices of 8 MB), then profile, `plan` (cpsat chooses the stages) and run — predicted
+  against measured;
 - **calibrate repeatability**: two calibrations of 4 ranks, side by side.
 
 For each pipeline row: the prediction on the calibrated cluster (calibrate with `--profile
@@ -88,7 +89,7 @@ def pipeline_row(name: str, model: Path, env: dict[str, str], S: int, split: lis
 def readme_row(steps: int, tmp: Path) -> dict:
     d = tmp / "readme"
     d.mkdir()
-    sh("-m", "runtime", "calibrate", "--nproc-per-node", 4, "--memory-gb", 0.006, "-o", d / "cluster.json")
+    sh("-m", "runtime", "calibrate", "--memory-gb", 0.008, "-o", d / "cluster.json")  # a rank per core
     sh("-m", "planner", "profile", "examples/gpt.py", "--batch-size", 4, "--threads", 1, "-q",
        "-o", d / "profile.json")
     sh("-m", "planner", "plan", d / "profile.json", "--cluster", d / "cluster.json", "--global-batch", 32,
