@@ -57,6 +57,7 @@ def pipeline_row(name: str, model: Path, env: dict[str, str], S: int, split: lis
                  global_batch: int, steps: int, tmp: Path) -> dict:
     d = tmp / f"{name}-S{S}"
     d.mkdir()
+    load = [os.getloadavg()[0]]
     sh("-m", "planner", "profile", model, "--batch-size", batch, "--threads", "1", "-q",
        "-o", d / "profile.json", env=env)
     sh("-m", "runtime", "calibrate", "--nproc-per-node", S, "-o", d / "cluster.json",
@@ -68,14 +69,16 @@ def pipeline_row(name: str, model: Path, env: dict[str, str], S: int, split: lis
     sh("-m", "runtime", d / "plan.json", "--model", model, *run, "--report", d / "report.json", env=env)
     out = sh("-m", "planner", "refine", d / "plan.json", d / "report.json", "-o", d / "plan2.json",
              "--profile", d / "profile.json", env=env)
+    load.append(os.getloadavg()[0])
     sh("-m", "runtime", d / "plan2.json", "--model", model, *run, "--report", d / "report2.json", env=env)
+    load.append(os.getloadavg()[0])
     p1 = json.loads((d / "plan.json").read_text())["predicted"]["iteration_ms"]
     m1 = json.loads((d / "report.json").read_text())["iteration_ms"]
     p2 = json.loads((d / "plan2.json").read_text())["predicted"]["iteration_ms"]
     m2 = json.loads((d / "report2.json").read_text())["iteration_ms"]
     cl = json.loads((d / "cluster.json").read_text())
     corr = json.loads((d / "plan2.corrections.json").read_text())
-    return {"model": name, "S": S, "split": split, "predicted_calibrated_ms": p1, "measured_ms": m1,
+    return {"model": name, "S": S, "split": split, "loadavg": load, "predicted_calibrated_ms": p1, "measured_ms": m1,
             "error_calibrated_pct": 100 * (p1 - m1) / m1, "predicted_refined_ms": p2,
             "measured_refined_ms": m2, "error_refined_pct": 100 * (p2 - m2) / m2,
             "step_ms": json.loads((d / "report.json").read_text())["step_ms"],
@@ -142,15 +145,16 @@ def main() -> None:
         repeat = calibrate_twice(tmp) if "calibrate" in parts else {}
     load_after = os.getloadavg()
     lines = ["| model | S | calibrated: predicted / measured ms (error) | refined: predicted / measured ms (error) "
-             "| calibrated latency us, GB/s, speed | fitted p2p overhead us | fwd / bwd scales |",
-             "|---|---|---|---|---|---|---|"]
+             "| calibrated latency us, GB/s, speed | fitted p2p overhead us | fwd / bwd scales | load avg |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['S']} | {r['predicted_calibrated_ms']:.1f} / {r['measured_ms']:.1f} "
             f"({r['error_calibrated_pct']:+.1f}%) | {r['predicted_refined_ms']:.1f} / {r['measured_refined_ms']:.1f} "
             f"({r['error_refined_pct']:+.1f}%) | {r['calibrated_latency_us']:.0f}, {r['calibrated_gb_per_s']:.2f}, "
             f"{r['calibrated_speed']:.2f} | {r['p2p_overhead_us']:.0f} | "
-            f"{', '.join(f'{x:.2f}' for x in r['fwd_scales'])} / {', '.join(f'{x:.2f}' for x in r['bwd_scales'])} |")
+            f"{', '.join(f'{x:.2f}' for x in r['fwd_scales'])} / {', '.join(f'{x:.2f}' for x in r['bwd_scales'])} | "
+            f"{' → '.join(f'{x:.1f}' for x in r['loadavg'])} |")
     table = "\n".join(lines)
     readme_line = "" if readme is None else (f"README main job (calibrated, cpsat, stages (layers, replicas) {readme['stages']}): predicted "
                    f"{readme['predicted_ms']:.1f} ms, measured {readme['measured_ms']:.1f} ms ({readme['error_pct']:+.1f}%)")
