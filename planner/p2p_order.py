@@ -12,7 +12,8 @@ batched protocol (`runtime.comm.P2P` with `batched=True`, used on NCCL):
         wait    for the receives of action i
         run     action i
         issue   one batch (`batch_isend_irecv`): the sends of action i + the receives of action i+1
-    wait    for every send (the flush); last-stage ranks then send their loss to rank 0
+    wait    for every send (the flush); last-stage ranks then send their loss to rank 0,
+            which receives them one by one
 
 where `F(s, j)` receives the activations of microbatch j from each producing stage and sends
 its outputs to each consuming stage, `B(s, j)` receives the output gradients from the consumers
@@ -127,10 +128,11 @@ def rank_programs(schedule: Mapping[int, Sequence[Action]], stage_devices: Seque
             if rank != 0 and rank in stage_devices[last]:
                 op = Op(True, 0, Message("loss", last, -1, rank))
                 steps += [Step("issue", (op,), "loss"), Step("wait", (op,), "loss")]
-            if rank == 0:
-                loss = tuple(Op(False, r, Message("loss", last, -1, r)) for r in stage_devices[last] if r != 0)
-                if loss:
-                    steps += [Step("issue", loss, "loss"), Step("wait", loss, "loss")]
+            if rank == 0:  # one receive at a time, in replica order
+                for r in stage_devices[last]:
+                    if r != 0:
+                        op = Op(False, r, Message("loss", last, -1, r))
+                        steps += [Step("issue", (op,), "loss"), Step("wait", (op,), "loss")]
         out[rank] = steps
     return out
 
@@ -240,9 +242,12 @@ def plan_pairs(plan: object) -> list[tuple[int, int]]:
     return pairs
 
 
-def check_plan(plan: object) -> None:
-    """Check a plan.json's rank actions (planner.formats.Plan; explicit lists or generator)."""
+def check_plan(plan: object, pairs: Iterable[tuple[int, int]] | None = None) -> None:
+    """Check a plan.json's rank actions (planner.formats.Plan; explicit lists or generator).
+    `pairs`: the stage pairs that exchange tensors (the runtime knows them from the model);
+    default `plan_pairs(plan)`."""
     from planner.schedules import plan_actions
 
     stage_devices = [list(st.devices) for st in plan.stages]  # type: ignore[attr-defined]
-    check_programs(rank_programs(plan_actions(plan), stage_devices, plan_pairs(plan)))  # type: ignore[arg-type]
+    pairs = plan_pairs(plan) if pairs is None else pairs
+    check_programs(rank_programs(plan_actions(plan), stage_devices, pairs))  # type: ignore[arg-type]

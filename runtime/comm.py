@@ -91,8 +91,14 @@ class P2P:
     describe_rank: dict[int, str] = field(default_factory=dict)  # rank -> "rank 2 (stage 1)"
     comm_ms: float = 0.0  # time spent posting sends and in flush waits
     batched: bool = False  # NCCL: queue, then issue one batch_isend_irecv per action
-    log: list[tuple[str, int, str, int, bool]] | None = None  # issued ops, when recording
+    # every issued batch as [[is_send, peer, tag], ...] when PIPEPLAN_P2P_LOG names a folder
+    # (written there as rank<N>.json at each flush; the tests compare it with planner.p2p_order)
+    log: list[list[tuple[bool, int, int]]] | None = None
     _queue: list[tuple[bool, torch.Tensor, int, int, _Pending]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if os.environ.get("PIPEPLAN_P2P_LOG") and self.log is None:
+            self.log = []
     _shapes: dict[tuple[int, str, bool, bool], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
     _sends: list[_Pending] = field(default_factory=list)
     _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
@@ -141,8 +147,8 @@ class P2P:
     def _submit(self, send: bool, t: torch.Tensor, peer: int, tag: int, what: str) -> _Pending:
         """Issue one operation now (gloo) or queue it for the next batch (NCCL)."""
         p = _Pending(None, t, peer, what)
-        if self.log is not None:
-            self.log.append(("queue" if self.batched else "issue", peer, what, tag, send))
+        if self.log is not None and not self.batched:
+            self.log.append([(send, peer, tag)])
         if self.batched:
             self._queue.append((send, t, peer, tag, p))
         else:
@@ -156,9 +162,9 @@ class P2P:
         ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, tag=tag)
                for send, t, peer, tag, _ in self._queue]
         pend = [p for *_, p in self._queue]
-        self._queue = []
         if self.log is not None:
-            self.log.append(("batch", len(ops), "", -1, False))
+            self.log.append([(send, peer, tag) for send, _, peer, tag, _ in self._queue])
+        self._queue = []
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001
@@ -205,6 +211,12 @@ class P2P:
         for p in self._sends:
             self._wait(p)
         self._sends.clear()
+        if self.log is not None:
+            import json
+
+            path = os.path.join(os.environ["PIPEPLAN_P2P_LOG"], f"rank{self.rank}.json")
+            with open(path, "w") as f:
+                json.dump({"num_keys": len(self.key_index), "batches": self.log}, f)
         self.comm_ms += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ receives

@@ -155,7 +155,8 @@ class Worker:
         if self.p2p.batched:  # NCCL matches by order: refuse a plan whose order could hang
             from planner.p2p_order import check_plan
 
-            check_plan(plan)
+            check_plan(plan, {(s, t) for s in range(len(plan.stages))
+                              for _, dsts in self.routing.sends(s) for t in dsts})
         self.executor = StageExecutor(self.module, self.stage, self.routing,
                                       [list(s.devices) for s in plan.stages], self.p2p,
                                       self.mf.loss_fn, self.m, self.device)
