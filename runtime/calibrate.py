@@ -16,8 +16,9 @@ started:
   the ring formula with the fitted link gives `allreduce_efficiency`;
 - each device's speed relative to the profiled device: a fixed workload (an MLP's forward and
   backward, or with `--profile P --model M` the profiled model's at the profile's batch size)
-  timed on every rank *at once*, against the same workload alone on rank 0 (or the profile's
-  measured time). On a CPU box with more ranks than cores this is the oversubscription;
+  timed on every rank *at once*, against the same workload alone on rank 0 — or, when the
+  profile was made on another kind of device, against the profile's measured time of it. On
+  a CPU box with more ranks than cores this is the oversubscription;
 - usable memory per device: free GPU memory, or the machine's available memory shared by its
   local ranks (`--memory-gb` overrides, e.g. to plan as if devices were smaller).
 
@@ -139,9 +140,9 @@ def _reference_workload(torch: object, device: object) -> object:
 
 
 def _model_workload(torch: object, device: object, profile_path: str, model_path: str
-                    ) -> tuple[object, float]:
-    """The profiled model's forward + backward (with its loss) at the profile's batch size, and
-    the profile's measured time of the same (ms)."""
+                    ) -> tuple[object, float, tuple[str, str]]:
+    """The profiled model's forward + backward (with its loss) at the profile's batch size, the
+    profile's measured time of the same (ms) and the profiled device (type, name)."""
     from planner.formats import Profile
     from planner.io import load_model
     from profiler.loader import batch_checked, build_checked, load_model_file
@@ -162,7 +163,7 @@ def _model_workload(torch: object, device: object, profile_path: str, model_path
         mf.loss_fn(model(*inputs), target).backward()
     ref = profile.measured.fwd_ms + profile.measured.bwd_ms
     ref += float(getattr(profile.measured, "loss_ms", 0.0) or 0.0)
-    return step, ref
+    return step, ref, (profile.device.type, profile.device.name)
 
 
 def _time_ms(step: object, torch: object, device: object, repeats: int, window_s: float = 0.0
@@ -221,8 +222,11 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     # the workload of the speed measurement; ranks outside a measured pair run it meanwhile, so
     # messages travel while the other devices compute, as in a pipeline (on a CPU box with
     # fewer cores than ranks that is what makes a waiting rank wake up late)
+    from profiler.profile import device_name
+
+    profiled: tuple[str, str] | None = None
     if args.profile:
-        step, ref_ms = _model_workload(torch, device, args.profile, args.model)
+        step, ref_ms, profiled = _model_workload(torch, device, args.profile, args.model)
     else:
         step, ref_ms = _reference_workload(torch, device), None
     store = dist.distributed_c10d._get_default_store()  # type: ignore[attr-defined]
@@ -268,7 +272,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
         for nbytes in (1 << 20, 4 << 20):
             t = torch.ones(nbytes // 4, device=device)
             ms = []
-            for _ in range(args.rounds // 3 + 3):
+            for _ in range(max(args.rounds, 10) + 3):
                 if me in group_ranks:
                     _sync(torch, device)
                     t0 = time.perf_counter()
@@ -287,22 +291,24 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     comm.barrier(device)
 
     # device speed: the workload on every rank at once, against it alone on rank 0
-    solo = None
-    if ref_ms is None:
-        solo = _time_ms(step, torch, device, 7) if me == 0 else None
-        comm.barrier(device)
+    solo = _time_ms(step, torch, device, 7) if me == 0 else None
     comm.barrier(device)
     together = _time_ms(step, torch, device, 7, window_s=1.5)
     mem = _memory_bytes(torch, device, env.local_world_size)
     rows: list[object] = [None] * world
-    dist.all_gather_object(rows, (together, mem, device.type, str(torch.cuda.get_device_name(device))
-                                  if device.type == "cuda" else "cpu"))
+    dist.all_gather_object(rows, (together, mem, device.type, device_name(device)))
     comm.barrier(device)
     dist.destroy_process_group()
     if me != 0:
         return None
-    base = ref_ms if ref_ms is not None else solo
+    # the same kind of device as the profiled one: only running together slows it (the
+    # profile's whole-model time sums separately timed parts, so it is no reference); another
+    # kind: the profile's time of the same work against this device's
+    same = profiled is None or profiled == (rows[0][2], rows[0][3])  # type: ignore[index]
+    base = solo if same else ref_ms
     return {
+        "profiled_device": list(profiled) if profiled else None, "same_device_as_profiled": same,
+        "solo_ms": solo, "profile_measured_ms": ref_ms,
         "backend": backend, "world_size": world, "node_names": node_names,
         "ranks_of_node": ranks_of_node, "links": links, "allreduce": ar,
         "speed_workload": "profile" if args.profile else "reference MLP",
@@ -345,9 +351,10 @@ def cluster_from(meas: dict, memory_gb: float | None = None) -> dict:
         inter_node_latency_us=round(inter["latency_us"], 2),
         allreduce_efficiency=round(float(meas["allreduce"].get("efficiency", 1.0)) or 1.0, 4)
         if meas.get("allreduce") else 1.0,
-        calibration={k: meas[k] for k in ("backend", "device", "device_name", "links", "allreduce",
-                                          "speed_workload", "speed_reference_ms", "together_ms",
-                                          "speeds", "memory_bytes")}
+        calibration={k: meas.get(k) for k in (
+            "backend", "device", "device_name", "links", "allreduce", "speed_workload",
+            "speed_reference_ms", "solo_ms", "profile_measured_ms", "profiled_device",
+            "same_device_as_profiled", "together_ms", "speeds", "memory_bytes")}
         | {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
     return out

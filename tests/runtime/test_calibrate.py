@@ -90,7 +90,10 @@ def test_calibrate_with_the_profiled_model(tmp_path):
                    "--model", str(MODELS / "seq_mlp.py"), "--memory-gb", "0.5")
     assert r.returncode == 0, r.stderr
     c = Cluster.model_validate_json(out.read_text())
-    assert c.device_memory_gb == 0.5 and (c.calibration or {})["speed_workload"] == "profile"
+    cal = c.calibration or {}
+    assert c.device_memory_gb == 0.5 and cal["speed_workload"] == "profile"
+    # profiled on this very CPU: the speed is against the same work run alone here
+    assert cal["same_device_as_profiled"] is True and cal["speed_reference_ms"] == cal["solo_ms"]
     assert c.speed > 0
 
 
