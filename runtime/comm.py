@@ -95,13 +95,13 @@ class P2P:
     # (written there as rank<N>.json at each flush; the tests compare it with planner.p2p_order)
     log: list[list[tuple[bool, int, int]]] | None = None
     _queue: list[tuple[bool, torch.Tensor, int, int, _Pending]] = field(default_factory=list)
+    _shapes: dict[tuple[int, str, bool, bool], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    _sends: list[_Pending] = field(default_factory=list)
+    _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if os.environ.get("PIPEPLAN_P2P_LOG") and self.log is None:
             self.log = []
-    _shapes: dict[tuple[int, str, bool, bool], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
-    _sends: list[_Pending] = field(default_factory=list)
-    _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
 
     def _tag(self, mb: int, key: str, grad: bool, header: bool) -> int:
         return ((mb * len(self.key_index) + self.key_index[key]) * 2 + int(grad)) * 2 + int(header)
