@@ -124,3 +124,17 @@ def test_plans_the_planner_emits_pass(schedule):
     check_plan(make_plan(profile, cluster(per_node=6), options))
     check_plan(make_plan(profile, cluster(per_node=8), PlanOptions(
         global_batch=16, microbatch_size=2, schedule=schedule, method="blocks", optimizer="sgd")))
+
+
+@pytest.mark.parametrize("S", range(2, 9))
+def test_weight_gradient_actions_communicate_nothing(S):
+    # zero-bubble schedules split B into B (input gradient, sent back) and W (weight gradient,
+    # local): W adds no message, so a 1F1B order with a W after each B stays matched
+    devs = _devices([1] * S)
+    sched = {r: [x for a in acts for x in ([a, Action(a.stage, "W", a.mb)] if a.kind == "B" else [a])]  # type: ignore[arg-type]
+             for r, acts in generate("1f1b", devs, 2 * S).items()}
+    check_schedule(sched, devs)
+    progs = rank_programs(sched, devs, [(s - 1, s) for s in range(1, S)])
+    plain = rank_programs(generate("1f1b", devs, 2 * S), devs, [(s - 1, s) for s in range(1, S)])
+    ops = lambda p: [op for st in p if st.what == "issue" for op in st.ops]  # noqa: E731
+    assert all(ops(progs[r]) == ops(plain[r]) for r in progs)
