@@ -213,7 +213,9 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     comm.init_process_group(backend, device, env.rank, env.world_size, args.timeout)
     me, world = env.rank, env.world_size
     hosts: list[object] = [None] * world
-    dist.all_gather_object(hosts, (socket.gethostname(), env.local_world_size))
+    # a node: torchrun's GROUP_RANK where set (containers may share a host name), and the host
+    node_key = f"{socket.gethostname()}" + (f"#{os.environ['GROUP_RANK']}" if "GROUP_RANK" in os.environ else "")
+    dist.all_gather_object(hosts, (node_key, env.local_world_size))
     names = [h[0] for h in hosts]  # type: ignore[index]
     node_names = list(dict.fromkeys(names))
     node_of = [node_names.index(n) for n in names]
