@@ -14,7 +14,7 @@ import sys
 
 from planner.errors import PipeplanError
 
-COMMANDS = ["profile", "import_pipedream", "plan", "simulate", "serve"]
+COMMANDS = ["profile", "import_pipedream", "plan", "simulate", "refine", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

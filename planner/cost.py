@@ -151,6 +151,13 @@ def link_gb_per_s(cluster: Cluster, kind: LinkKind) -> float:
     return cluster.intra_node_gb_per_s if kind == "intra" else cluster.inter_node_gb_per_s
 
 
+def link_latency_us(cluster: Cluster, kind: LinkKind) -> float:
+    """Per-message latency of a link class: the measured one (`intra_node_latency_us`,
+    `inter_node_latency_us`, written by calibrate) or the cluster's `latency_us`."""
+    v = cluster.intra_node_latency_us if kind == "intra" else cluster.inter_node_latency_us
+    return cluster.latency_us if v is None else v
+
+
 def transfer_ms(nbytes: float, gb_per_s: float, latency_us: float = 0.0) -> float:
     """One point-to-point transfer; zero bytes take zero time."""
     if nbytes <= 0:
@@ -271,8 +278,9 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         fwd.append(stage_fwd_ms(table, st.start, st.stop, scale, speed))
         bwd.append(stage_bwd_ms(table, st.start, st.stop, scale, speed))
         params = table.param_bytes(st.start, st.stop)
-        bw = link_gb_per_s(cluster, link_kind(devices, st.devices))
-        ar.append(allreduce_ms(params, st.replicas, bw, cluster.latency_us))
+        kind = link_kind(devices, st.devices)
+        ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
+                               link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)
         static.append(static_memory_bytes(params, optimizer))
         act.append(scale * table.activation_bytes(st.start, st.stop))
         limit.append(min(devices[d].memory_bytes for d in st.devices))
@@ -283,7 +291,8 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
     for (s, t), nbytes in sorted(traffic.items()):
         kind = link_kind(devices, candidate.stages[s].devices, candidate.stages[t].devices)
         scaled = scale * nbytes
-        sends[(s, t)] = Send(scaled, transfer_ms(scaled, link_gb_per_s(cluster, kind), cluster.latency_us))
+        sends[(s, t)] = Send(scaled, transfer_ms(scaled, link_gb_per_s(cluster, kind),
+                                                 link_latency_us(cluster, kind) + cluster.p2p_overhead_us))
     return PipelineCosts(
         stage_devices=tuple(st.devices for st in candidate.stages),
         num_microbatches=candidate.num_microbatches,

@@ -14,7 +14,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -180,6 +180,17 @@ class Cluster(_Closed):
     intra_node_gb_per_s: float = Field(gt=0)
     inter_node_gb_per_s: float = Field(gt=0)
     latency_us: NonNegativeFloat = 0.0
+    # per link class, when measured (`python -m runtime calibrate`): a message of n bytes takes
+    # `latency_us + n / gb_per_s` (the alpha-beta model); None: `latency_us` for that class
+    intra_node_latency_us: NonNegativeFloat | None = None
+    inter_node_latency_us: NonNegativeFloat | None = None
+    # what each pipeline message pays beyond its link (the runtime's work and wake-ups around a
+    # message), fitted from a run by `python -m planner refine`; not paid by all-reduces
+    p2p_overhead_us: NonNegativeFloat = 0.0
+    # measured gradient all-reduce time = the ring formula's / allreduce_efficiency (<= 1)
+    allreduce_efficiency: float = Field(default=1.0, gt=0, le=1)
+    # what calibrate measured, for people (points, fits, per-rank speeds, nominal figures)
+    calibration: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_form(self) -> Cluster:

@@ -7,10 +7,24 @@ microbatch of a run has the same size), which lets receives be posted early (pre
 Sends are non-blocking (`isend`); their handles are kept until `flush()` at the end of the
 step, so a rank never waits for a peer to consume what it produced. A failed or timed-out
 wait raises `PeerError` naming the peer rank.
+
+Two protocols. On gloo (tags, a receive thread, buffered sends) operations are issued at once
+and receives are posted one action ahead. On NCCL, which matches a pair's operations by
+order and runs them in issue order, `batched=True`: `send` and `post_recv` only queue, and the
+queue goes out as one `batch_isend_irecv` at `end_action()` (the executor calls it after each
+action, having queued that action's sends and the next action's receives) or before any
+blocking wait. `planner.p2p_order` checks statically that a plan's actions, issued this way,
+cannot deadlock or mismatch; the worker refuses a plan that fails it on NCCL.
+
+`init_process_group`, `new_group` and `barrier` here pass the rank's device explicitly and,
+on NCCL, turn on blocking waits with the run's timeout and async error handling, so a dead
+peer raises (and is named) instead of hanging.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -50,11 +64,20 @@ def _parse_header(h: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
 
 
 @dataclass
+class _Batch:
+    """Works of one issued batch (NCCL coalesces a batch into one work: wait for all)."""
+
+    works: list[object] = field(default_factory=list)
+    waited: bool = False
+
+
+@dataclass
 class _Pending:
-    work: object
+    work: object  # None while queued (batched protocol) or when the batch holds the works
     buf: torch.Tensor
     peer: int
     what: str
+    batch: _Batch | None = None
 
 
 @dataclass
@@ -67,9 +90,18 @@ class P2P:
     timeout_s: float
     describe_rank: dict[int, str] = field(default_factory=dict)  # rank -> "rank 2 (stage 1)"
     comm_ms: float = 0.0  # time spent posting sends and in flush waits
+    batched: bool = False  # NCCL: queue, then issue one batch_isend_irecv per action
+    # every issued batch as [[is_send, peer, tag], ...] when PIPEPLAN_P2P_LOG names a folder
+    # (written there as rank<N>.json at each flush; the tests compare it with planner.p2p_order)
+    log: list[list[tuple[bool, int, int]]] | None = None
+    _queue: list[tuple[bool, torch.Tensor, int, int, _Pending]] = field(default_factory=list)
     _shapes: dict[tuple[int, str, bool, bool], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
     _sends: list[_Pending] = field(default_factory=list)
     _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if os.environ.get("PIPEPLAN_P2P_LOG") and self.log is None:
+            self.log = []
 
     def _tag(self, mb: int, key: str, grad: bool, header: bool) -> int:
         return ((mb * len(self.key_index) + self.key_index[key]) * 2 + int(grad)) * 2 + int(header)
@@ -87,10 +119,18 @@ class P2P:
                                   "died, raised an error or hangs") from None
 
     def _wait(self, p: _Pending) -> None:
+        if p.work is None and (p.batch is None or not p.batch.works):
+            self.issue()  # still queued: send the queue out first (never wait on a queued op)
         try:
             # the process group's own timeout (init_process_group(timeout=...)) bounds the wait;
             # gloo's wait(timeout) polls and costs milliseconds per message
-            p.work.wait()  # type: ignore[attr-defined]
+            if p.batch is not None:
+                if not p.batch.waited:
+                    for w in p.batch.works:
+                        w.wait()  # type: ignore[attr-defined]
+                    p.batch.waited = True
+            else:
+                p.work.wait()  # type: ignore[attr-defined]
         except Exception as exc:  # gloo/nccl raise RuntimeError with transport details
             text = str(exc)
             reason = (
@@ -103,6 +143,46 @@ class P2P:
                 f"{p.what} with {self._who(p.peer)}: {reason}; "
                 f"{self._who(p.peer)} has died, raised an error or hangs",
             ) from None
+
+    def _submit(self, send: bool, t: torch.Tensor, peer: int, tag: int, what: str) -> _Pending:
+        """Issue one operation now (gloo) or queue it for the next batch (NCCL)."""
+        p = _Pending(None, t, peer, what)
+        if self.log is not None and not self.batched:
+            self.log.append([(send, peer, tag)])
+        if self.batched:
+            self._queue.append((send, t, peer, tag, p))
+        else:
+            p.work = self._post(dist.isend if send else dist.irecv, t, peer, tag, what)
+        return p
+
+    def issue(self) -> None:
+        """Send the queued operations out as one `batch_isend_irecv` (batched protocol)."""
+        if not self._queue:
+            return
+        ops = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, tag=tag)
+               for send, t, peer, tag, _ in self._queue]
+        pend = [p for *_, p in self._queue]
+        if self.log is not None:
+            self.log.append([(send, peer, tag) for send, _, peer, tag, _ in self._queue])
+        self._queue = []
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:  # noqa: BLE001
+            peers = sorted({p.peer for p in pend})
+            raise PeerError(peers[0], f"{pend[0].what}: the connection with "
+                                      f"{', '.join(self._who(q) for q in peers)} failed "
+                                      f"({str(exc).splitlines()[0][:200]}); a peer has died, "
+                                      "raised an error or hangs") from None
+        batch = _Batch(list(works))
+        for p in pend:
+            p.batch = batch
+
+    def end_action(self) -> None:
+        """The executor finished an action and queued its sends and the next receives."""
+        if self.batched:
+            t0 = time.perf_counter()
+            self.issue()
+            self.comm_ms += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ sends
     def send(self, t: torch.Tensor, peer: int, mb: int, key: str, grad: bool) -> None:
@@ -120,18 +200,23 @@ class P2P:
         if skey not in self._shapes:
             self._shapes[skey] = (t.dtype, tuple(t.shape))
             h = _header(t).to(self.device)
-            w = self._post(dist.isend, h, peer, self._tag(mb, key, grad, True), what)
-            self._sends.append(_Pending(w, h, peer, what))
-        w = self._post(dist.isend, t, peer, self._tag(mb, key, grad, False), what)
-        self._sends.append(_Pending(w, t, peer, what))
+            self._sends.append(self._submit(True, h, peer, self._tag(mb, key, grad, True), what))
+        self._sends.append(self._submit(True, t, peer, self._tag(mb, key, grad, False), what))
         self.comm_ms += (time.perf_counter() - t0) * 1e3
 
     def flush(self) -> None:
         """Wait for every send of this step to be delivered."""
         t0 = time.perf_counter()
+        self.issue()
         for p in self._sends:
             self._wait(p)
         self._sends.clear()
+        if self.log is not None:
+            import json
+
+            path = os.path.join(os.environ["PIPEPLAN_P2P_LOG"], f"rank{self.rank}.json")
+            with open(path, "w") as f:
+                json.dump({"num_keys": len(self.key_index), "batches": self.log}, f)
         self.comm_ms += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ receives
@@ -145,18 +230,56 @@ class P2P:
             return False
         buf = torch.empty(shape[1], dtype=shape[0], device=self.device)
         what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
-        w = self._post(dist.irecv, buf, peer, self._tag(mb, key, grad, False), what)
-        self._recvs[rkey] = _Pending(w, buf, peer, what)
+        self._recvs[rkey] = self._submit(False, buf, peer, self._tag(mb, key, grad, False), what)
         return True
 
     def recv(self, peer: int, mb: int, key: str, grad: bool) -> torch.Tensor:
         if not self.post_recv(peer, mb, key, grad):
             h = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
-            w = self._post(dist.irecv, h, peer, self._tag(mb, key, grad, True), what)
-            self._wait(_Pending(w, h, peer, what))
+            self._wait(self._submit(False, h, peer, self._tag(mb, key, grad, True), what))
             self._shapes[(peer, key, grad, False)] = _parse_header(h.cpu())
             self.post_recv(peer, mb, key, grad)
         p = self._recvs.pop((peer, key, mb, grad))
         self._wait(p)
         return p.buf
+
+
+# ---------------------------------------------------------------- process groups
+
+
+def init_process_group(backend: str, device: torch.device, rank: int, world_size: int,
+                       timeout_s: float) -> None:
+    """The default process group, bound to `device`. On NCCL: a wait that passes `timeout_s`
+    raises on the waiting rank (TORCH_NCCL_BLOCKING_WAIT, so PeerError can name the peer) and
+    the watchdog tears a failed communicator down (TORCH_NCCL_ASYNC_ERROR_HANDLING); a user's
+    own setting of either variable is kept."""
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    kwargs: dict[str, object] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def new_group(ranks: list[int], device: torch.device) -> object:
+    """A process group over `ranks` (every rank must call this, in the same order)."""
+    kwargs: dict[str, object] = {"device_id": device} if device.type == "cuda" else {}
+    return dist.new_group(ranks, **kwargs)
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier on `device` (NCCL needs to be told which GPU a barrier runs on)."""
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index or 0])
+    else:
+        dist.barrier()
+
+
+def batched_protocol(backend: str) -> bool:
+    """NCCL issues point-to-point operations in batches; gloo at once. PIPEPLAN_P2P_BATCHED=1
+    (or 0) forces the choice, so the NCCL protocol also runs, and is tested, on gloo."""
+    forced = os.environ.get("PIPEPLAN_P2P_BATCHED")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return backend == "nccl"

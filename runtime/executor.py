@@ -104,14 +104,20 @@ class StageExecutor:
         """Execute `actions`; `inputs[j]`, `targets[j]` are microbatch j's. Returns the sum of
         this rank's scaled microbatch losses (0 on other stages than the last)."""
         total = 0.0
+        batched = self.p2p.batched  # NCCL: the order planner.p2p_order checks (runtime.comm)
         for i, a in enumerate(actions):
-            self._post(a)
-            if i + 1 < len(actions):
+            if not batched or i == 0:
+                self._post(a)
+            if not batched and i + 1 < len(actions):
                 self._post(actions[i + 1])
             if a.kind == "F":
                 total += self.forward(a.mb, inputs[a.mb], targets[a.mb])
             else:
                 self.backward(a.mb)
+            if batched:  # this action's sends and the next action's receives, one batch
+                if i + 1 < len(actions):
+                    self._post(actions[i + 1])
+                self.p2p.end_action()
         if self._inflight:
             raise RuntimeError(f"microbatches {sorted(self._inflight)} have a forward but no backward")
         return total

@@ -43,6 +43,16 @@ def _read_error(path: Path, rank: int, code: int) -> Failure:
         return Failure(rank, code, "crash", f"rank {rank} {how} without reporting an error")
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for scripts that start their own ranks; the
+    launcher itself lets its store bind port 0, which cannot race)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:

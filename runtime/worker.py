@@ -7,7 +7,6 @@ Semantics are those of single-device training (see runtime/__init__.py).
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import logging
@@ -25,7 +24,7 @@ from torch import nn
 from planner.errors import PipeplanError
 from planner.formats import Plan
 from profiler.tracing import TracingWarning
-from runtime import checkpoint, rng, stages
+from runtime import checkpoint, comm, rng, stages
 from runtime.comm import P2P, PeerError
 from runtime.executor import StageExecutor, TimedEvent
 from runtime.options import RunOptions
@@ -148,13 +147,13 @@ class Worker:
         # process groups: every rank creates every group, in the same order
         self.stage_group = None
         for st in plan.stages:
-            g = dist.new_group(list(st.devices)) if st.replicas > 1 else None
+            g = comm.new_group(list(st.devices), self.device) if st.replicas > 1 else None
             if st.index == self.stage:
                 self.stage_group = g
         self.tie_groups = []
         for tie_names, holders in self.ties:
             ranks = sorted(d for s in holders for d in plan.stages[s].devices)
-            g = dist.new_group(ranks)
+            g = comm.new_group(ranks, self.device)
             if self.stage in holders:
                 self.tie_groups.append((tie_names, g))
 
@@ -172,7 +171,12 @@ class Worker:
         keys = self.routing.keys()
         describe = {d: f"rank {d} (stage {st.index})" for st in plan.stages for d in st.devices}
         self.p2p = P2P(self.rank, self.device, {k: i for i, k in enumerate(keys)}, opts.timeout,
-                       describe)
+                       describe, batched=comm.batched_protocol(self.backend))
+        if self.p2p.batched:  # NCCL matches by order: refuse a plan whose order could hang
+            from planner.p2p_order import check_plan
+
+            check_plan(plan, {(s, t) for s in range(len(plan.stages))
+                              for _, dsts in self.routing.sends(s) for t in dsts})
         self.executor = SeededExecutor(self.module, self.stage, self.routing,
                                        [list(s.devices) for s in plan.stages], self.p2p,
                                        self.mf.loss_fn, self.m, self.device)
@@ -221,7 +225,7 @@ class Worker:
             self.executor.events = []
             c0 = self.p2p.comm_ms
             f0, b0 = len(self.executor.stats.fwd_ms), len(self.executor.stats.bwd_ms)
-            if self.rank == 0:  # the loss arrives while rank 0 runs its last backwards
+            if self.rank == 0 and not self.p2p.batched:  # the loss arrives during the last backwards
                 for r in self.last_stage_ranks:
                     if r != 0:
                         self.p2p.post_recv(r, 0, "<loss>", grad=False)
@@ -274,6 +278,7 @@ class Worker:
         total = 0.0
         if self.rank in self.last_stage_ranks and self.rank != 0:
             self.p2p.send(t, 0, 0, "<loss>", grad=False)
+            self.p2p.end_action()  # batched protocol: out now, not with the next step's first batch
         if self.rank == 0:
             for r in self.last_stage_ranks:
                 total += loss if r == 0 else float(self.p2p.recv(r, 0, "<loss>", grad=False)[0])
@@ -347,15 +352,13 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     """Run one rank to the end; exceptions propagate (the caller reports them)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
     worker = Worker(plan, opts, env)
-    dist.init_process_group(worker.backend, init_method="env://", rank=env.rank,
-                            world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=opts.timeout))
+    comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)
     worker.setup()
     gc.collect()
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
     record = worker.train()
     worker.finish(record)
-    dist.barrier()  # nobody tears down while a peer still talks to it
+    comm.barrier(worker.device)  # nobody tears down while a peer still talks to it
     dist.destroy_process_group()
 
 

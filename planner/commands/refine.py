@@ -1,0 +1,77 @@
+"""`python -m planner refine PLAN REPORT -o NEW_PLAN [--profile profile.json]`: correct the
+profile and the cluster from a measured run and plan again (see planner.refine)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("refine", help="correct profile and cluster from a run's report, re-plan",
+                       description="Fit per-stage compute scales, the links' effective latency and "
+                       "memory scales from a run's report.json; print them; write them "
+                       "(corrections.json) with the corrected cluster (and profile), and a new plan.")
+    p.add_argument("plan", help="the plan.json that was run")
+    p.add_argument("report", help="its report.json (python -m runtime ... --report)")
+    p.add_argument("-o", "--output", required=True, help="where to write the new plan")
+    p.add_argument("--profile", help="the profile the plan was made from: with it the planner may "
+                   "choose new stages; without it the plan keeps its stages, with corrected costs")
+    p.add_argument("--corrections", help="where to write the corrections (default: "
+                   "NEW_PLAN with .corrections.json)")
+    p.add_argument("--cluster-out", help="corrected cluster.json (default: NEW_PLAN with .cluster.json)")
+    p.add_argument("--profile-out", help="corrected profile.json, with --profile (default: NEW_PLAN "
+                   "with .profile.json)")
+    p.set_defaults(func=run)
+
+
+def _beside(output: str, suffix: str) -> str:
+    out = Path(output)
+    stem = out.name[:-len(".json")] if out.name.endswith(".json") else out.name
+    return str(out.with_name(stem + suffix))
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from planner.formats import Plan, Profile, Report, digest
+    from planner.io import load_model, save_model
+    from planner.refine import (
+        corrected_cluster,
+        corrected_plan,
+        corrected_profile,
+        fit,
+        format_corrections,
+    )
+    from planner.report_table import format_plan
+    from planner.solve import make_plan
+
+    plan = load_model(args.plan, Plan, f"plan {args.plan}")
+    report = load_model(args.report, Report, f"report {args.report}")
+    corrections = fit(plan, report)
+    cluster = corrected_cluster(plan.cluster, corrections)
+    print(format_corrections(corrections))
+    corr_path = args.corrections or _beside(args.output, ".corrections.json")
+    cluster_path = args.cluster_out or _beside(args.output, ".cluster.json")
+    Path(corr_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(corr_path).write_text(corrections.model_dump_json(indent=2) + "\n")
+    Path(cluster_path).write_text(json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
+    if args.profile:
+        profile = load_model(args.profile, Profile, f"profile {args.profile}")
+        if digest(profile) != plan.profile_sha256:
+            from planner.errors import PipeplanError
+
+            raise PipeplanError(f"--profile {args.profile} is not the profile {args.plan} was made "
+                                "from (its sha256 differs); give that profile")
+        new_profile = corrected_profile(profile, corrections)
+        profile_path = args.profile_out or _beside(args.output, ".profile.json")
+        save_model(new_profile, profile_path)
+        new_plan = make_plan(new_profile, cluster, plan.options)
+        print(f"wrote {corr_path}, {cluster_path}, {profile_path}")
+    else:
+        new_plan = corrected_plan(plan, corrections, cluster)
+        print(f"wrote {corr_path}, {cluster_path} (no --profile: the stages stay as they are)")
+    save_model(new_plan, args.output)
+    print(format_plan(new_plan))
+    print(f"wrote {args.output}")
+    return 0

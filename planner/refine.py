@@ -1,0 +1,250 @@
+"""Close the loop: corrections to a profile and a cluster fitted from a measured run.
+
+From a plan and the report of running it (`python -m runtime ... --report`):
+- **compute**: per stage, `fwd_scale = measured / predicted` forward time per microbatch (mean
+  over the stage's replicas), `bwd_scale` likewise; applied to every layer of the stage (and to
+  the loss on the last stage), so the stage costs what the run measured wherever it lands;
+- **per-message overhead** (`cluster.p2p_overhead_us`): with the measured stage times in the
+  plan's costs, the delay every pipeline message pays on top of its link's latency and
+  bandwidth is fitted (bisection: the simulator is monotone in it) so that the simulated
+  iteration equals the measured one: the effective alpha of a hop, holding what the run pays
+  per message beyond the calibrated link (wake-ups, the runtime's work around a message);
+  all-reduces keep the calibrated figures. When the run is faster than even a zero overhead
+  predicts, the overhead is 0 and every stage's compute is scaled by one common factor instead;
+- **memory**: per stage, `memory_scale` = measured / predicted activation bytes (peak memory
+  minus parameters, gradients and optimizer state), applied to the layers' activation bytes.
+
+Pure functions over the pydantic formats; `planner.commands.refine` does the I/O and re-plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from pydantic import BaseModel
+
+from planner.cost import PipelineCosts, Send, link_gb_per_s, link_kind, link_latency_us
+from planner.errors import PipeplanError
+from planner.formats import GB, Cluster, Plan, Profile, Report
+from planner.schedules import plan_actions
+from planner.simulator import costs_from_plan, simulate_costs
+
+
+class StageCorrection(BaseModel):
+    index: int
+    layers: list[str]
+    predicted_fwd_ms: float
+    measured_fwd_ms: float
+    fwd_scale: float
+    predicted_bwd_ms: float
+    measured_bwd_ms: float
+    bwd_scale: float
+    predicted_activation_bytes: float
+    measured_activation_bytes: float | None = None
+    memory_scale: float = 1.0
+
+
+
+
+class Corrections(BaseModel):
+    """What refine changed, in a file a user can read and reuse (`corrections.json`)."""
+
+    plan_profile_sha256: str
+    measured_iteration_ms: float
+    predicted_iteration_ms_before: float
+    predicted_iteration_ms_after: float  # the same plan with the corrections
+    stages: list[StageCorrection]
+    p2p_overhead_us_before: float = 0.0
+    p2p_overhead_us_after: float = 0.0
+    compute_scale: float = 1.0  # common factor when latency alone could not absorb the residual
+
+
+def _mean(xs: list[float]) -> float:
+    return float(statistics.fmean(xs)) if xs else 0.0
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    return measured / predicted if predicted > 0 and measured > 0 else 1.0
+
+
+def _link_kinds(plan: Plan) -> dict[tuple[int, int], str]:
+    devices = plan.cluster.devices()
+    return {(s.index, t.index): link_kind(devices, s.devices, t.devices)
+            for s in plan.stages for t in plan.stages if s.index < t.index}
+
+
+def _with_overhead(plan: Plan, costs: PipelineCosts, overhead_us: float) -> PipelineCosts:
+    """`costs` with every message of bytes > 0 at `bytes / bw + latency of its class +
+    overhead_us` (the plan's cluster's links)."""
+    kinds = _link_kinds(plan)
+    sends = {}
+    for (s, t), snd in costs.sends.items():
+        if snd.nbytes <= 0:
+            sends[(s, t)] = snd
+            continue
+        kind = kinds[(s, t)]
+        bw = link_gb_per_s(plan.cluster, kind)  # type: ignore[arg-type]
+        lat = link_latency_us(plan.cluster, kind) + overhead_us  # type: ignore[arg-type]
+        sends[(s, t)] = Send(snd.nbytes, snd.nbytes / (bw * GB) * 1e3 + lat / 1e3)
+    return dataclasses.replace(costs, sends=sends)
+
+
+def _bisect(f: object, lo: float, hi: float, target: float, iters: int = 50) -> float:
+    """x in [lo, hi] with f(x) = target for an increasing f (hi when f(hi) < target)."""
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if f(mid) < target:  # type: ignore[operator]
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def fit(plan: Plan, report: Report) -> Corrections:
+    """The corrections of the module docstring from one run of `plan`."""
+    if report.plan_profile_sha256 != plan.profile_sha256:
+        raise PipeplanError("the report is of a run of another plan (its plan_profile_sha256 "
+                            "differs); give the plan that run executed")
+    by_stage: dict[int, list] = {}
+    for r in report.ranks:
+        by_stage.setdefault(r.stage, []).append(r)
+    missing = [st.index for st in plan.stages if st.index not in by_stage]
+    if missing:
+        raise PipeplanError(f"the report has no rank of stage(s) {missing}; give the report of a "
+                            "complete run of this plan")
+    if report.iteration_ms <= 0:
+        raise PipeplanError("the report's iteration_ms is 0: run more than one step")
+    stages = []
+    for st in plan.stages:
+        ranks = by_stage[st.index]
+        p = st.predicted
+        fwd, bwd = _mean([r.fwd_ms_per_microbatch for r in ranks]), _mean([r.bwd_ms_per_microbatch for r in ranks])
+        static = float(getattr(p, "static_memory_bytes", 0.0) or 0.0)
+        act_pred = float(p.memory_bytes) - static
+        peaks = [r.peak_memory_bytes for r in ranks]
+        act_meas = float(max(peaks)) - static if peaks else None
+        stages.append(StageCorrection(
+            index=st.index, layers=list(st.layers),
+            predicted_fwd_ms=p.fwd_ms, measured_fwd_ms=fwd, fwd_scale=_ratio(fwd, p.fwd_ms),
+            predicted_bwd_ms=p.bwd_ms, measured_bwd_ms=bwd, bwd_scale=_ratio(bwd, p.bwd_ms),
+            predicted_activation_bytes=act_pred, measured_activation_bytes=act_meas,
+            memory_scale=_ratio(act_meas or 0.0, act_pred) if act_meas and act_pred > 0 else 1.0,
+        ))
+    base = costs_from_plan(plan)
+    schedule = plan_actions(plan)
+    measured = dataclasses.replace(
+        base, fwd_ms=tuple(s.predicted_fwd_ms * s.fwd_scale for s in stages),
+        bwd_ms=tuple(s.predicted_bwd_ms * s.bwd_scale for s in stages))
+    messages = any(snd.nbytes > 0 for snd in base.sends.values())
+    target = report.iteration_ms
+
+    def sim(overhead_us: float, compute: float = 1.0) -> float:
+        c = _with_overhead(plan, measured, overhead_us)
+        if compute != 1.0:
+            c = dataclasses.replace(c, fwd_ms=tuple(x * compute for x in c.fwd_ms),
+                                    bwd_ms=tuple(x * compute for x in c.bwd_ms))
+        return simulate_costs(c, schedule).iteration_ms
+
+    compute_scale = 1.0
+    overhead = 0.0
+    if messages and sim(0.0) < target:
+        overhead = _bisect(sim, 0.0, target * 1e3, target)
+    if sim(overhead) > target * (1 + 1e-9):  # faster than zero overhead predicts
+        compute_scale = _bisect(lambda c: sim(overhead, c), 0.0, 1.0, target)
+    elif not messages and sim(0.0) < target:  # nothing to put it on but the compute
+        compute_scale = _bisect(lambda c: sim(0.0, c), 1.0, target / max(sim(0.0), 1e-9) + 1, target)
+    for s in stages:
+        s.fwd_scale *= compute_scale
+        s.bwd_scale *= compute_scale
+    return Corrections(
+        plan_profile_sha256=plan.profile_sha256, measured_iteration_ms=target,
+        predicted_iteration_ms_before=plan.predicted.iteration_ms,
+        predicted_iteration_ms_after=sim(overhead, compute_scale), stages=stages,
+        p2p_overhead_us_before=plan.cluster.p2p_overhead_us, p2p_overhead_us_after=overhead,
+        compute_scale=compute_scale,
+    )
+
+
+def corrected_profile(profile: Profile, corrections: Corrections) -> Profile:
+    """`profile` with every layer of a corrected stage scaled (times, activation bytes); the
+    loss's time goes with the stage holding the last layer's forward."""
+    scale = {name: st for st in corrections.stages for name in st.layers}
+    unknown = [x.name for x in profile.layers if x.name not in scale]
+    if unknown:
+        raise PipeplanError(f"the profile has layers the plan does not ({', '.join(unknown[:3])}"
+                            f"{'…' if len(unknown) > 3 else ''}): give the profile the plan was made from")
+    layers = [x.model_copy(update={
+        "fwd_ms": x.fwd_ms * scale[x.name].fwd_scale,
+        "bwd_ms": x.bwd_ms * scale[x.name].bwd_scale,
+        "activation_bytes": round(x.activation_bytes * scale[x.name].memory_scale),
+    }) for x in profile.layers]
+    update: dict[str, object] = {"layers": layers}
+    if profile.measured is not None:
+        last = scale[profile.layers[-1].name]
+        extra = {}
+        if getattr(profile.measured, "loss_ms", None):
+            extra["loss_ms"] = profile.measured.loss_ms * last.fwd_scale  # type: ignore[attr-defined]
+        if getattr(profile.measured, "loss_activation_bytes", None):
+            extra["loss_activation_bytes"] = round(
+                profile.measured.loss_activation_bytes * last.memory_scale)  # type: ignore[attr-defined]
+        if extra:
+            update["measured"] = profile.measured.model_copy(update=extra)
+    refined = dict(getattr(profile, "refined", None) or {})
+    refined["runs"] = int(refined.get("runs", 0)) + 1
+    update["refined"] = refined
+    return profile.model_copy(update=update)
+
+
+def corrected_cluster(cluster: Cluster, corrections: Corrections) -> Cluster:
+    """`cluster` with the fitted per-message overhead."""
+    return cluster.model_copy(update={"p2p_overhead_us": corrections.p2p_overhead_us_after})
+
+
+def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Plan:
+    """The same stages and schedule with the corrected costs and prediction (what refine writes
+    when it has no profile to re-plan with)."""
+    costs = costs_from_plan(plan)
+    fwd = tuple(s.predicted_fwd_ms * s.fwd_scale for s in corrections.stages)
+    bwd = tuple(s.predicted_bwd_ms * s.bwd_scale for s in corrections.stages)
+    costs = _with_overhead(plan, dataclasses.replace(costs, fwd_ms=fwd, bwd_ms=bwd),
+                           corrections.p2p_overhead_us_after)
+    sim = simulate_costs(costs, plan_actions(plan))
+    stages = []
+    for st, c in zip(plan.stages, corrections.stages, strict=True):
+        p = st.predicted
+        static = float(getattr(p, "static_memory_bytes", 0.0) or 0.0)
+        act = float(getattr(p, "activation_bytes_per_microbatch", 0.0) or 0.0) * c.memory_scale
+        inflight = max(sim.peak_inflight[d] for d in st.devices)
+        sends = [{"to": t, "bytes": snd.nbytes, "ms": snd.ms}
+                 for (s, t), snd in costs.sends.items() if s == st.index]
+        stages.append(st.model_copy(update={"predicted": p.model_copy(update={
+            "fwd_ms": fwd[st.index], "bwd_ms": bwd[st.index], "compute_ms": fwd[st.index] + bwd[st.index],
+            "activation_bytes_per_microbatch": act, "memory_bytes": int(static + act * inflight),
+            "sends": sends})}))
+    it = sim.iteration_ms
+    predicted = plan.predicted.model_copy(update={
+        "iteration_ms": it, "bubble_fraction": sim.bubble_fraction,
+        "throughput_samples_per_s": plan.global_batch / (it / 1e3) if it > 0 else 0.0,
+        "ratio_to_lower_bound": it / plan.predicted.lower_bound_ms if plan.predicted.lower_bound_ms > 0 else 1.0,
+    })
+    return plan.model_copy(update={"stages": stages, "predicted": predicted, "cluster": cluster})
+
+
+def format_corrections(c: Corrections) -> str:
+    """What was corrected and by how much, for people."""
+    lines = [f"measured iteration {c.measured_iteration_ms:.2f} ms; predicted {c.predicted_iteration_ms_before:.2f} ms "
+             f"before ({100 * (c.predicted_iteration_ms_before / c.measured_iteration_ms - 1):+.1f}%), "
+             f"{c.predicted_iteration_ms_after:.2f} ms with the corrections "
+             f"({100 * (c.predicted_iteration_ms_after / c.measured_iteration_ms - 1):+.1f}%)",
+             "stage  fwd ms/mb predicted -> measured (x)   bwd ms/mb predicted -> measured (x)   activation bytes (x)"]
+    for s in c.stages:
+        lines.append(f"{s.index:5d}  {s.predicted_fwd_ms:8.3f} -> {s.measured_fwd_ms:8.3f} (x{s.fwd_scale:.3f})"
+                     f"      {s.predicted_bwd_ms:8.3f} -> {s.measured_bwd_ms:8.3f} (x{s.bwd_scale:.3f})"
+                     f"      x{s.memory_scale:.3f}")
+    lines.append(f"per-message overhead (p2p_overhead_us): {c.p2p_overhead_us_before:.1f} -> "
+                 f"{c.p2p_overhead_us_after:.1f} us")
+    if c.compute_scale != 1.0:
+        lines.append(f"every stage's compute also x{c.compute_scale:.3f} (the measured iteration and "
+                     "the measured stage times disagree by that much)")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""refine: corrections fitted from a run recover the costs that produced it.
+
+The "run" here is the simulator with known true costs (stage time scales, a per-message
+overhead, activation bytes): the fit must recover exactly those, and the plan re-made from the
+corrected profile and cluster must predict the measured iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from helpers import chain_profile, cluster
+
+from planner.cli import main
+from planner.cost import Send
+from planner.errors import PipeplanError
+from planner.formats import Cluster, Plan, PlanOptions, RankReport, Report
+from planner.refine import corrected_cluster, corrected_plan, corrected_profile, fit
+from planner.schedules import plan_actions
+from planner.simulator import costs_from_plan, simulate_costs
+from planner.solve import make_plan
+
+
+def _plan(split=(2, 2, 2), replicas=None, latency_us=50.0, schedule="1f1b", skips=()):
+    profile = chain_profile([1.0, 2.0, 1.5, 0.5, 1.0, 2.0], out=[4000] * 6, skips=list(skips))
+    cl = cluster(per_node=sum(replicas or [1] * len(split)), latency_us=latency_us, intra=1.0)
+    options = PlanOptions(global_batch=32, microbatch_size=4, method="manual", split=list(split),
+                          replicas=list(replicas) if replicas else None, schedule=schedule,
+                          optimizer="sgd")
+    return profile, make_plan(profile, cl, options)
+
+
+def _run(plan: Plan, fwd_scale, bwd_scale, overhead_us, act_scale=1.0) -> Report:
+    """What a run with these true costs measures (the simulator as the machine)."""
+    costs = costs_from_plan(plan)
+    kinds_lat = plan.cluster.latency_us + overhead_us
+    sends = {k: (Send(s.nbytes, s.nbytes / (plan.cluster.intra_node_gb_per_s * 1e9) * 1e3 + kinds_lat / 1e3)
+                 if s.nbytes > 0 else s) for k, s in costs.sends.items()}
+    true = dataclasses.replace(
+        costs, sends=sends,
+        fwd_ms=tuple(f * k for f, k in zip(costs.fwd_ms, fwd_scale, strict=True)),
+        bwd_ms=tuple(b * k for b, k in zip(costs.bwd_ms, bwd_scale, strict=True)))
+    sim = simulate_costs(true, plan_actions(plan))
+    ranks = []
+    for st in plan.stages:
+        p = st.predicted
+        for k, d in enumerate(st.devices):
+            ranks.append(RankReport(
+                rank=d, stage=st.index, replica=k, fwd_ms_per_microbatch=true.fwd_ms[st.index],
+                bwd_ms_per_microbatch=true.bwd_ms[st.index], comm_ms=0.0, idle_ms=sim.idle_ms[d],
+                peak_memory_bytes=int(p.static_memory_bytes + (p.memory_bytes - p.static_memory_bytes) * act_scale),
+                peak_inflight_microbatches=sim.peak_inflight[d]))
+    return Report(plan_profile_sha256=plan.profile_sha256, steps=5, iteration_ms=sim.iteration_ms,
+                  samples_per_s=1.0, predicted_iteration_ms=plan.predicted.iteration_ms, losses=[],
+                  ranks=ranks)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_fit_recovers_stage_scales_and_overhead(schedule):
+    profile, plan = _plan(schedule=schedule)
+    report = _run(plan, (1.5, 0.8, 1.2), (1.1, 0.9, 2.0), overhead_us=700.0, act_scale=1.25)
+    c = fit(plan, report)
+    assert [s.fwd_scale for s in c.stages] == pytest.approx([1.5, 0.8, 1.2])
+    assert [s.bwd_scale for s in c.stages] == pytest.approx([1.1, 0.9, 2.0])
+    assert [s.memory_scale for s in c.stages] == pytest.approx([1.25] * 3, rel=1e-3)
+    assert c.p2p_overhead_us_after == pytest.approx(700.0, rel=1e-3)
+    assert c.compute_scale == 1.0
+    assert c.predicted_iteration_ms_after == pytest.approx(report.iteration_ms, rel=1e-6)
+    # the same stages re-planned from the corrected profile and cluster predict the run
+    new = make_plan(corrected_profile(profile, c), corrected_cluster(plan.cluster, c), plan.options)
+    assert [s.layers for s in new.stages] == [s.layers for s in plan.stages]
+    assert new.predicted.iteration_ms == pytest.approx(report.iteration_ms, rel=1e-6)
+    assert [s.predicted.memory_bytes for s in new.stages] == pytest.approx(
+        [r.peak_memory_bytes for r in report.ranks], rel=1e-3)
+    # without the profile: the same plan with corrected costs says the same
+    same = corrected_plan(plan, c, corrected_cluster(plan.cluster, c))
+    assert same.predicted.iteration_ms == pytest.approx(report.iteration_ms, rel=1e-6)
+
+
+def test_replicated_dag_plan():
+    profile, plan = _plan(split=(2, 2, 2), replicas=(2, 1, 2), skips=[(0, 5)])
+    report = _run(plan, (0.5, 1.0, 1.3), (0.7, 1.0, 1.0), overhead_us=250.0)
+    c = fit(plan, report)
+    assert c.p2p_overhead_us_after == pytest.approx(250.0, rel=1e-3)
+    new = make_plan(corrected_profile(profile, c), corrected_cluster(plan.cluster, c), plan.options)
+    assert new.predicted.iteration_ms == pytest.approx(report.iteration_ms, rel=1e-6)
+
+
+def test_a_run_faster_than_zero_overhead_scales_compute_down():
+    _, plan = _plan(latency_us=2000.0)
+    report = _run(plan, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0), overhead_us=0.0)
+    report = report.model_copy(update={"iteration_ms": report.iteration_ms * 0.5})
+    c = fit(plan, report)
+    assert c.p2p_overhead_us_after == 0.0 and c.compute_scale < 1.0
+    assert c.predicted_iteration_ms_after == pytest.approx(report.iteration_ms, rel=1e-6)
+
+
+def test_report_of_another_plan_is_refused():
+    _, plan = _plan()
+    report = _run(plan, (1, 1, 1), (1, 1, 1), 0.0).model_copy(update={"plan_profile_sha256": "x"})
+    with pytest.raises(PipeplanError, match="another plan"):
+        fit(plan, report)
+
+
+def test_cli_writes_plan_corrections_cluster_and_profile(tmp_path, capsys):
+    profile, plan = _plan()
+    report = _run(plan, (2.0, 1.0, 1.0), (2.0, 1.0, 1.0), overhead_us=300.0)
+    for name, obj in (("profile.json", profile), ("plan.json", plan), ("report.json", report)):
+        (tmp_path / name).write_text(obj.model_dump_json())
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "new.json"), "--profile", str(tmp_path / "profile.json")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "x2.000" in out and "p2p_overhead_us" in out
+    new = Plan.model_validate_json((tmp_path / "new.json").read_text())
+    assert new.predicted.iteration_ms == pytest.approx(report.iteration_ms, rel=1e-6)
+    corrections = json.loads((tmp_path / "new.corrections.json").read_text())
+    assert corrections["stages"][0]["fwd_scale"] == pytest.approx(2.0)
+    refined = Cluster.model_validate_json((tmp_path / "new.cluster.json").read_text())
+    assert refined.p2p_overhead_us == pytest.approx(300.0, rel=1e-3)
+    assert (tmp_path / "new.profile.json").is_file()
+    # the wrong profile is a clear error
+    other = chain_profile([9.0] * 6)
+    (tmp_path / "other.json").write_text(other.model_dump_json())
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "n2.json"), "--profile", str(tmp_path / "other.json")])
+    assert rc == 2 and "not the profile" in capsys.readouterr().err
+
+
+def test_old_cluster_files_load_and_cost_the_same():
+    old = Cluster.model_validate(json.loads(
+        '{"nodes": 1, "devices_per_node": 4, "device_memory_gb": 0.006, '
+        '"intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1, "latency_us": 50}'))
+    assert old.intra_node_latency_us is None and old.p2p_overhead_us == 0.0
+    assert old.allreduce_efficiency == 1.0
+    with pytest.raises(ValueError):
+        Cluster.model_validate({**old.model_dump(), "allreduce_efficiency": 1.5})
+
+
+def test_cost_model_uses_class_latency_overhead_and_allreduce_efficiency():
+    from planner.cost import layer_table, pipeline_costs
+    from planner.partition import Candidate, StageChoice
+
+    profile = chain_profile([1.0, 1.0], out=[1000, 1000])
+    base = dict(nodes=1, devices_per_node=3, device_memory_gb=1, intra_node_gb_per_s=1.0,
+                inter_node_gb_per_s=1.0, latency_us=5.0)
+    cand = Candidate(stages=(StageChoice(0, 1, (0, 1)), StageChoice(1, 2, (2,))), microbatch_size=8,
+                     num_microbatches=2)
+    plain = pipeline_costs(layer_table(profile), Cluster(**base), cand, "sgd")
+    tuned = pipeline_costs(layer_table(profile), Cluster(**base, intra_node_latency_us=105.0,
+                                                         p2p_overhead_us=50.0, allreduce_efficiency=0.5),
+                           cand, "sgd")
+    assert tuned.sends[(0, 1)].ms - plain.sends[(0, 1)].ms == pytest.approx((105 + 50 - 5) / 1e3)
+    # the all-reduce pays the class latency (not the message overhead) and the efficiency
+    ring = 2 * 1 / 2 * 1000 / 1e9 * 1e3 + 2 * 1 * 105 / 1e3
+    assert tuned.allreduce_ms[0] == pytest.approx(ring / 0.5)
