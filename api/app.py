@@ -73,14 +73,12 @@ def validation_detail(errors: Any) -> list[dict[str, Any]]:
 
 def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
     """Every method some route accepts at this path (for 405's Allow header)."""
-    methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches(scope)
-        if match != Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    if "GET" in methods:
-        methods.add("HEAD")
-    return sorted(methods)
+    methods = []
+    for method in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT"):
+        probe = {**scope, "method": method}
+        if any(route.matches(probe)[0] == Match.FULL for route in app.router.routes):
+            methods.append(method)
+    return methods
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -91,7 +89,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(exc.headers or {})
-        if exc.status_code == 405:
+        route = request.scope.get("route")
+        if exc.status_code == 405 and not getattr(getattr(route, "endpoint", None), "refuses_method", False):
             headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
         return error_response(request, exc.status_code, exc.detail, headers)
 

@@ -175,7 +175,10 @@ def list_plans(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
 @router.api_route("/compare", methods=["GET", "DELETE", "PUT", "PATCH"], include_in_schema=False)
 def compare_wrong_method() -> None:
     """/v1/plans/compare only takes POST (not a plan id)."""
-    raise HTTPException(405, detail="/v1/plans/compare takes POST only")
+    raise HTTPException(405, detail="/v1/plans/compare takes POST only", headers={"Allow": "POST"})
+
+
+compare_wrong_method.refuses_method = True  # type: ignore[attr-defined]
 
 
 def _etag_match(request: Request, etag: str) -> bool:
