@@ -24,23 +24,35 @@ ERROR_TEXT = {
     500: "a bug in the server (the detail gives the request id it was logged with)",
 }
 
-LINKS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
+# (source path, method) -> link name -> (target method, target path, parameter, source field)
+LINKS: dict[tuple[str, str], dict[str, tuple[str, str, str, str]]] = {
     ("/v1/profiles", "post"): {
-        "GetProfile": {"operationId": "get_profile", "parameters": {"profile_id": "$response.body#/id"}},
-        "DeleteProfile": {"operationId": "delete_profile", "parameters": {"profile_id": "$response.body#/id"}},
-        "ListPlansOfProfile": {"operationId": "list_plans", "parameters": {"profile_id": "$response.body#/id"}},
+        "GetProfile": ("get", "/v1/profiles/{profile_id}", "profile_id", "id"),
+        "DeleteProfile": ("delete", "/v1/profiles/{profile_id}", "profile_id", "id"),
+        "ListPlansOfProfile": ("get", "/v1/plans", "profile_id", "id"),
     },
     ("/v1/plans", "post"): {
-        "GetPlan": {"operationId": "get_plan", "parameters": {"plan_id": "$response.body#/id"}},
-        "GetTimelineSvg": {"operationId": "timeline_svg", "parameters": {"plan_id": "$response.body#/id"}},
-        "GetTrace": {"operationId": "trace", "parameters": {"plan_id": "$response.body#/id"}},
-        "DeletePlan": {"operationId": "delete_plan", "parameters": {"plan_id": "$response.body#/id"}},
+        "GetPlan": ("get", "/v1/plans/{plan_id}", "plan_id", "id"),
+        "GetTimelineSvg": ("get", "/v1/plans/{plan_id}/timeline.svg", "plan_id", "id"),
+        "GetTimelinePng": ("get", "/v1/plans/{plan_id}/timeline.png", "plan_id", "id"),
+        "GetTrace": ("get", "/v1/plans/{plan_id}/trace.json", "plan_id", "id"),
+        "DeletePlan": ("delete", "/v1/plans/{plan_id}", "plan_id", "id"),
+        "GetProfile": ("get", "/v1/profiles/{profile_id}", "profile_id", "profile_id"),
     },
 }
 JOB_LINKS = {
-    "GetJob": {"operationId": "get_job", "parameters": {"job_id": "$response.body#/id"}},
-    "DeleteJob": {"operationId": "delete_job", "parameters": {"job_id": "$response.body#/id"}},
+    "GetJob": ("get", "/v1/jobs/{job_id}", "job_id", "id"),
+    "DeleteJob": ("delete", "/v1/jobs/{job_id}", "job_id", "id"),
 }
+
+
+def _links(doc: dict[str, Any], spec: dict[str, tuple[str, str, str, str]]) -> dict[str, Any]:
+    out = {}
+    for name, (method, path, param, source) in spec.items():
+        op_id = doc["paths"].get(path, {}).get(method, {}).get("operationId")
+        if op_id:
+            out[name] = {"operationId": op_id, "parameters": {param: f"$response.body#/{source}"}}
+    return out
 
 
 def _schemas(doc: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
@@ -91,11 +103,12 @@ def _complete(doc: dict[str, Any], settings: Settings) -> None:
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}})
             if not settings.keyed:
                 responses.pop("401", None)
-            for status, links in [("201", LINKS.get((path, method))), ("200", LINKS.get((path, method)))]:
-                if links and status in responses:
-                    responses[status]["links"] = links
+            spec = LINKS.get((path, method))
+            for status in ("200", "201"):
+                if spec and status in responses:
+                    responses[status]["links"] = _links(doc, spec)
             if "202" in responses:
-                responses["202"]["links"] = JOB_LINKS
+                responses["202"]["links"] = _links(doc, JOB_LINKS)
 
 
 def install(app: FastAPI, settings: Settings) -> None:

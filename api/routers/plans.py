@@ -172,7 +172,8 @@ def list_plans(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
     return PlanPage(items=items, total=total, limit=limit, offset=offset)
 
 
-@router.api_route("/compare", methods=["GET", "DELETE", "PUT", "PATCH"], include_in_schema=False)
+@router.api_route("/compare", methods=["GET", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD", "TRACE"],
+                  include_in_schema=False)
 def compare_wrong_method() -> None:
     """/v1/plans/compare only takes POST (not a plan id)."""
     raise HTTPException(405, detail="/v1/plans/compare takes POST only", headers={"Allow": "POST"})
