@@ -169,3 +169,17 @@ def test_docs_are_served_without_a_cdn(client: TestClient) -> None:
         r = client.get(asset)
         assert r.status_code == 200 and len(r.content) > 500, asset
     assert "/docs/assets/swagger-ui-bundle.js" in page
+
+
+def test_access_log_lines_are_json_with_the_request_id(client: TestClient, caplog) -> None:
+    import json
+    import logging
+
+    from api.observe import JsonFormatter
+
+    with caplog.at_level(logging.INFO, logger="api.access"):
+        client.get("/v1/plans/nope", headers={"X-Request-ID": "log-me"})
+    [record] = [r for r in caplog.records if r.name == "api.access"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "log-me" and line["status"] == 404
+    assert line["route"] == "/v1/plans/{plan_id}" and line["level"] == "info"
