@@ -16,7 +16,6 @@ Then FastAPI validates the same (already parsed) document as usual.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -83,17 +82,6 @@ def parse(raw: bytes) -> Any:
     if bad is not None:
         raise invalid(*bad)
     return doc
-
-
-def finite_numbers(doc: Any) -> bool:
-    """True if every float in `doc` is finite (JSON from `parse` always is)."""
-    if isinstance(doc, float):
-        return math.isfinite(doc)
-    if isinstance(doc, dict):
-        return all(finite_numbers(v) for v in doc.values())
-    if isinstance(doc, list):
-        return all(finite_numbers(v) for v in doc)
-    return True
 
 
 def _is_json(request: Request) -> bool:

@@ -98,7 +98,10 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
     is stopped and its job fails with error_kind "timeout"."""
     def lookup() -> tuple[service.Prepared, PlanRow | None]:
         prep = service.prepare(storage, settings, req, client)
-        return prep, storage.get_plan_by_key(prep.key)
+        row = storage.get_plan_by_key(prep.key)
+        if row is None:  # a new plan will be stored for this client: refuse if it is at its quota
+            service.check_quota(storage, settings, client, 1)
+        return prep, row
 
     prep, cached = await run_in_threadpool(lookup)
     if cached is not None:

@@ -52,6 +52,7 @@ def bad_requests() -> list[tuple[str, str, bytes, str]]:
     out.append(("NaN time limit", "/v1/plans", text.replace('"time_limit_s": 2.0', '"time_limit_s": NaN').encode(), "NaN"))
     out.append(("-Infinity fwd_ms", "/v1/plans", text.replace('"fwd_ms": 1.0', '"fwd_ms": -Infinity', 1).encode(), "Infinity"))
     out.append(("NaN memory", "/v1/profiles", json.dumps(profile_doc()).replace('"activation_bytes": 200000', '"activation_bytes": NaN', 1).encode(), "NaN"))
+    out.append(("1e400 (inf once parsed)", "/v1/profiles", json.dumps(profile_doc()).replace('"fwd_ms": 1.0', '"fwd_ms": 1e400', 1).encode(), "finite"))
     deep = {**profile_doc(), "notes": nested(300)}
     out.append(("300-deep extra field", "/v1/profiles", json.dumps(deep).encode(), "deeper"))
     out.append(("50k layers", "/v1/profiles", huge_profile_bytes(50_000), "50000 layers"))
