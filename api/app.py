@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -106,12 +107,17 @@ def install_error_handlers(app: FastAPI) -> None:
                               f"logged it with request id {rid}")
 
 
-async def _retention(app: FastAPI, settings: Settings) -> None:
+async def _retention(app: FastAPI, settings: Settings, lock: threading.Lock) -> None:
+    """Sweep now and every retention_interval_s. The sweep holds `lock`: shutdown takes it before
+    closing the database, so a sweep is never cut off mid-query."""
+    def sweep() -> dict[str, int]:
+        with lock:
+            return app.state.storage.prune(settings.keep_jobs, settings.keep_jobs_s,
+                                           settings.keep_renders, settings.keep_renders_s)
+
     while True:
         try:
-            deleted = await run_in_threadpool(
-                app.state.storage.prune, settings.keep_jobs, settings.keep_jobs_s,
-                settings.keep_renders, settings.keep_renders_s)
+            deleted = await run_in_threadpool(sweep)
             if any(deleted.values()):
                 log.info("retention deleted %s", deleted)
         except Exception:  # noqa: BLE001 - retention must never stop the server
@@ -141,7 +147,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "pipeplan_solver_workers": lambda: manager.workers,
             "pipeplan_renders_in_flight": renders.depth,
         })
-        sweeper = asyncio.create_task(_retention(app, settings))
+        sweep_lock = threading.Lock()
+        sweeper = asyncio.create_task(_retention(app, settings, sweep_lock))
         try:
             yield
         finally:
@@ -150,7 +157,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await sweeper
             manager.stop()
             renders.stop()
-            storage.close()
+            with sweep_lock:  # a sweep still running in its thread finishes first
+                storage.close()
 
     app = FastAPI(
         title="pipeplan",
