@@ -117,3 +117,24 @@ def test_every_method_keeps_its_time_budget_on_5000_layers_4096_devices(tmp_path
             else:
                 assert r.status_code in (201, 422), (method, r.status_code, r.text[:300])
         assert http.get("/healthz").json()["running"] == 0
+
+
+def test_compare_gives_each_method_its_own_budget(tmp_path: Path) -> None:
+    """A method that runs over its budget gets an error row; the others still give plans."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from tests.api.conftest import make_settings
+
+    body = big_body("uniform", 4.0)  # pipedream needs ~1-2 s here; uniform ~45 s
+    body["methods"] = ["uniform", "pipedream"]
+    with TestClient(create_app(make_settings(tmp_path, workers=1, sync_wait_s=60.0, solve_grace_s=0.5))) as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/plans/compare", json=body)
+        elapsed = time.monotonic() - t0
+    assert r.status_code == 200, r.text[:300]
+    rows = {row["method"]: row for row in r.json()["rows"]}
+    assert rows["uniform"]["status"] == "error" and "time budget" in rows["uniform"]["error"]
+    assert rows["pipedream"]["status"] == "ok" and rows["pipedream"]["plan_id"]
+    assert r.json()["best_method"] == "pipedream"
+    assert elapsed < 2 * (4.0 + 0.5) + 6.0  # two budgets, plus slack for a shared CPU
