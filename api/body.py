@@ -37,15 +37,27 @@ def _constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows; send finite numbers only")
 
 
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "must not contain the NUL character (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (a lone surrogate such as \\ud800 is not)"
+    return None
+
+
 def depth_and_nul(doc: Any, max_depth: int = MAX_DEPTH) -> tuple[Loc, str] | None:
     """The first place where `doc` nests deeper than `max_depth` or a string (or key) holds a NUL
-    character, with the reason; None if neither. Iterative, so any depth is safe to check."""
+    character or a lone surrogate, with the reason; None if none. Iterative, so any depth is safe
+    to check."""
     stack: list[tuple[Any, Loc]] = [(doc, ("body",))]
     while stack:
         obj, loc = stack.pop()
         if isinstance(obj, str):
-            if "\x00" in obj:
-                return loc, "strings must not contain the NUL character (\\u0000)"
+            bad = _bad_text(obj)
+            if bad:
+                return loc, f"strings {bad}"
             continue
         if isinstance(obj, dict):
             items: Any = obj.items()
@@ -56,8 +68,9 @@ def depth_and_nul(doc: Any, max_depth: int = MAX_DEPTH) -> tuple[Loc, str] | Non
         if len(loc) > max_depth:
             return loc, f"JSON nested deeper than {max_depth} levels"
         for k, v in items:
-            if isinstance(k, str) and "\x00" in k:
-                return loc, "keys must not contain the NUL character (\\u0000)"
+            bad = _bad_text(k) if isinstance(k, str) else None
+            if bad:
+                return loc, f"keys {bad}"
             stack.append((v, (*loc, k)))
     return None
 

@@ -134,6 +134,7 @@ def extra_bytes(obj: Any) -> int:
 
 MAX_INT = 2**53  # 9 PB, 104 days in ms: beyond any real profile, and exact in a float
 MAX_FLOAT = 1e15
+MAX_MICROBATCH_SIZES = 64  # candidate microbatch sizes a request may list
 MIN_POSITIVE = 1e-6  # smallest bandwidth (GB/s), memory (GB) or speed a cluster may state
 
 
@@ -236,6 +237,10 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
     precheck_cluster(cluster.model_dump(mode="json"), settings, ["body", "cluster"])
     check_range(cluster.model_dump(mode="json"), ["body", "cluster"], MIN_POSITIVE)
     check_range(options.model_dump(mode="json"), ["body", "options"])
+    if len(options.microbatch_sizes or []) > MAX_MICROBATCH_SIZES:
+        raise limit_error(["body", "options", "microbatch_sizes"],
+                          f"{len(options.microbatch_sizes or [])} microbatch sizes; give at most "
+                          f"{MAX_MICROBATCH_SIZES}")
     sizes = [options.microbatch_size or profile.batch_size, *(options.microbatch_sizes or [])]
     microbatches = -(-options.global_batch // min(sizes))
     if microbatches > settings.max_microbatches:

@@ -60,6 +60,10 @@ def bad_requests() -> list[tuple[str, str, bytes, str]]:
     nul = profile_doc()
     nul["model"]["path"] = "model\x00.py"
     out.append(("NUL in model.path", "/v1/profiles", json.dumps(nul).encode(), "NUL"))
+    out.append(("lone surrogate", "/v1/profiles", json.dumps(profile_doc()).replace("tiny.py", "\\ud800.py").encode(), "surrogate"))
+    many = plan_body("cpsat")
+    many["options"]["microbatch_sizes"] = [1] * 5000
+    out.append(("5000 microbatch sizes", "/v1/plans", json.dumps(many).encode(), "microbatch sizes"))
     boolean = plan_body("blocks")
     boolean["options"]["global_batch"] = True
     out.append(("true as an integer", "/v1/plans", json.dumps(boolean).encode(), "integer"))
