@@ -202,7 +202,7 @@ def get_plan(plan_id: str, storage: StorageDep, request: Request) -> Response:
     if _etag_match(request, etag) and storage.plan_exists(plan_id):
         return _not_modified(etag)
     out = service.plan_out(_plan_row(storage, plan_id), True, [])
-    return JSONResponse(jsonable_encoder(out), headers={"ETag": etag, "Cache-Control": IMMUTABLE})
+    return JSONResponse(out.model_dump(mode="json"), headers={"ETag": etag, "Cache-Control": IMMUTABLE})
 
 
 @router.delete("/{plan_id}", status_code=204, response_class=Response, responses=errors(404))
