@@ -1,33 +1,133 @@
-"""The FastAPI application: `create_app(settings)` wires storage, the job queue, the body size
-limit, the optional API key and the routers. Served by `python -m planner serve`."""
+"""The FastAPI application: `create_app(settings)` wires storage, the job queue, the render pool,
+retention, the middleware (request id, metrics and access log; gzip; CORS; body size limit), one
+JSON error shape for every 4xx/5xx, the client check (API keys, quotas) and the routers. Served
+by `python -m planner serve`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.encoders import jsonable_encoder
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.middleware.gzip import GZipMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from api.deps import require_api_key
+from api import docs, openapi, service
+from api.deps import RateLimiter, open_client, require_client
 from api.jobs import JobManager
 from api.limits import BodySizeLimit
+from api.observe import Metrics, RequestContext, request_id
+from api.pool import RenderPool
 from api.routers import health, jobs, plans, profiles
+from api.schemas import CompareRequest, PlanRequest
 from api.settings import Settings
 from api.storage import Storage
 from planner.errors import PipeplanError
+from planner.formats import Profile
 
 log = logging.getLogger(__name__)
 
 LOST = "the server stopped before this job finished; send the request again"
+API_VERSION = "1.1.0"
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | str) or (
+        isinstance(value, float) and value == value and abs(value) != float("inf"))
+
+
+def error_response(request: Request, status: int, detail: Any,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one error shape: {"detail": ..., "request_id": ...}."""
+    rid = request_id(request.scope)
+    out = dict(headers or {})
+    if rid:
+        out["X-Request-ID"] = rid
+    return JSONResponse({"detail": detail, "request_id": rid}, status_code=status, headers=out)
+
+
+def validation_detail(errors: Any) -> list[dict[str, Any]]:
+    """422 items with the field and the reason; the offending value only when it is a short
+    finite scalar (a whole profile echoed back would double the traffic; NaN is not JSON)."""
+    detail = []
+    for err in errors:
+        item: dict[str, Any] = {"loc": [p if isinstance(p, int | str) else str(p) for p in err.get("loc", ())],
+                                "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))}
+        value = err.get("input")
+        if _scalar(value) and not (isinstance(value, str) and len(value) > 200):
+            item["input"] = value
+        if err.get("ctx"):
+            item["ctx"] = {str(k): v if _scalar(v) else str(v) for k, v in err["ctx"].items()}
+        detail.append(item)
+    return detail
+
+
+def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
+    """Every method some route accepts at this path (for 405's Allow header)."""
+    methods = []
+    for method in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT"):
+        probe = {**scope, "method": method}
+        if any(route.matches(probe)[0] == Match.FULL for route in app.router.routes):
+            methods.append(method)
+    return methods
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, 422, validation_detail(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        route = request.scope.get("route")
+        if exc.status_code == 405 and not getattr(getattr(route, "endpoint", None), "refuses_method", False):
+            headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
+        return error_response(request, exc.status_code, exc.detail, headers)
+
+    @app.exception_handler(PipeplanError)
+    async def _user_error(request: Request, exc: PipeplanError) -> JSONResponse:
+        return error_response(request, 422, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        rid = request_id(request.scope)
+        log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
+        return error_response(request, 500, f"internal error ({type(exc).__name__}); the server "
+                              f"logged it with request id {rid}")
+
+
+async def _retention(app: FastAPI, settings: Settings, lock: threading.Lock) -> None:
+    """Sweep now and every retention_interval_s. The sweep holds `lock`: shutdown takes it before
+    closing the database, so a sweep is never cut off mid-query."""
+    def sweep() -> dict[str, int]:
+        with lock:
+            return app.state.storage.prune(settings.keep_jobs, settings.keep_jobs_s,
+                                           settings.keep_renders, settings.keep_renders_s)
+
+    while True:
+        try:
+            deleted = await run_in_threadpool(sweep)
+            if any(deleted.values()):
+                log.info("retention deleted %s", deleted)
+        except Exception:  # noqa: BLE001 - retention must never stop the server
+            log.exception("retention sweep failed")
+        await asyncio.sleep(settings.retention_interval_s)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -35,61 +135,62 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lost = storage.fail_unfinished_jobs(LOST)
         if lost:
             log.warning("%d job(s) left unfinished by the previous server marked failed", lost)
-        manager = JobManager(storage, settings.workers, settings.queue_size)
+        manager = JobManager(storage, settings.workers, settings.queue_size, observe=metrics.solve)
+        renders = RenderPool(settings.render_workers, settings.render_queue_size, settings.render_timeout_s)
         manager.start()
-        app.state.storage, app.state.jobs = storage, manager
+        renders.start()
+        app.state.storage, app.state.jobs, app.state.renders = storage, manager, renders
+        metrics.gauges.update({
+            "pipeplan_jobs_queued": lambda: manager.stats()["queued"],
+            "pipeplan_jobs_running": lambda: manager.stats()["running"],
+            "pipeplan_jobs_capacity": lambda: manager.capacity,
+            "pipeplan_solver_workers": lambda: manager.workers,
+            "pipeplan_renders_in_flight": renders.depth,
+        })
+        sweep_lock = threading.Lock()
+        sweeper = asyncio.create_task(_retention(app, settings, sweep_lock))
         try:
             yield
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             manager.stop()
-            storage.close()
+            renders.stop()
+            with sweep_lock:  # a sweep still running in its thread finishes first
+                storage.close()
 
-    keyed = settings.api_key is not None
     app = FastAPI(
         title="pipeplan",
-        version="0.1.0",
+        version=API_VERSION,
         description="Pipeline-parallel training plans as a service: store profiles, plan them on "
-                    "a cluster, look at past plans and their timelines.",
+                    "a cluster, look at past plans and their timelines. Every error is JSON "
+                    "`{detail, request_id}`; send `X-Request-ID` to choose the id.",
         lifespan=lifespan,
-        # with an API key, the schema and the docs are behind it too (every route but /healthz)
-        openapi_url=None if keyed else "/openapi.json",
-        docs_url=None if keyed else "/docs",
+        openapi_url=None,  # served by api.docs, without the API key (it holds no data)
+        docs_url=None,
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.rate = RateLimiter(settings.quota_requests_per_minute)
+    app.state.prechecks = {Profile: service.precheck_profile_body,
+                           PlanRequest: service.precheck_plan_body,
+                           CompareRequest: service.precheck_plan_body}
+    # middleware: the last added runs first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        """422 with the field and the reason; the offending value only when it is a short scalar
-        (a whole profile echoed back would double the traffic)."""
-        detail = []
-        for err in exc.errors():
-            item = {"loc": list(err.get("loc", ())), "msg": err.get("msg", ""), "type": err.get("type", "")}
-            value = err.get("input")
-            if value is None or isinstance(value, bool | int | float) or (
-                    isinstance(value, str) and len(value) <= 200):
-                item["input"] = value
-            if err.get("ctx"):
-                item["ctx"] = {k: v if isinstance(v, bool | int | float | str) else str(v)
-                               for k, v in err["ctx"].items()}
-            detail.append(item)
-        return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
-
-    @app.exception_handler(PipeplanError)
-    async def _user_error(request: Request, exc: PipeplanError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "ETag",
+                                                                "Retry-After"])
+    app.add_middleware(GZipMiddleware, minimum_size=settings.gzip_min_bytes)
+    app.add_middleware(RequestContext, metrics=metrics)
+    install_error_handlers(app)
 
     app.include_router(health.router)
-    secured = [Depends(require_api_key)]
+    check = require_client if settings.keyed else open_client
     for module in (profiles, plans, jobs):
-        app.include_router(module.router, dependencies=secured)
-    if keyed:
-        @app.get("/openapi.json", include_in_schema=False, dependencies=secured)
-        async def _openapi() -> JSONResponse:
-            return JSONResponse(app.openapi())
-
-        @app.get("/docs", include_in_schema=False, dependencies=secured)
-        async def _docs() -> HTMLResponse:
-            return get_swagger_ui_html(openapi_url="/openapi.json", title="pipeplan")
+        app.include_router(module.router, dependencies=[Depends(check)])
+    openapi.install(app, settings)
+    docs.install(app)
     return app

@@ -1,13 +1,17 @@
 """The job queue: a bounded pool of solver processes, so solves never run on the event loop.
 
-`workers` dispatcher threads each drive one long-lived solver process (forked from a forkserver
-that has the planner imported, so a start costs milliseconds, not an interpreter start), which
-solves one task at a time; a cancelled or overdue solve is stopped by killing the process, and a
-fresh one replaces it (also after `TASKS_PER_PROCESS` tasks, to bound any memory growth). At most `workers + queue_size` jobs are in flight; `submit` raises `QueueFull` beyond
-that (the route answers 503 with Retry-After). The same request while one is in flight joins
-it instead of solving twice. `cancel` kills a running process or drops a queued job. Every
-state change is written to storage first, so a job is never silently lost: what a stopped
-server leaves unfinished is marked failed at the next start (`Storage.fail_unfinished_jobs`).
+`workers` dispatcher threads each drive one long-lived solver process (`api.pool.WorkerProcess`:
+forked from a forkserver that has the planner imported, and exiting by itself when the server
+dies), which solves one task at a time. Every solve runs under a deadline of its time limit plus
+`solve_grace_s`; past it the process is killed (a fresh one replaces it) and the job fails with
+error_kind "timeout", whatever the method: the heuristics keep the time budget as CP-SAT does.
+A comparison solves its methods one by one, each under its own deadline, so one slow method
+costs its own row only. At most `workers + queue_size` jobs are in flight; `submit` raises
+`QueueFull` beyond that (the route answers 503 with Retry-After). The same request while one is
+in flight joins it instead of solving twice. `cancel` kills a running process or drops a queued
+job. Every state change is written to storage first, so a job is never silently lost: what a
+stopped server leaves unfinished is marked failed at the next start
+(`Storage.fail_unfinished_jobs`).
 
 A job's `Task.future` (a `concurrent.futures.Future`, loop-agnostic) resolves to its `Outcome`
 once storage says so; HTTP handlers await it with `asyncio.wrap_future`.
@@ -16,8 +20,6 @@ once storage says so; HTTP handlers await it with `asyncio.wrap_future`.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
 import queue
 import threading
 import time
@@ -27,19 +29,12 @@ from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from typing import Any
 
-from api import worker
+from api.pool import TASKS_PER_PROCESS, QueueFull, WorkerProcess, context
 from api.storage import JobRow, Storage
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ["api.worker", "planner.solve", "planner.cpsat"]  # imported once in the forkserver, inherited by every solve
-
-
-TASKS_PER_PROCESS = 500
-
-
-class QueueFull(Exception):
-    """Every worker is busy and the queue is full."""
+__all__ = ["JobManager", "Outcome", "QueueFull", "Task"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +48,8 @@ class Outcome:
 
 # (status, value) from the worker ("ok" | "user" | "internal") -> what to record
 ResultHandler = Callable[[str, Any], Outcome]
+# (kind, method, status, seconds) after every solve: metrics
+Observer = Callable[[str, str, str, float], None]
 
 
 @dataclass(eq=False)
@@ -60,52 +57,26 @@ class Task:
     job_id: str
     key: str
     payload: dict[str, Any]
-    deadline_s: float
+    deadline_s: float  # per solve (per method for a comparison)
     on_result: ResultHandler
     future: Future[Outcome] = field(default_factory=Future)
     cancel_reason: str | None = None  # set => stop as soon as possible
-    proc: multiprocessing.process.BaseProcess | None = None  # the process solving it, once running
 
 
-class _Solver:
-    """One long-lived solver process and the parent's end of its pipe."""
-
-    def __init__(self, ctx: multiprocessing.context.BaseContext) -> None:
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker.serve, args=(child,), daemon=True, name="pipeplan-solver")
-        self.proc.start()
-        child.close()
-        self.tasks = 0
-
-    def close(self, kill: bool = False) -> None:
-        if kill:
-            self.proc.kill()
-        else:
-            try:
-                self.conn.send(None)
-            except OSError:
-                self.proc.kill()
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
-def _context() -> multiprocessing.context.BaseContext:
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        return ctx
-    return multiprocessing.get_context("spawn")
+def timeout_message(method: str, deadline_s: float, limit_s: float) -> str:
+    return (f"method {method!r} did not finish within its time budget ({limit_s:g} s time limit, "
+            f"stopped after {deadline_s:g} s); raise options.time_limit_s (this server's cap is "
+            "PIPEPLAN_MAX_TIME_LIMIT_S), plan a smaller cluster, or use a faster method")
 
 
 class JobManager:
-    def __init__(self, storage: Storage, workers: int, queue_size: int) -> None:
+    def __init__(self, storage: Storage, workers: int, queue_size: int,
+                 observe: Observer | None = None) -> None:
         self.storage = storage
         self.workers = workers
         self.capacity = workers + queue_size
-        self._ctx = _context()
+        self.observe = observe
+        self._ctx = context()
         self._queue: queue.Queue[Task | None] = queue.Queue()
         self._lock = threading.Lock()
         self._finish_lock = threading.Lock()
@@ -114,6 +85,7 @@ class JobManager:
         self._running = 0
         self._threads: list[threading.Thread] = []
         self._stopped = False
+        self.procs: dict[int, WorkerProcess] = {}  # the live solver processes
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -138,6 +110,10 @@ class JobManager:
             t.join(max(0.0, deadline - time.monotonic()))
         self._threads.clear()
 
+    def alive(self) -> bool:
+        """Every dispatcher thread is running (each drives one solver process)."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
     # ------------------------------------------------------------ public
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -147,7 +123,8 @@ class JobManager:
                 "capacity": self.capacity}
 
     def submit(self, kind: str, key: str, profile_id: str, request: dict[str, Any],
-               payload: dict[str, Any], deadline_s: float, on_result: ResultHandler) -> tuple[Task, bool]:
+               payload: dict[str, Any], deadline_s: float, on_result: ResultHandler,
+               owner: str = "") -> tuple[Task, bool]:
         """Queue a task; returns (task, created). Joins an in-flight task with the same key."""
         with self._lock:
             if self._stopped:
@@ -157,7 +134,7 @@ class JobManager:
                 return existing, False
             if len(self._tasks) >= self.capacity:
                 raise QueueFull(f"{len(self._tasks)} jobs in flight (capacity {self.capacity})")
-            job = self.storage.create_job(kind, key, profile_id, request)
+            job = self.storage.create_job(kind, key, profile_id, request, owner)
             task = Task(job.id, key, payload, deadline_s, on_result)
             self._tasks[job.id] = task
             self._by_key[key] = task
@@ -200,7 +177,7 @@ class JobManager:
                 task.future.set_result(outcome)
 
     def _dispatch(self) -> None:
-        solver: _Solver | None = None
+        holder: list[WorkerProcess | None] = [None]
         try:
             while True:
                 task = self._queue.get()
@@ -212,14 +189,7 @@ class JobManager:
                 with self._lock:
                     self._running += 1
                 try:
-                    if solver is None or not solver.proc.is_alive() or solver.tasks >= TASKS_PER_PROCESS:
-                        if solver is not None:
-                            solver.close()
-                        solver = _Solver(self._ctx)
-                    outcome, healthy = self._run(task, solver)
-                    if not healthy:  # killed (cancel, timeout) or died: start a fresh one next time
-                        solver.close(kill=True)
-                        solver = None
+                    outcome = self._run(task, holder)
                 except Exception as exc:  # noqa: BLE001 - never let a dispatcher thread die
                     log.exception("job %s failed in the dispatcher", task.job_id)
                     outcome = Outcome("failed", error=f"internal error: {exc}", error_kind="internal")
@@ -228,8 +198,34 @@ class JobManager:
                         self._running -= 1
                 self._finish(task, outcome)
         finally:
-            if solver is not None:
-                solver.close()
+            if holder[0] is not None:
+                self._drop(holder, kill=False)
+
+    def _drop(self, holder: list[WorkerProcess | None], kill: bool) -> None:
+        proc = holder[0]
+        if proc is not None:
+            self.procs.pop(id(proc), None)
+            proc.close(kill=kill)
+            holder[0] = None
+
+    def _solve(self, task: Task, payload: dict[str, Any], holder: list[WorkerProcess | None]
+               ) -> tuple[str, Any]:
+        """One solve on this dispatcher's process (started or replaced as needed)."""
+        proc = holder[0]
+        if proc is None or not proc.alive() or proc.tasks >= TASKS_PER_PROCESS:
+            if proc is not None:
+                self._drop(holder, kill=False)
+            proc = WorkerProcess(self._ctx, "pipeplan-solver")
+            holder[0] = proc
+            self.procs[id(proc)] = proc
+        t0 = time.monotonic()
+        status, value = proc.run(payload, task.deadline_s, lambda: task.cancel_reason is not None)
+        if status not in ("ok", "user", "internal"):  # killed (cancel, timeout) or died
+            self._drop(holder, kill=True)
+        if self.observe is not None:
+            self.observe(payload["kind"], payload["options"].get("method", "?"), status,
+                         time.monotonic() - t0)
+        return status, value
 
     @staticmethod
     def _cancelled(task: Task) -> Outcome:
@@ -238,39 +234,39 @@ class JobManager:
                            "send the request again", error_kind="shutdown")
         return Outcome("cancelled", error="cancelled by a DELETE request", error_kind="cancelled")
 
-    def _run(self, task: Task, solver: _Solver) -> tuple[Outcome, bool]:
-        """Solve `task` on `solver`; returns the outcome and whether the solver can be reused."""
-        task.proc = solver.proc
-        solver.tasks += 1
-        solver.conn.send(task.payload)
-        deadline = time.monotonic() + task.deadline_s
-        message: tuple[str, Any] | None = None
-        while True:
-            if task.cancel_reason is not None:
-                return self._cancelled(task), False
-            ready = multiprocessing.connection.wait([solver.conn, solver.proc.sentinel], timeout=0.05)
-            if solver.conn in ready:
-                try:
-                    message = solver.conn.recv()
-                except (EOFError, OSError):
-                    message = None
-                break
-            if solver.proc.sentinel in ready:
-                break
-            if time.monotonic() > deadline:
-                return Outcome("failed", error=f"the solve took longer than {task.deadline_s:.0f} s "
-                               "and was stopped; lower time_limit_s or use a faster method",
-                               error_kind="timeout"), False
-        task.proc = None
-        if task.cancel_reason is not None:
-            return self._cancelled(task), message is not None
-        if message is None:
-            return Outcome("failed", error=f"the solver process died (exit code {solver.proc.exitcode})",
-                           error_kind="internal"), False
-        status, value = message
+    def _run(self, task: Task, holder: list[WorkerProcess | None]) -> Outcome:
+        payload = task.payload
+        limit_s = float(payload["options"]["time_limit_s"])
+        if payload["kind"] == "compare":  # one solve per method, each under its own deadline
+            rows = []
+            for method in payload["methods"]:
+                options = {**payload["options"], "method": method}
+                status, value = self._solve(task, {**payload, "kind": "plan", "options": options}, holder)
+                if task.cancel_reason is not None or status == "cancelled":
+                    return self._cancelled(task)
+                if status == "ok":
+                    rows.append({"method": method, "plan": value["plan"]})
+                elif status == "timeout":
+                    rows.append({"method": method, "error": timeout_message(method, task.deadline_s, limit_s)})
+                elif status == "died":
+                    rows.append({"method": method, "error": f"the solver process died (exit code {value})"})
+                else:
+                    rows.append({"method": method, "error": str(value)})
+            status, value = "ok", {"rows": rows}
+        else:
+            status, value = self._solve(task, payload, holder)
+        if task.cancel_reason is not None or status == "cancelled":
+            return self._cancelled(task)
+        if status == "timeout":
+            method = payload["options"].get("method", "?")
+            return Outcome("failed", error=timeout_message(method, task.deadline_s, limit_s),
+                           error_kind="timeout")
+        if status == "died":
+            return Outcome("failed", error=f"the solver process died (exit code {value})",
+                           error_kind="internal")
         try:
-            return task.on_result(status, value), True
+            return task.on_result(status, value)
         except Exception as exc:  # noqa: BLE001 - a storage or result error fails this job only
             log.exception("storing the result of job %s failed", task.job_id)
             return Outcome("failed", error=f"internal error storing the result: {exc}",
-                           error_kind="internal"), True
+                           error_kind="internal")

@@ -25,8 +25,9 @@ class BodySizeLimit:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def _refuse(self, send: Any) -> None:
-        body = json.dumps({"detail": BodyTooLarge(self.max_bytes).detail}).encode()
+    async def _refuse(self, scope: Scope, send: Any) -> None:
+        rid = scope.get("state", {}).get("request_id", "")
+        body = json.dumps({"detail": BodyTooLarge(self.max_bytes).detail, "request_id": rid}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
@@ -44,7 +45,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = 0  # the server itself rejects a malformed length
                 if declared > self.max_bytes:
-                    await self._refuse(send)
+                    await self._refuse(scope, send)
                     return
         received = 0
         started = False
@@ -69,4 +70,4 @@ class BodySizeLimit:
         except BodyTooLarge:
             if started:
                 raise
-            await self._refuse(send)
+            await self._refuse(scope, send)

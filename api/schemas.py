@@ -79,7 +79,11 @@ class CompareRequest(PlanRequest):
 
 
 class ErrorOut(BaseModel):
-    detail: str | list[dict[str, Any]]
+    """The one shape of every 4xx and 5xx answer."""
+
+    detail: str | list[dict[str, Any]] = Field(
+        description="what is wrong: a sentence, or (422) one item per field with loc, msg, type")
+    request_id: str = Field(description="the X-Request-ID of the request (also in the server's log)")
 
 
 class Health(BaseModel):
@@ -88,6 +92,20 @@ class Health(BaseModel):
     running: int
     queued: int
     capacity: int
+
+
+class Ready(BaseModel):
+    status: Literal["ready", "not ready"]
+    database: bool = Field(description="a write transaction succeeded")
+    workers: bool = Field(description="every solver and render dispatcher is alive")
+    detail: str | None = None
+
+
+class Version(BaseModel):
+    pipeplan: str
+    planner: str = Field(description="package version + digest of the planner's sources (in every cache key)")
+    api: str
+    python: str
 
 
 class ProfileSummary(BaseModel):
@@ -172,3 +190,9 @@ class JobOut(BaseModel):
     warnings: list[str] = Field(default_factory=list)
     links: dict[str, str]
 
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int

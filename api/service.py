@@ -2,17 +2,29 @@
 server's limits (clamping the time limit and saying so), compute the cache key, and turn what a
 solver process returns into stored plans or a comparison table.
 
-Cache key = sha256 of {profile sha256, canonical cluster JSON, canonical options JSON after
-clamping}: the same request twice finds the stored plan instead of solving again.
+Cache key = sha256 of {planner version, profile sha256, canonical cluster JSON, canonical
+options JSON after clamping}: the same request twice finds the stored plan instead of solving
+again, and a server with another planner (an upgrade) solves it afresh. The planner version is
+the package version plus a digest of the planner's source files, so any change of the planner
+counts.
+
+Limits are checked cheapest first: on the raw JSON document (`precheck_*`: how many layers, how
+many devices a cluster declares) before pydantic builds anything proportional to the input.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
+from functools import cache
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
+from pydantic import BaseModel
 
 from api.jobs import Outcome, ResultHandler
 from api.schemas import CompareOut, CompareRow, JobOut, PlanOut, PlanRequest
@@ -35,8 +47,94 @@ def limit_error(loc: list[str | int], msg: str) -> HTTPException:
     return HTTPException(422, detail=[{"loc": loc, "msg": msg, "type": "limit"}])
 
 
+@cache
+def planner_version() -> str:
+    """`<package version>+<digest of planner/**/*.py>`: changes with any change of the planner."""
+    import planner
+
+    try:
+        version = metadata.version("pipeplan")
+    except metadata.PackageNotFoundError:
+        version = "0+unknown"
+    root = Path(planner.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return f"{version}+{h.hexdigest()[:12]}"
+
+
+# ---------------------------------------------------------------- cheap checks on raw JSON
+
+
+def declared_devices(cluster: Any) -> int | None:
+    """Devices a raw cluster document declares, without expanding its nodes (None: not a
+    well-formed count; validation will say why)."""
+    if not isinstance(cluster, dict):
+        return None
+    nodes = cluster.get("nodes")
+    if isinstance(nodes, bool):
+        return None
+    if isinstance(nodes, int):
+        per = cluster.get("devices_per_node")
+        return nodes * per if isinstance(per, int) and not isinstance(per, bool) and per > 0 else nodes
+    if isinstance(nodes, list):
+        total = 0
+        for node in nodes:
+            d = node.get("devices") if isinstance(node, dict) else None
+            total += d if isinstance(d, int) and not isinstance(d, bool) and d > 0 else 1
+        return total
+    return None
+
+
+def precheck_cluster(doc: Any, settings: Settings, loc: list[str | int]) -> None:
+    n = declared_devices(doc)
+    if n is not None and n > settings.max_devices:
+        raise limit_error(loc, f"{n} devices; this server plans for at most {settings.max_devices} "
+                          "(PIPEPLAN_MAX_DEVICES)")
+
+
+def precheck_profile(doc: Any, settings: Settings, loc: list[str | int]) -> None:
+    if not isinstance(doc, dict):
+        return
+    layers, edges = doc.get("layers"), doc.get("edges")
+    if isinstance(layers, list) and len(layers) > settings.max_layers:
+        raise limit_error([*loc, "layers"], f"{len(layers)} layers; this server accepts at most "
+                          f"{settings.max_layers} (PIPEPLAN_MAX_LAYERS)")
+    if isinstance(edges, list) and len(edges) > settings.max_edges:
+        raise limit_error([*loc, "edges"], f"{len(edges)} edges; this server accepts at most "
+                          f"{settings.max_edges} (PIPEPLAN_MAX_EDGES)")
+
+
+def precheck_profile_body(request: Request, doc: Any) -> None:
+    precheck_profile(doc, request.app.state.settings, ["body"])
+
+
+def precheck_plan_body(request: Request, doc: Any) -> None:
+    if isinstance(doc, dict):
+        settings = request.app.state.settings
+        precheck_cluster(doc.get("cluster"), settings, ["body", "cluster"])
+        precheck_profile(doc.get("profile"), settings, ["body", "profile"])
+
+
+def extra_bytes(obj: Any) -> int:
+    """Bytes (as JSON) of every field `obj` holds beyond its format, nested models included."""
+    total = 0
+    if isinstance(obj, BaseModel):
+        extra = obj.__pydantic_extra__ or {}
+        if extra:
+            total += len(json.dumps(extra, default=str))
+        for name in type(obj).model_fields:
+            total += extra_bytes(getattr(obj, name))
+    elif isinstance(obj, list):
+        for item in obj:
+            total += extra_bytes(item)
+    return total
+
+
 MAX_INT = 2**53  # 9 PB, 104 days in ms: beyond any real profile, and exact in a float
 MAX_FLOAT = 1e15
+MAX_MICROBATCH_SIZES = 64  # candidate microbatch sizes a request may list
 MIN_POSITIVE = 1e-6  # smallest bandwidth (GB/s), memory (GB) or speed a cluster may state
 
 
@@ -79,23 +177,39 @@ def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> No
 # ---------------------------------------------------------------- profiles
 
 
+def check_quota(storage: Storage, settings: Settings, owner: str, adding: int) -> None:
+    """413 if storing `adding` more bytes would take `owner` over its stored-bytes quota."""
+    quota = settings.quota_stored_bytes
+    if quota and storage.stored_bytes(owner) + adding > quota:
+        raise HTTPException(413, detail=f"storing this ({adding} bytes) would take client "
+                            f"{owner!r} over its quota of {quota} stored bytes "
+                            "(PIPEPLAN_QUOTA_STORED_BYTES); delete profiles or plans first")
+
+
 def store_profile(storage: Storage, settings: Settings, profile: Profile,
-                  loc: list[str | int]) -> tuple[ProfileRow, bool]:
+                  loc: list[str | int], owner: str = "") -> tuple[ProfileRow, bool]:
     if len(profile.layers) > settings.max_layers:
         raise limit_error([*loc, "layers"], f"{len(profile.layers)} layers; this server accepts "
                           f"at most {settings.max_layers} (PIPEPLAN_MAX_LAYERS)")
+    extra = extra_bytes(profile)
+    if extra > settings.max_extra_bytes:
+        raise limit_error(loc, f"{extra} bytes of fields the profile format does not define; this "
+                          f"server keeps at most {settings.max_extra_bytes} per profile "
+                          "(PIPEPLAN_MAX_EXTRA_BYTES)")
     body = profile.model_dump(mode="json")
     check_range(body, loc)
     sha = digest_data(body)  # == digest(profile), without dumping the profile a second time
     row = storage.get_profile_by_sha(sha)
     if row is not None:
         return row, False
-    return storage.put_profile(sha, profile.model.path, len(profile.layers), body)
+    check_quota(storage, settings, owner, len(json.dumps(body)))
+    return storage.put_profile(sha, profile.model.path, len(profile.layers), body, owner)
 
 
-def resolve_profile(storage: Storage, settings: Settings, req: PlanRequest) -> tuple[ProfileRow, Profile]:
+def resolve_profile(storage: Storage, settings: Settings, req: PlanRequest,
+                    owner: str = "") -> tuple[ProfileRow, Profile]:
     if req.profile is not None:
-        row, _ = store_profile(storage, settings, req.profile, ["body", "profile"])
+        row, _ = store_profile(storage, settings, req.profile, ["body", "profile"], owner)
         return row, req.profile
     assert req.profile_id is not None
     row = storage.get_profile(req.profile_id)
@@ -120,11 +234,13 @@ def clamp_options(options: PlanOptions, settings: Settings) -> tuple[PlanOptions
 
 
 def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, settings: Settings) -> None:
-    if cluster.num_devices > settings.max_devices:
-        raise limit_error(["body", "cluster"], f"{cluster.num_devices} devices; this server plans "
-                          f"for at most {settings.max_devices} (PIPEPLAN_MAX_DEVICES)")
+    precheck_cluster(cluster.model_dump(mode="json"), settings, ["body", "cluster"])
     check_range(cluster.model_dump(mode="json"), ["body", "cluster"], MIN_POSITIVE)
     check_range(options.model_dump(mode="json"), ["body", "options"])
+    if len(options.microbatch_sizes or []) > MAX_MICROBATCH_SIZES:
+        raise limit_error(["body", "options", "microbatch_sizes"],
+                          f"{len(options.microbatch_sizes or [])} microbatch sizes; give at most "
+                          f"{MAX_MICROBATCH_SIZES}")
     sizes = [options.microbatch_size or profile.batch_size, *(options.microbatch_sizes or [])]
     microbatches = -(-options.global_batch // min(sizes))
     if microbatches > settings.max_microbatches:
@@ -134,13 +250,15 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
 
 
 def cache_key(profile_sha256: str, cluster: Cluster, options: PlanOptions) -> str:
-    return digest_data({"profile_sha256": profile_sha256, "cluster": cluster.model_dump(mode="json"),
+    return digest_data({"planner": planner_version(), "profile_sha256": profile_sha256,
+                        "cluster": cluster.model_dump(mode="json"),
                         "options": options.model_dump(mode="json")})
 
 
-def prepare(storage: Storage, settings: Settings, req: PlanRequest) -> Prepared:
-    row, profile = resolve_profile(storage, settings, req)
+def prepare(storage: Storage, settings: Settings, req: PlanRequest, owner: str = "") -> Prepared:
     options, warnings = clamp_options(req.options, settings)
+    precheck_cluster(req.cluster.model_dump(mode="json"), settings, ["body", "cluster"])
+    row, profile = resolve_profile(storage, settings, req, owner)
     check_limits(profile, req.cluster, options, settings)
     return Prepared(row, profile, req.cluster, options, warnings, cache_key(row.sha256, req.cluster, options))
 
@@ -165,20 +283,22 @@ def _solver_failure(status: str, value: Any) -> Outcome:
     return Outcome("failed", error=str(value), error_kind=kind)
 
 
-def _store_plan(storage: Storage, key: str, profile_id: str, method: str, doc: dict[str, Any]) -> PlanRow | str:
+def _store_plan(storage: Storage, key: str, profile_id: str, method: str, doc: dict[str, Any],
+                owner: str = "") -> PlanRow | str:
     """Store a solved plan; a plan whose numbers overflowed is refused with a message."""
     bad = out_of_range(doc)
     if bad is not None:
         where = ".".join(str(p) for p in bad[0])
         return f"the plan's {where}: {bad[1]}; the profile's or cluster's numbers are out of range"
-    return storage.put_plan(key, profile_id, method, doc, meta={})
+    return storage.put_plan(key, profile_id, method, doc, meta={}, owner=owner)
 
 
-def plan_handler(storage: Storage, prep: Prepared) -> ResultHandler:
+def plan_handler(storage: Storage, prep: Prepared, owner: str = "") -> ResultHandler:
     def handle(status: str, value: Any) -> Outcome:
         if status != "ok":
             return _solver_failure(status, value)
-        row = _store_plan(storage, prep.key, prep.profile_row.id, prep.options.method, value["plan"])
+        row = _store_plan(storage, prep.key, prep.profile_row.id, prep.options.method, value["plan"],
+                          owner)
         if isinstance(row, str):
             return Outcome("failed", error=row, error_kind="user")
         return Outcome("succeeded", plan_id=row.id)
@@ -218,7 +338,7 @@ def method_prepared(prep: Prepared, method: str) -> Prepared:
 
 
 def compare_handler(storage: Storage, prep: Prepared, methods: list[str],
-                    done: dict[str, CompareRow]) -> ResultHandler:
+                    done: dict[str, CompareRow], owner: str = "") -> ResultHandler:
     def handle(status: str, value: Any) -> Outcome:
         if status != "ok":
             return _solver_failure(status, value)
@@ -229,7 +349,7 @@ def compare_handler(storage: Storage, prep: Prepared, methods: list[str],
                 rows[method] = CompareRow(method=method, status="error", error=item["error"])
                 continue
             mprep = method_prepared(prep, method)
-            row = _store_plan(storage, mprep.key, prep.profile_row.id, method, item["plan"])
+            row = _store_plan(storage, mprep.key, prep.profile_row.id, method, item["plan"], owner)
             if isinstance(row, str):
                 rows[method] = CompareRow(method=method, status="error", error=row)
             else:
@@ -257,6 +377,7 @@ def plan_out(row: PlanRow, cached: bool, warnings: list[str]) -> PlanOut:
 
 
 def job_out(job: JobRow) -> JobOut:
+    """The job as the API shows it."""
     links = {"self": f"/v1/jobs/{job.id}"}
     if job.plan_id:
         links["plan"] = f"/v1/plans/{job.plan_id}"

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 SCHEMA = [
@@ -29,7 +29,9 @@ SCHEMA = [
         model_path TEXT NOT NULL,
         num_layers INTEGER NOT NULL,
         created_at TEXT NOT NULL,
-        body TEXT NOT NULL)""",
+        body TEXT NOT NULL,
+        owner TEXT NOT NULL DEFAULT '',
+        size_bytes INTEGER NOT NULL DEFAULT 0)""",
     """CREATE TABLE IF NOT EXISTS plans (
         id TEXT PRIMARY KEY,
         cache_key TEXT NOT NULL UNIQUE,
@@ -38,7 +40,9 @@ SCHEMA = [
         iteration_ms REAL,
         created_at TEXT NOT NULL,
         meta TEXT NOT NULL,
-        body TEXT NOT NULL)""",
+        body TEXT NOT NULL,
+        owner TEXT NOT NULL DEFAULT '',
+        size_bytes INTEGER NOT NULL DEFAULT 0)""",
     "CREATE INDEX IF NOT EXISTS plans_by_profile ON plans (profile_id, created_at)",
     """CREATE TABLE IF NOT EXISTS jobs (
         id TEXT PRIMARY KEY,
@@ -53,13 +57,27 @@ SCHEMA = [
         error_kind TEXT,
         created_at TEXT NOT NULL,
         started_at TEXT,
-        finished_at TEXT)""",
+        finished_at TEXT,
+        owner TEXT NOT NULL DEFAULT '')""",
     "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status)",
     """CREATE TABLE IF NOT EXISTS renders (
         plan_id TEXT NOT NULL,
         kind TEXT NOT NULL,
         body BLOB NOT NULL,
+        created_at TEXT NOT NULL DEFAULT '',
         PRIMARY KEY (plan_id, kind))""",
+    "CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at)",
+    "CREATE INDEX IF NOT EXISTS renders_by_created ON renders (created_at)",
+]
+
+# columns added after the first release: (table, column, definition) for older databases
+MIGRATIONS = [
+    ("profiles", "owner", "TEXT NOT NULL DEFAULT ''"),
+    ("profiles", "size_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("plans", "owner", "TEXT NOT NULL DEFAULT ''"),
+    ("plans", "size_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("jobs", "owner", "TEXT NOT NULL DEFAULT ''"),
+    ("renders", "created_at", "TEXT NOT NULL DEFAULT ''"),
 ]
 
 UNFINISHED = ("queued", "running")
@@ -144,7 +162,20 @@ class Storage:
         self._lock = threading.Lock()
         with self._tx() as cur:
             for stmt in self.SCHEMA:
-                cur.execute(stmt)
+                if stmt.startswith("CREATE TABLE"):
+                    cur.execute(stmt)
+            self._migrate(cur)
+            for stmt in self.SCHEMA:
+                if not stmt.startswith("CREATE TABLE"):
+                    cur.execute(stmt)
+
+    def _migrate(self, cur: _Cursor) -> None:
+        """Add the columns a database written by an older server lacks (SQLite's table_info;
+        another database overrides this)."""
+        for table, column, definition in MIGRATIONS:
+            have = {r[1] for r in cur.execute(f"PRAGMA table_info({table})").fetchall()}
+            if column not in have:
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     # ------------------------------------------------------------ connections
     def _connect(self) -> Any:
@@ -195,15 +226,31 @@ class Storage:
     def ping(self) -> bool:
         return self._query("SELECT 1") == [(1,)]
 
+    def writable(self) -> bool:
+        """Whether a write transaction can be taken now (the file is writable, not locked)."""
+        with self._tx() as cur:
+            cur.execute("CREATE TABLE IF NOT EXISTS ready_probe (x INTEGER)")
+            cur.execute("DELETE FROM ready_probe")
+        return True
+
+    def stored_bytes(self, owner: str) -> int:
+        """Bytes of profiles and plans stored by `owner` (what its quota counts)."""
+        rows = self._query(
+            "SELECT (SELECT COALESCE(SUM(size_bytes), 0) FROM profiles WHERE owner = ?) + "
+            "(SELECT COALESCE(SUM(size_bytes), 0) FROM plans WHERE owner = ?)", (owner, owner))
+        return int(rows[0][0])
+
     # ------------------------------------------------------------ profiles
-    def put_profile(self, sha256: str, model_path: str, num_layers: int, body: dict[str, Any]) -> tuple[ProfileRow, bool]:
+    def put_profile(self, sha256: str, model_path: str, num_layers: int, body: dict[str, Any],
+                    owner: str = "") -> tuple[ProfileRow, bool]:
         """Store a profile unless one with the same sha256 exists; returns (row, created)."""
         pid = new_id()
+        text = json.dumps(body)
         with self._tx() as cur:
             cur.execute(
-                "INSERT INTO profiles (id, sha256, model_path, num_layers, created_at, body) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
-                (pid, sha256, model_path, num_layers, now(), json.dumps(body)),
+                "INSERT INTO profiles (id, sha256, model_path, num_layers, created_at, body, owner, "
+                "size_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
+                (pid, sha256, model_path, num_layers, now(), text, owner, len(text)),
             )
             created = cur.rowcount == 1
         row = self.get_profile_by_sha(sha256)
@@ -236,6 +283,19 @@ class Storage:
         )
         return [self._profile(r, False) for r in rows], total
 
+    def delete_profile(self, profile_id: str) -> bool | None:
+        """Delete a profile with its plans and their renders; None if a job still queued or
+        running uses it (nothing deleted), False if there is no such profile."""
+        with self._tx() as cur:
+            if cur.execute("SELECT 1 FROM jobs WHERE profile_id = ? AND status IN ('queued', 'running')",
+                           (profile_id,)).fetchall():
+                return None
+            cur.execute("DELETE FROM renders WHERE plan_id IN (SELECT id FROM plans WHERE profile_id = ?)",
+                        (profile_id,))
+            cur.execute("DELETE FROM plans WHERE profile_id = ?", (profile_id,))
+            cur.execute("DELETE FROM profiles WHERE id = ?", (profile_id,))
+            return cur.rowcount == 1
+
     # ------------------------------------------------------------ plans
     _PLAN_COLS = "id, cache_key, profile_id, method, iteration_ms, created_at, meta"
 
@@ -243,14 +303,17 @@ class Storage:
         body = json.loads(r[7]) if len(r) > 7 else None
         return PlanRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), body)
 
-    def put_plan(self, cache_key: str, profile_id: str, method: str, body: dict[str, Any], meta: dict[str, Any]) -> PlanRow:
+    def put_plan(self, cache_key: str, profile_id: str, method: str, body: dict[str, Any],
+                 meta: dict[str, Any], owner: str = "") -> PlanRow:
         """Store a plan under its cache key; if the key is taken, keep and return the first."""
         iteration_ms = (body.get("predicted") or {}).get("iteration_ms")
+        text = json.dumps(body)
         with self._tx() as cur:
             cur.execute(
-                f"INSERT INTO plans ({self._PLAN_COLS}, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (cache_key) DO NOTHING",
-                (new_id(), cache_key, profile_id, method, iteration_ms, now(), json.dumps(meta), json.dumps(body)),
+                f"INSERT INTO plans ({self._PLAN_COLS}, body, owner, size_bytes) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (cache_key) DO NOTHING",
+                (new_id(), cache_key, profile_id, method, iteration_ms, now(), json.dumps(meta), text,
+                 owner, len(text)),
             )
         row = self.get_plan_by_key(cache_key)
         assert row is not None
@@ -259,6 +322,9 @@ class Storage:
     def get_plan(self, plan_id: str) -> PlanRow | None:
         rows = self._query(f"SELECT {self._PLAN_COLS}, body FROM plans WHERE id = ?", (plan_id,))
         return self._plan(rows[0]) if rows else None
+
+    def plan_exists(self, plan_id: str) -> bool:
+        return bool(self._query("SELECT 1 FROM plans WHERE id = ?", (plan_id,)))
 
     def get_plan_by_key(self, cache_key: str) -> PlanRow | None:
         rows = self._query(f"SELECT {self._PLAN_COLS}, body FROM plans WHERE cache_key = ?", (cache_key,))
@@ -288,9 +354,9 @@ class Storage:
         with self._tx() as cur:
             if cur.execute("SELECT 1 FROM plans WHERE id = ?", (plan_id,)).fetchall():
                 cur.execute(
-                    "INSERT INTO renders (plan_id, kind, body) VALUES (?, ?, ?) "
+                    "INSERT INTO renders (plan_id, kind, body, created_at) VALUES (?, ?, ?, ?) "
                     "ON CONFLICT (plan_id, kind) DO NOTHING",
-                    (plan_id, kind, body),
+                    (plan_id, kind, body, now()),
                 )
 
     # ------------------------------------------------------------ jobs
@@ -303,13 +369,14 @@ class Storage:
             json.loads(r[7]) if r[7] is not None else None, *r[8:],
         )
 
-    def create_job(self, kind: str, cache_key: str, profile_id: str, request: dict[str, Any]) -> JobRow:
+    def create_job(self, kind: str, cache_key: str, profile_id: str, request: dict[str, Any],
+                   owner: str = "") -> JobRow:
         jid = new_id()
         with self._tx() as cur:
             cur.execute(
-                "INSERT INTO jobs (id, kind, status, cache_key, profile_id, request, created_at) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?)",
-                (jid, kind, cache_key, profile_id, json.dumps(request), now()),
+                "INSERT INTO jobs (id, kind, status, cache_key, profile_id, request, created_at, owner) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?)",
+                (jid, kind, cache_key, profile_id, json.dumps(request), now(), owner),
             )
         job = self.get_job(jid)
         assert job is not None
@@ -318,6 +385,49 @@ class Storage:
     def get_job(self, job_id: str) -> JobRow | None:
         rows = self._query(f"SELECT {self._JOB_COLS} FROM jobs WHERE id = ?", (job_id,))
         return self._job(rows[0]) if rows else None
+
+    def list_jobs(self, limit: int, offset: int, status: str | None = None) -> tuple[list[JobRow], int]:
+        """Jobs newest first, optionally only those with `status`."""
+        where, params = ("WHERE status = ?", (status,)) if status else ("", ())
+        total = self._query(f"SELECT COUNT(*) FROM jobs {where}", params)[0][0]
+        rows = self._query(
+            f"SELECT {self._JOB_COLS} FROM jobs {where} ORDER BY created_at DESC, id DESC LIMIT ? OFFSET ?",
+            (*params, limit, offset),
+        )
+        return [self._job(r) for r in rows], total
+
+    def delete_job(self, job_id: str) -> bool:
+        """Delete a finished job's record; False if it is unknown or still unfinished."""
+        with self._tx() as cur:
+            cur.execute("DELETE FROM jobs WHERE id = ? AND status NOT IN ('queued', 'running')", (job_id,))
+            return cur.rowcount == 1
+
+    def prune(self, keep_jobs: int, keep_jobs_s: float, keep_renders: int, keep_renders_s: float,
+              at: datetime | None = None) -> dict[str, int]:
+        """Retention: delete finished jobs and rendered timelines beyond the newest `keep_*` or
+        older than `keep_*_s` seconds (0 = no limit). Returns how many of each were deleted."""
+        at = at or datetime.now(UTC)
+        deleted = {"jobs": 0, "renders": 0}
+        with self._tx() as cur:
+            if keep_jobs_s > 0:
+                cutoff = (at - timedelta(seconds=keep_jobs_s)).isoformat(timespec="milliseconds")
+                deleted["jobs"] += cur.execute(
+                    "DELETE FROM jobs WHERE status NOT IN ('queued', 'running') AND created_at < ?",
+                    (cutoff,)).rowcount
+            if keep_jobs > 0:
+                deleted["jobs"] += cur.execute(
+                    "DELETE FROM jobs WHERE status NOT IN ('queued', 'running') AND id NOT IN "
+                    "(SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') "
+                    "ORDER BY created_at DESC, id DESC LIMIT ?)", (keep_jobs,)).rowcount
+            if keep_renders_s > 0:
+                cutoff = (at - timedelta(seconds=keep_renders_s)).isoformat(timespec="milliseconds")
+                deleted["renders"] += cur.execute(
+                    "DELETE FROM renders WHERE created_at < ?", (cutoff,)).rowcount
+            if keep_renders > 0:
+                deleted["renders"] += cur.execute(
+                    "DELETE FROM renders WHERE (plan_id, kind) NOT IN (SELECT plan_id, kind FROM "
+                    "renders ORDER BY created_at DESC LIMIT ?)", (keep_renders,)).rowcount
+        return deleted
 
     def mark_running(self, job_id: str) -> bool:
         """queued -> running; False if the job is no longer queued (cancelled meanwhile)."""

@@ -1,11 +1,15 @@
-"""What runs inside a solver process: one task in, one message out through a pipe.
+"""What runs inside a worker process: one task in, one message out through a pipe.
 
-A solver process is started once and answers many tasks (the job manager kills and replaces it
-to cancel a solve). A task is a plain dict — `{"kind": "plan", "profile", "cluster", "options"}` or
-`{"kind": "compare", ..., "methods": [...]}` — and the answer is `(status, value)`:
-`("ok", result)`, `("user", message)` for a `PipeplanError` (the request cannot be planned), or
-`("internal", message)` for a bug. Nothing here touches the database or HTTP; the job manager
-(`api.jobs`) starts these processes and the service (`api.service`) stores what they return.
+A worker process is started once and answers many tasks (the server kills and replaces it to
+cancel a solve or stop one past its deadline). A task is a plain dict — `{"kind": "plan",
+"profile", "cluster", "options"}` or `{"kind": "render", "plan", "format", "title",
+"max_events"}` — and the answer is `(status, value)`: `("ok", result)`, `("user", message)` for a
+`PipeplanError` (the request cannot be served), or `("internal", message)` for a bug. Nothing
+here touches the database or HTTP.
+
+The worker exits as soon as the server is gone: a thread blocks on the lifeline pipe (its write
+end lives only in the server, so it reads EOF when the server dies however it died), and another
+watches the parent process id.
 """
 
 from __future__ import annotations
@@ -20,41 +24,60 @@ from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
 
 
-def _make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> dict[str, Any]:
+def _make_plan(task: dict[str, Any]) -> dict[str, Any]:
     from planner.solve import make_plan  # imported here so this module loads without it
 
-    return make_plan(profile, cluster, options).model_dump(mode="json")
-
-
-def execute(task: dict[str, Any]) -> Any:
-    """Run one task in this process; raises PipeplanError for requests that cannot be planned."""
     profile = Profile.model_validate(task["profile"])
     cluster = Cluster.model_validate(task["cluster"])
     options = PlanOptions.model_validate(task["options"])
-    if task["kind"] == "plan":
-        return {"plan": _make_plan(profile, cluster, options)}
-    if task["kind"] == "compare":
-        from planner.solve import compare
+    return {"plan": make_plan(profile, cluster, options).model_dump(mode="json")}
 
-        return {"rows": [
-            {"method": r.method, "plan": r.plan.model_dump(mode="json")} if r.plan is not None
-            else {"method": r.method, "error": r.error}
-            for r in compare(profile, cluster, options, task["methods"])
-        ]}
+
+def _render(task: dict[str, Any]) -> bytes:
+    import json
+
+    from api import timeline
+    from planner.formats import Plan
+    from planner.trace import chrome_trace
+
+    plan = Plan.model_validate(task["plan"])
+    try:
+        sim = timeline.simulate_plan(plan, task["max_events"])
+    except timeline.TooLarge as exc:
+        raise PipeplanError(str(exc)) from None
+    if task["format"] == "trace":
+        return json.dumps(chrome_trace(sim)).encode()
+    return timeline.render(sim, task["format"], title=task.get("title", ""))
+
+
+def execute(task: dict[str, Any]) -> Any:
+    """Run one task in this process; raises PipeplanError for requests that cannot be served."""
+    if task["kind"] == "plan":
+        return _make_plan(task)
+    if task["kind"] == "render":
+        return _render(task)
     raise ValueError(f"unknown task kind {task['kind']!r}")
 
 
-def _exit_with_parent() -> None:
-    """If the process that started us goes away (the server was killed), stop: an orphaned
-    solve would only burn CPU."""
+def _exit_with_server(lifeline: Any) -> None:
+    """Stop this process when the server goes away (an orphaned solve would only burn CPU)."""
     parent = os.getppid()
 
-    def watch() -> None:
+    def watch_pipe() -> None:
+        try:
+            lifeline.recv()  # the server never sends: this returns only by EOF (server gone)
+        except (EOFError, OSError):
+            pass
+        os._exit(3)
+
+    def watch_parent() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(3)
 
-    threading.Thread(target=watch, daemon=True).start()
+    if lifeline is not None:
+        threading.Thread(target=watch_pipe, daemon=True, name="lifeline").start()
+    threading.Thread(target=watch_parent, daemon=True, name="parent-watch").start()
 
 
 def run_one(task: dict[str, Any]) -> tuple[str, Any]:
@@ -68,10 +91,10 @@ def run_one(task: dict[str, Any]) -> tuple[str, Any]:
         return "internal", f"{type(exc).__name__}: {exc}\n{tail}"
 
 
-def serve(conn: Any) -> None:
-    """Entry point of a solver process: lower priority (HTTP stays responsive), then answer
+def serve(conn: Any, lifeline: Any = None) -> None:
+    """Entry point of a worker process: lower priority (HTTP stays responsive), then answer
     tasks from the pipe one at a time until it sends None or closes."""
-    _exit_with_parent()
+    _exit_with_server(lifeline)
     try:
         os.nice(10)
     except OSError:  # not permitted here; run at normal priority

@@ -1,34 +1,55 @@
-"""/v1/jobs: poll a solve that did not finish within the POST's short wait; DELETE cancels it."""
+"""/v1/jobs: list jobs (newest first, by status), poll one that did not finish within the POST's
+short wait; DELETE cancels an unfinished job or deletes a finished one's record."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi.responses import JSONResponse
 
 from api import service
-from api.deps import JobsDep, StorageDep
-from api.routers.common import errors
-from api.schemas import JobOut
+from api.deps import JobsDep, SettingsDep, StorageDep
+from api.routers.common import Limit, Offset, errors
+from api.schemas import JobOut, JobPage
 from api.storage import UNFINISHED
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
-@router.get("/{job_id}", response_model=JobOut, responses=errors(401, 404))
-def get_job(job_id: str, storage: StorageDep) -> JobOut:
+
+@router.get("", response_model=JobPage, responses=errors(422))
+def list_jobs(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
+              status: Annotated[Status | None, Query(description="only jobs with this status")] = None
+              ) -> JobPage:
+    """Jobs, newest first."""
+    rows, total = storage.list_jobs(limit, offset, status)
+    return JobPage(items=[service.job_out(j) for j in rows], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=errors(404))
+def get_job(job_id: str, storage: StorageDep, settings: SettingsDep) -> JSONResponse:
+    """A job; while it is unfinished the answer carries Retry-After (when to poll again)."""
     job = storage.get_job(job_id)
     if job is None:
         raise HTTPException(404, detail=f"no job with id {job_id!r}")
-    return service.job_out(job)
+    headers = {"Retry-After": str(settings.poll_after_s)} if job.status in UNFINISHED else {}
+    return JSONResponse(service.job_out(job).model_dump(mode="json"), headers=headers)
 
 
-@router.delete("/{job_id}", response_model=JobOut, responses=errors(401, 404, 409))
-def cancel_job(job_id: str, storage: StorageDep, jobs: JobsDep) -> JobOut:
-    """Cancel a queued or running job (a running solver process is killed)."""
+@router.delete("/{job_id}", response_model=JobOut,
+               responses={204: {"description": "a finished job's record was deleted"}, **errors(404)})
+def delete_job(job_id: str, storage: StorageDep, jobs: JobsDep) -> Response:
+    """Cancel a queued or running job (a running solver process is killed; 200 with the job),
+    or delete the record of a finished one (204; its plan stays)."""
     job = storage.get_job(job_id)
     if job is None:
         raise HTTPException(404, detail=f"no job with id {job_id!r}")
-    if job.status not in UNFINISHED:
-        raise HTTPException(409, detail=f"job {job_id} has already finished ({job.status})")
-    job = jobs.cancel(job_id)
-    assert job is not None
-    return service.job_out(job)
+    if job.status in UNFINISHED:
+        cancelled = jobs.cancel(job_id)  # (if it finished meanwhile: its final state)
+        assert cancelled is not None
+        return JSONResponse(service.job_out(cancelled).model_dump(mode="json"))
+    if not storage.delete_job(job_id):
+        raise HTTPException(404, detail=f"no job with id {job_id!r}")
+    return Response(status_code=204)

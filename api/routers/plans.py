@@ -1,5 +1,9 @@
 """/v1/plans: plan (solved in a worker process; 201 if done within a short wait, else 202 and a
 job to poll), read, list, delete, draw the timeline, export the Chrome trace, and compare methods.
+
+A stored plan never changes, so plans and their pictures carry an `ETag` and
+`Cache-Control: immutable` (`If-None-Match` answers 304). Timelines are drawn by the render pool
+(worker processes), never in the HTTP process, and kept in storage once drawn.
 """
 
 from __future__ import annotations
@@ -8,14 +12,16 @@ import asyncio
 import json
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-from api import service, timeline
-from api.deps import JobsDep, SettingsDep, StorageDep
+from api import service
+from api.body import StrictJSONRoute
+from api.deps import ClientDep, JobsDep, RendersDep, SettingsDep, StorageDep
 from api.jobs import JobManager, Outcome, QueueFull, Task
+from api.pool import RenderPool
 from api.routers.common import Limit, Offset, errors
 from api.schemas import (
     CompareOut,
@@ -29,11 +35,11 @@ from api.schemas import (
 )
 from api.settings import Settings
 from api.storage import PlanRow, Storage
-from planner.formats import Plan
 from planner.solve import METHODS
-from planner.trace import chrome_trace
 
-router = APIRouter(prefix="/v1/plans", tags=["plans"])
+router = APIRouter(prefix="/v1/plans", tags=["plans"], route_class=StrictJSONRoute)
+IMMUTABLE = "private, max-age=31536000, immutable"
+RENDER_VERSION = "2"  # part of a picture's ETag: bump when the drawing changes
 
 ACCEPTED = {202: {"model": JobOut, "description": "still solving: poll the job (Location header)"}}
 
@@ -63,11 +69,12 @@ def _failure(outcome: Outcome) -> HTTPException:
     return HTTPException(code, detail=outcome.error or "the job failed")
 
 
-async def _accepted(storage: Storage, task: Task) -> JSONResponse:
+async def _accepted(storage: Storage, settings: Settings, task: Task) -> JSONResponse:
     job = await run_in_threadpool(storage.get_job, task.job_id)
     assert job is not None
     body = jsonable_encoder(service.job_out(job))
-    return JSONResponse(body, status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+    return JSONResponse(body, status_code=202, headers={
+        "Location": f"/v1/jobs/{job.id}", "Retry-After": str(settings.poll_after_s)})
 
 
 def _plan_row(storage: Storage, plan_id: str) -> PlanRow:
@@ -82,28 +89,34 @@ def _plan_row(storage: Storage, plan_id: str) -> PlanRow:
 
 @router.post("", status_code=201, response_model=PlanOut,
              responses={200: {"model": PlanOut, "description": "the same request was solved before"},
-                        **ACCEPTED, **errors(401, 404, 409, 413, 422, 500, 503, 504)})
+                        **ACCEPTED, **errors(404, 409, 422, 503, 504)})
 async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep,
-                      response: Response) -> Any:
+                      client: ClientDep, response: Response) -> Any:
     """Plan `profile` (or `profile_id`) on `cluster` with `options`. A time limit above the
-    server's cap is clamped and reported in `warnings`."""
+    server's cap is clamped and reported in `warnings`. Every method answers within its
+    `time_limit_s` plus the server's grace (`PIPEPLAN_SOLVE_GRACE_S`): a solve still running then
+    is stopped and its job fails with error_kind "timeout"."""
     def lookup() -> tuple[service.Prepared, PlanRow | None]:
-        prep = service.prepare(storage, settings, req)
-        return prep, storage.get_plan_by_key(prep.key)
+        prep = service.prepare(storage, settings, req, client)
+        row = storage.get_plan_by_key(prep.key)
+        if row is None:  # a new plan will be stored for this client: refuse if it is at its quota
+            service.check_quota(storage, settings, client, 1)
+        return prep, row
 
     prep, cached = await run_in_threadpool(lookup)
     if cached is not None:
         response.status_code = 200
+        response.headers["Location"] = f"/v1/plans/{cached.id}"
         return service.plan_out(cached, True, prep.warnings)
     task = await _submit(
         jobs, settings, kind="plan", key=prep.key, profile_id=prep.profile_row.id,
         request=service.job_request(prep), payload=service.task_payload(prep, "plan"),
         deadline_s=prep.options.time_limit_s + settings.solve_grace_s,
-        on_result=service.plan_handler(storage, prep),
+        on_result=service.plan_handler(storage, prep, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)
     if outcome is None:
-        return await _accepted(storage, task)
+        return await _accepted(storage, settings, task)
     if outcome.status != "succeeded" or outcome.plan_id is None:
         raise _failure(outcome)
     row = await run_in_threadpool(_plan_row, storage, outcome.plan_id)
@@ -112,16 +125,18 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
 
 
 @router.post("/compare", response_model=CompareOut,
-             responses={**ACCEPTED, **errors(401, 404, 409, 413, 422, 500, 503, 504)})
-async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep) -> Any:
+             responses={**ACCEPTED, **errors(404, 409, 422, 503, 504)})
+async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep,
+                  client: ClientDep) -> Any:
     """The same profile and cluster under several methods, one row each (plans are stored and
-    cached like single plans; `plan_id` links each row to its plan)."""
+    cached like single plans; `plan_id` links each row to its plan). Each method has its own
+    time budget (`time_limit_s` + grace); one that runs over gets an error row."""
     methods = req.methods or [m for m in METHODS if m != "manual"]
     methods = list(dict.fromkeys(methods))
     if len(methods) > settings.max_compare_methods:
         raise service.limit_error(["body", "methods"], f"{len(methods)} methods; at most "
                                   f"{settings.max_compare_methods} per comparison")
-    base = await run_in_threadpool(service.prepare, storage, settings, req)
+    base = await run_in_threadpool(service.prepare, storage, settings, req, client)
     done: dict[str, CompareRow] = {}
     missing = []
     for method in methods:
@@ -139,18 +154,18 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
     task = await _submit(
         jobs, settings, kind="compare", key=key, profile_id=base.profile_row.id,
         request=service.job_request(base, methods), payload=service.task_payload(base, "compare", missing),
-        deadline_s=len(missing) * (base.options.time_limit_s + settings.solve_grace_s),
-        on_result=service.compare_handler(storage, base, methods, done),
+        deadline_s=base.options.time_limit_s + settings.solve_grace_s,
+        on_result=service.compare_handler(storage, base, methods, done, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)
     if outcome is None:
-        return await _accepted(storage, task)
+        return await _accepted(storage, settings, task)
     if outcome.status != "succeeded":
         raise _failure(outcome)
     return outcome.result
 
 
-@router.get("", response_model=PlanPage, responses=errors(401, 422))
+@router.get("", response_model=PlanPage, responses=errors(422))
 def list_plans(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
                profile_id: str | None = None) -> PlanPage:
     """Stored plans, oldest first; `profile_id` keeps only that profile's plans."""
@@ -160,55 +175,101 @@ def list_plans(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
     return PlanPage(items=items, total=total, limit=limit, offset=offset)
 
 
-@router.get("/{plan_id}", response_model=PlanOut, responses=errors(401, 404))
-def get_plan(plan_id: str, storage: StorageDep) -> PlanOut:
-    return service.plan_out(_plan_row(storage, plan_id), True, [])
+@router.api_route("/compare", methods=["GET", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD", "TRACE"],
+                  include_in_schema=False)
+def compare_wrong_method() -> None:
+    """/v1/plans/compare only takes POST (not a plan id)."""
+    raise HTTPException(405, detail="/v1/plans/compare takes POST only", headers={"Allow": "POST"})
 
 
-@router.delete("/{plan_id}", status_code=204, responses=errors(401, 404))
+compare_wrong_method.refuses_method = True  # type: ignore[attr-defined]
+
+
+def _etag_match(request: Request, etag: str) -> bool:
+    given = request.headers.get("if-none-match", "")
+    return given.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in given.split(",")]
+
+
+def _not_modified(etag: str) -> Response:
+    return Response(status_code=304, headers={"ETag": etag, "Cache-Control": IMMUTABLE})
+
+
+@router.get("/{plan_id}", response_model=PlanOut,
+            responses={304: {"description": "If-None-Match matched: not modified"}, **errors(404)})
+def get_plan(plan_id: str, storage: StorageDep, request: Request) -> Response:
+    """A stored plan (ETag; a plan never changes once stored)."""
+    etag = f'"plan-{plan_id}"'
+    if _etag_match(request, etag) and storage.plan_exists(plan_id):
+        return _not_modified(etag)
+    out = service.plan_out(_plan_row(storage, plan_id), True, [])
+    return JSONResponse(out.model_dump(mode="json"), headers={"ETag": etag, "Cache-Control": IMMUTABLE})
+
+
+@router.delete("/{plan_id}", status_code=204, response_class=Response, responses=errors(404))
 def delete_plan(plan_id: str, storage: StorageDep) -> Response:
     if not storage.delete_plan(plan_id):
         raise HTTPException(404, detail=f"no plan with id {plan_id!r}")
     return Response(status_code=204)
 
 
-def _render(storage: Storage, settings: Settings, plan_id: str, kind: str) -> bytes:
-    cached = storage.get_render(plan_id, kind)
+MEDIA = {"svg": "image/svg+xml", "png": "image/png", "trace": "application/json"}
+
+
+async def _render(request: Request, storage: Storage, settings: Settings, renders: RenderPool,
+                  plan_id: str, kind: str) -> Response:
+    """A picture (or trace) of the plan: from storage, else drawn by the render pool."""
+    etag = f'"{kind}-{plan_id}-{RENDER_VERSION}"'
+    headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
+    cached = await run_in_threadpool(storage.get_render, plan_id, kind)
     if cached is not None:
-        return cached
-    row = _plan_row(storage, plan_id)
-    plan = Plan.model_validate(row.body)
+        if _etag_match(request, etag):
+            return _not_modified(etag)
+        return Response(cached, media_type=MEDIA[kind], headers=headers)
+    row = await run_in_threadpool(_plan_row, storage, plan_id)
     limit = settings.trace_max_events if kind == "trace" else settings.timeline_max_events
+    payload = {"kind": "render", "plan": row.body, "format": kind, "max_events": limit,
+               "title": f"{row.method} plan {row.id[:8]}: "}
     try:
-        sim = timeline.simulate_plan(plan, limit)
-    except timeline.TooLarge as exc:
-        raise HTTPException(422, detail=str(exc)) from None
-    if kind == "trace":
-        body = json.dumps(chrome_trace(sim)).encode()
-    else:
-        body = timeline.render(sim, kind, title=f"{row.method} plan {row.id[:8]}: ")
-    storage.put_render(plan_id, kind, body)
-    return body
+        future = renders.submit(f"{plan_id}:{kind}", payload)
+    except QueueFull as exc:
+        raise HTTPException(503, detail=f"every render worker is busy and the queue is full ({exc}); "
+                            "retry later", headers={"Retry-After": str(settings.retry_after_s)}) from None
+    status, value = await asyncio.wrap_future(future)
+    if status == "user":
+        raise HTTPException(422, detail=str(value))
+    if status != "ok":
+        raise HTTPException(500, detail=f"drawing the timeline failed: {status}: {value}")
+    await run_in_threadpool(storage.put_render, plan_id, kind, value)
+    if _etag_match(request, etag):
+        return _not_modified(etag)
+    return Response(value, media_type=MEDIA[kind], headers=headers)
 
 
-IMAGE = {200: {"content": {"image/svg+xml": {}, "image/png": {}}, "description": "the Gantt chart"}}
+IMAGE = {200: {"content": {"image/svg+xml": {}, "image/png": {}}, "description": "the Gantt chart"},
+         304: {"description": "If-None-Match matched: not modified"}}
 
 
 @router.get("/{plan_id}/timeline.svg", response_class=Response,
-            responses={**IMAGE, **errors(401, 404, 422)})
-def timeline_svg(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Response:
+            responses={**IMAGE, **errors(404, 422, 503)})
+async def timeline_svg(plan_id: str, request: Request, storage: StorageDep, settings: SettingsDep,
+                       renders: RendersDep) -> Response:
     """Gantt chart of the simulated schedule: one row per rank, forward/backward coloured,
-    idle time (bubbles) shaded."""
-    return Response(_render(storage, settings, plan_id, "svg"), media_type="image/svg+xml")
+    idle time (bubbles) shaded; large schedules aggregated per pixel."""
+    return await _render(request, storage, settings, renders, plan_id, "svg")
 
 
 @router.get("/{plan_id}/timeline.png", response_class=Response,
-            responses={**IMAGE, **errors(401, 404, 422)})
-def timeline_png(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Response:
-    return Response(_render(storage, settings, plan_id, "png"), media_type="image/png")
+            responses={**IMAGE, **errors(404, 422, 503)})
+async def timeline_png(plan_id: str, request: Request, storage: StorageDep, settings: SettingsDep,
+                       renders: RendersDep) -> Response:
+    return await _render(request, storage, settings, renders, plan_id, "png")
 
 
-@router.get("/{plan_id}/trace.json", responses=errors(401, 404, 422))
-def trace(plan_id: str, storage: StorageDep, settings: SettingsDep) -> Response:
+@router.get("/{plan_id}/trace.json", response_class=Response,
+            responses={200: {"content": {"application/json": {}}, "description": "Chrome trace"},
+                       304: {"description": "If-None-Match matched: not modified"},
+                       **errors(404, 422, 503)})
+async def trace(plan_id: str, request: Request, storage: StorageDep, settings: SettingsDep,
+                renders: RendersDep) -> Response:
     """The Chrome trace (chrome://tracing, Perfetto) of the simulated schedule."""
-    return Response(_render(storage, settings, plan_id, "trace"), media_type="application/json")
+    return await _render(request, storage, settings, renders, plan_id, "trace")

@@ -20,6 +20,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="solver processes running at once (default 2; PIPEPLAN_WORKERS)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-format", default=None, choices=["json", "text"],
+                   help="log lines as JSON with the request id (default) or plain text (PIPEPLAN_LOG_JSON)")
     p.set_defaults(func=run)
 
 
@@ -28,18 +30,22 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from api.app import create_app
+    from api.observe import log_config
     from api.settings import Settings
     from planner.errors import PipeplanError
     from planner.io import describe_validation_error
 
     given = {k: getattr(args, k) for k in ("host", "port", "db", "workers") if getattr(args, k) is not None}
+    if getattr(args, "log_format", None) is not None:
+        given["log_json"] = args.log_format == "json"
     try:
         settings = Settings(**given)
     except ValidationError as exc:
         raise PipeplanError(f"bad server settings:\n{describe_validation_error(exc)}") from None
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
-        print(f"warning: serving on {settings.host} without an API key; set PIPEPLAN_API_KEY")
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.keyed:
+        print(f"warning: serving on {settings.host} without an API key; set PIPEPLAN_API_KEY(S)")
     print(f"pipeplan API on http://{settings.host}:{settings.port}  (docs: /docs, database: {settings.db})")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
+                log_config=log_config(args.log_level, settings.log_json), access_log=False,
                 timeout_graceful_shutdown=5)
     return 0

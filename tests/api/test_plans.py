@@ -165,7 +165,9 @@ def test_slow_request_becomes_a_job(tmp_path) -> None:
         assert done["status"] == "succeeded" and done["error"] is None
         plan = c.get(f"/v1/plans/{done['plan_id']}").json()["plan"]
         assert without_wall(plan) == without_wall(direct(body))
-        assert c.delete(f"/v1/jobs/{job['id']}").status_code == 409  # already finished
+        assert c.delete(f"/v1/jobs/{job['id']}").status_code == 204  # finished: record deleted
+        assert c.get(f"/v1/jobs/{job['id']}").status_code == 404
+        assert c.get(f"/v1/plans/{done['plan_id']}").status_code == 200  # its plan stays
         assert c.get("/v1/jobs/nope").status_code == 404
         assert c.delete("/v1/jobs/nope").status_code == 404
 

@@ -103,6 +103,24 @@ def test_api_key(tmp_path) -> None:
         assert basic.status_code == 401
         ok = c.get("/v1/profiles", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
-        assert c.get("/openapi.json").status_code == c.get("/docs").status_code == 401
-        schema = c.get("/openapi.json", headers={"Authorization": "Bearer s3cret"})
+        # the docs page and the schema open in a browser without the key (they hold no data);
+        # the schema says which routes need it
+        schema = c.get("/openapi.json")
         assert schema.status_code == 200 and "/v1/plans" in schema.json()["paths"]
+        op = schema.json()["paths"]["/v1/profiles"]["get"]
+        assert op["security"] == [{"HTTPBearer": []}] and "401" in op["responses"]
+        assert "security" not in schema.json()["paths"]["/healthz"]["get"]
+        assert c.get("/docs").status_code == 200
+
+
+def test_several_api_keys_each_a_client(tmp_path) -> None:
+    with TestClient(create_app(make_settings(tmp_path, api_keys="alice:k-a,bob:k-b",
+                                             quota_requests_per_minute=3))) as c:
+        alice = {"Authorization": "Bearer k-a"}
+        bob = {"Authorization": "Bearer k-b"}
+        assert [c.get("/v1/profiles", headers=alice).status_code for _ in range(3)] == [200] * 3
+        over = c.get("/v1/profiles", headers=alice)  # alice's 4th request within the minute
+        assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
+        assert "alice" in over.json()["detail"] and over.json()["request_id"]
+        assert c.get("/v1/profiles", headers=bob).status_code == 200  # bob has his own quota
+        assert c.get("/v1/profiles", headers={"Authorization": "Bearer k-c"}).status_code == 401

@@ -1,0 +1,140 @@
+"""Request bodies read strictly, cheapest checks first.
+
+FastAPI on its own decodes a body with `json.loads` (which accepts `NaN`, `Infinity` and any
+depth, and answers a non-UTF-8 body with an undocumented 400) and validates it in pydantic's lax
+mode (`true` is accepted as the integer 1). `StrictJSONRoute` reads every JSON body first:
+
+1. UTF-8, JSON without `NaN`/`Infinity`, at most `MAX_DEPTH` levels of nesting, no NUL
+   character in any string (each a 422 `json_invalid` naming the problem);
+2. size limits that cost nothing to check on the raw document (number of layers, number of
+   devices of a cluster: `nodes: 1e9` is refused before anything proportional to it is built);
+3. pydantic in strict mode (no booleans for numbers, no strings for numbers).
+
+Then FastAPI validates the same (already parsed) document as usual.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import TypeAdapter, ValidationError
+
+MAX_DEPTH = 32  # a profile is 4 levels deep; extra fields may nest, but not without bound
+
+Loc = tuple[str | int, ...]
+
+
+def invalid(loc: Loc, msg: str, kind: str = "json_invalid") -> RequestValidationError:
+    return RequestValidationError([{"type": kind, "loc": loc, "msg": msg}])
+
+
+def _constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows; send finite numbers only")
+
+
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "must not contain the NUL character (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (a lone surrogate such as \\ud800 is not)"
+    return None
+
+
+def depth_and_nul(doc: Any, max_depth: int = MAX_DEPTH) -> tuple[Loc, str] | None:
+    """The first place where `doc` nests deeper than `max_depth` or a string (or key) holds a NUL
+    character or a lone surrogate, with the reason; None if none. Iterative, so any depth is safe
+    to check."""
+    stack: list[tuple[Any, Loc]] = [(doc, ("body",))]
+    while stack:
+        obj, loc = stack.pop()
+        if isinstance(obj, str):
+            bad = _bad_text(obj)
+            if bad:
+                return loc, f"strings {bad}"
+            continue
+        if isinstance(obj, dict):
+            items: Any = obj.items()
+        elif isinstance(obj, list):
+            items = enumerate(obj)
+        else:
+            continue
+        if len(loc) > max_depth:
+            return loc, f"JSON nested deeper than {max_depth} levels"
+        for k, v in items:
+            bad = _bad_text(k) if isinstance(k, str) else None
+            if bad:
+                return loc, f"keys {bad}"
+            stack.append((v, (*loc, k)))
+    return None
+
+
+def parse(raw: bytes) -> Any:
+    """JSON from `raw`, or a RequestValidationError (422) that says what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(("body",), f"the body is not UTF-8 text (byte {exc.start}); send JSON "
+                      "encoded as UTF-8") from None
+    try:
+        doc = json.loads(text, parse_constant=_constant)
+    except json.JSONDecodeError as exc:
+        raise invalid(("body", exc.pos), f"JSON decode error: {exc.msg} (line {exc.lineno}, "
+                      f"column {exc.colno})") from None
+    except ValueError as exc:  # NaN, Infinity, -Infinity
+        raise invalid(("body",), str(exc)) from None
+    except RecursionError:
+        raise invalid(("body",), f"JSON nested deeper than {MAX_DEPTH} levels") from None
+    bad = depth_and_nul(doc)
+    if bad is not None:
+        raise invalid(*bad)
+    return doc
+
+
+def _is_json(request: Request) -> bool:
+    """Whether FastAPI would decode this body as JSON (no content type, or application/*json)."""
+    ctype = request.headers.get("content-type")
+    if not ctype:
+        return True
+    main = ctype.split(";", 1)[0].strip().lower()
+    return main.startswith("application/") and (main == "application/json" or main.endswith("+json"))
+
+
+Precheck = Callable[[Request, Any], None]
+
+
+class StrictJSONRoute(APIRoute):
+    """An APIRoute whose JSON body is parsed by `parse`, checked by the app's cheap prechecks
+    (`app.state.prechecks`: body type -> function(request, raw document)) and validated
+    strictly before FastAPI's own (lax) validation."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        field = self.body_field
+        if field is None:
+            return handler
+        body_type = field.field_info.annotation
+        adapter: TypeAdapter[Any] = TypeAdapter(body_type)
+
+        async def strict_handler(request: Request) -> Response:
+            raw = await request.body()
+            if raw and _is_json(request):
+                doc = parse(raw)
+                check = getattr(request.app.state, "prechecks", {}).get(body_type)
+                if check is not None:
+                    check(request, doc)
+                try:
+                    adapter.validate_python(doc, strict=True)
+                except ValidationError as exc:
+                    raise RequestValidationError(
+                        [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+                request._json = doc  # FastAPI reads it from here instead of parsing again
+            return await handler(request)
+
+        return strict_handler

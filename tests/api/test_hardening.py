@@ -1,0 +1,141 @@
+"""Hostile and malformed requests against a real server on 127.0.0.1: each is a 4xx JSON error
+(with the request id) in well under a second, and the server's memory does not grow with them."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.api.conftest import cluster_doc, plan_body, profile_doc
+from tests.api.server import Server
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def nested(depth: int) -> object:
+    doc: object = 1
+    for _ in range(depth):
+        doc = {"x": doc}
+    return doc
+
+
+def huge_profile_bytes(n_layers: int) -> bytes:
+    """A profile of n layers, written as JSON text directly (quick to make)."""
+    layer = '{"name":"l%d","fwd_ms":1,"bwd_ms":2,"param_bytes":1,"activation_bytes":1,"output_bytes":1}'
+    layers = ",".join(layer % i for i in range(n_layers))
+    return ('{"model":{"path":"m.py","sha256":"0"},"device":{"type":"cpu","name":"x"},'
+            f'"batch_size":8,"layers":[{layers}]}}').encode()
+
+
+def bad_requests() -> list[tuple[str, str, bytes, str]]:
+    """(name, path, body, what the error must mention)."""
+    plan = plan_body("blocks")
+    out = []
+    for nodes in (10**9, 10**6):
+        body = {**plan, "cluster": {**cluster_doc(), "nodes": nodes}}
+        out.append((f"nodes={nodes}", "/v1/plans", json.dumps(body).encode(), "devices"))
+    listed = {**plan, "cluster": {"nodes": [{"name": f"n{i}", "devices": 8, "device_memory_gb": 1}
+                                            for i in range(20_000)],
+                                  "intra_node_gb_per_s": 1, "inter_node_gb_per_s": 1}}
+    out.append(("20k listed nodes", "/v1/plans", json.dumps(listed).encode(), "devices"))
+    text = json.dumps(plan)
+    out.append(("NaN time limit", "/v1/plans", text.replace('"time_limit_s": 2.0', '"time_limit_s": NaN').encode(), "NaN"))
+    out.append(("-Infinity fwd_ms", "/v1/plans", text.replace('"fwd_ms": 1.0', '"fwd_ms": -Infinity', 1).encode(), "Infinity"))
+    out.append(("NaN memory", "/v1/profiles", json.dumps(profile_doc()).replace('"activation_bytes": 200000', '"activation_bytes": NaN', 1).encode(), "NaN"))
+    out.append(("1e400 (inf once parsed)", "/v1/profiles", json.dumps(profile_doc()).replace('"fwd_ms": 1.0', '"fwd_ms": 1e400', 1).encode(), "finite"))
+    deep = {**profile_doc(), "notes": nested(300)}
+    out.append(("300-deep extra field", "/v1/profiles", json.dumps(deep).encode(), "deeper"))
+    out.append(("50k layers", "/v1/profiles", huge_profile_bytes(50_000), "50000 layers"))
+    out.append(("not UTF-8", "/v1/profiles", b'{"model": "\xff\xfe"}', "UTF-8"))
+    nul = profile_doc()
+    nul["model"]["path"] = "model\x00.py"
+    out.append(("NUL in model.path", "/v1/profiles", json.dumps(nul).encode(), "NUL"))
+    out.append(("lone surrogate", "/v1/profiles", json.dumps(profile_doc()).replace("tiny.py", "\\ud800.py").encode(), "surrogate"))
+    many = plan_body("cpsat")
+    many["options"]["microbatch_sizes"] = [1] * 5000
+    out.append(("5000 microbatch sizes", "/v1/plans", json.dumps(many).encode(), "microbatch sizes"))
+    boolean = plan_body("blocks")
+    boolean["options"]["global_batch"] = True
+    out.append(("true as an integer", "/v1/plans", json.dumps(boolean).encode(), "integer"))
+    extra = {**profile_doc(), "blob": "x" * 200_000}
+    out.append(("200 kB of extra fields", "/v1/profiles", json.dumps(extra).encode(), "does not define"))
+    return out
+
+
+def test_bad_inputs_are_quick_4xx_and_do_not_grow_memory(tmp_path: Path) -> None:
+    with Server(tmp_path / "pipeplan.db") as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        assert server.proc is not None
+        http.post("/v1/profiles", json=profile_doc())  # warm up the code paths once
+        before = rss_bytes(server.proc.pid)
+        for _ in range(2):
+            for name, path, body, needle in bad_requests():
+                t0 = time.monotonic()
+                r = http.post(path, content=body, headers={"content-type": "application/json",
+                                                           "x-request-id": f"bad-{name[:5]}".replace(" ", "-")})
+                elapsed = time.monotonic() - t0
+                assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
+                assert elapsed < 1.0, (name, elapsed)
+                assert r.headers["content-type"] == "application/json", name
+                err = r.json()
+                assert err["request_id"] == r.headers["x-request-id"], name
+                assert needle in json.dumps(err), (name, err)
+        grown = rss_bytes(server.proc.pid) - before
+        assert grown < 50e6, f"server RSS grew by {grown / 1e6:.0f} MB"
+        assert http.get("/healthz").status_code == 200
+
+
+def test_400s_are_documented_422s_and_errors_have_one_shape(client: TestClient) -> None:
+    r = client.post("/v1/profiles", content=b"\xff", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
+    r = client.get("/v1/plans/nope", headers={"X-Request-ID": "my-id-1"})
+    assert r.status_code == 404 and r.json() == {"detail": "no plan with id 'nope'", "request_id": "my-id-1"}
+    assert r.headers["x-request-id"] == "my-id-1"
+    generated = client.get("/v1/plans/nope", headers={"X-Request-ID": "bad id with spaces"})
+    assert generated.headers["x-request-id"] != "bad id with spaces"
+    assert len(generated.json()["request_id"]) == 32
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("put", "/v1/plans/x", "DELETE, GET"),
+    ("get", "/v1/plans/compare", "POST"),
+    ("delete", "/v1/plans/compare", "POST"),
+    ("post", "/healthz", "GET, HEAD"),
+    ("patch", "/v1/profiles", "GET, POST"),
+])
+def test_405_lists_every_allowed_method(client: TestClient, method: str, path: str, allow: str) -> None:
+    r = client.request(method, path)
+    assert r.status_code == 405 and r.headers["allow"] == allow
+    assert r.json()["request_id"]
+
+
+def test_head_healthz(client: TestClient) -> None:
+    r = client.head("/healthz")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_500_is_json_with_the_request_id(tmp_path: Path) -> None:
+    from api.app import create_app
+    from api.deps import get_storage
+    from tests.api.conftest import make_settings
+
+    app = create_app(make_settings(tmp_path))
+
+    def broken() -> None:
+        raise RuntimeError("disk on fire")
+
+    app.dependency_overrides[get_storage] = broken
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.get("/v1/profiles", headers={"X-Request-ID": "boom-1"})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["request_id"] == "boom-1" and "RuntimeError" in r.json()["detail"]
+    assert "disk on fire" not in r.text  # internals stay in the log

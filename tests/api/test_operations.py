@@ -1,0 +1,185 @@
+"""What an operator and a client of a well-run service expect (TestClient unless said):
+caching headers, gzip, CORS, Prometheus metrics, probes, the job list, deleting profiles and
+jobs, retention, quotas on stored bytes, limits on extra fields, a cache that forgets plans of
+another planner version, and /docs served without a CDN."""
+
+from __future__ import annotations
+
+import gzip
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from api import service
+from api.app import create_app
+from api.storage import Storage
+from tests.api.conftest import make_settings, plan_body, profile_doc, wait_job
+
+
+def test_plan_and_picture_caching_headers(client: TestClient) -> None:
+    out = client.post("/v1/plans", json=plan_body("blocks"))
+    cached = client.post("/v1/plans", json=plan_body("blocks"))
+    assert cached.status_code == 200 and cached.headers["location"] == f"/v1/plans/{out.json()['id']}"
+    url = out.headers["location"]
+    first = client.get(url)
+    etag = first.headers["etag"]
+    assert "immutable" in first.headers["cache-control"]
+    again = client.get(url, headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b""
+    png = client.get(f"{url}/timeline.png")
+    assert png.status_code == 200 and png.headers["etag"] != etag
+    assert client.get(f"{url}/timeline.png", headers={"If-None-Match": png.headers["etag"]}).status_code == 304
+    assert client.get(f"{url}/timeline.png", headers={"If-None-Match": '"other"'}).status_code == 200
+
+
+def test_gzip_and_cors(tmp_path: Path) -> None:
+    with TestClient(create_app(make_settings(tmp_path, cors_origins="https://ui.example"))) as c:
+        out = c.post("/v1/plans", json=plan_body("blocks")).json()
+        r = c.get(f"/v1/plans/{out['id']}", headers={"Accept-Encoding": "gzip"})
+        assert r.headers["content-encoding"] == "gzip"
+        raw = c.get(f"/v1/plans/{out['id']}", headers={"Accept-Encoding": "identity"})
+        assert "content-encoding" not in raw.headers and len(raw.content) > 1024
+        pre = c.options("/v1/plans", headers={"Origin": "https://ui.example",
+                                             "Access-Control-Request-Method": "POST"})
+        assert pre.headers["access-control-allow-origin"] == "https://ui.example"
+        other = c.get("/healthz", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+    assert gzip.decompress(gzip.compress(b"x")) == b"x"
+
+
+def test_metrics_and_probes(client: TestClient) -> None:
+    client.post("/v1/plans", json=plan_body("blocks"))
+    client.get("/v1/plans/nope")
+    text = client.get("/metrics").text
+    assert re.search(r'pipeplan_http_requests_total\{route="/v1/plans/\{plan_id\}",method="GET",status="404"\} 1', text)
+    assert 'pipeplan_http_request_duration_seconds_bucket{route="/v1/plans",method="POST",le="+Inf"} 1' in text
+    assert re.search(r'pipeplan_solve_duration_seconds_count\{kind="plan",method="blocks",outcome="ok"\} 1', text)
+    assert "pipeplan_jobs_queued 0" in text and "pipeplan_solver_workers 2" in text
+    assert client.get("/livez").status_code == 200
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["database"] and ready.json()["workers"]
+    version = client.get("/version").json()
+    assert version["planner"] == service.planner_version() and version["planner"].startswith(version["pipeplan"])
+
+
+def test_readyz_fails_when_the_database_is_read_only(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path)
+    with TestClient(create_app(settings)) as c:
+        storage = c.app.state.storage
+        storage.writable = lambda: (_ for _ in ()).throw(OSError("read-only file system"))
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["database"] is False
+        assert "read-only" in r.json()["detail"]
+
+
+def test_job_list_newest_first_with_status_filter(tmp_path: Path) -> None:
+    with TestClient(create_app(make_settings(tmp_path, sync_wait_s=0.0))) as c:
+        ids = []
+        for gb in (16, 32, 64):
+            r = c.post("/v1/plans", json=plan_body("blocks", global_batch=gb))
+            assert r.status_code == 202 and r.headers["retry-after"] == "1"
+            ids.append(r.json()["id"])
+            wait_job(c, ids[-1])
+        bad = c.post("/v1/plans", json=plan_body("blocks", cluster={**plan_body()["cluster"], "device_memory_gb": 0.01}))
+        wait_job(c, bad.json()["id"])
+        page = c.get("/v1/jobs").json()
+        assert [j["id"] for j in page["items"]] == [bad.json()["id"], *ids[::-1]] and page["total"] == 4
+        ok = c.get("/v1/jobs", params={"status": "succeeded", "limit": 2}).json()
+        assert [j["id"] for j in ok["items"]] == ids[::-1][:2] and ok["total"] == 3
+        assert c.get("/v1/jobs", params={"status": "failed"}).json()["items"][0]["error_kind"] == "user"
+        assert c.get("/v1/jobs", params={"status": "bogus"}).status_code == 422
+
+
+def test_delete_profile_takes_its_plans(client: TestClient) -> None:
+    out = client.post("/v1/plans", json=plan_body("blocks")).json()
+    client.get(f"/v1/plans/{out['id']}/timeline.svg")
+    assert client.delete(f"/v1/profiles/{out['profile_id']}").status_code == 204
+    assert client.get(f"/v1/profiles/{out['profile_id']}").status_code == 404
+    assert client.get(f"/v1/plans/{out['id']}").status_code == 404
+    assert client.get(f"/v1/plans/{out['id']}/timeline.svg").status_code == 404
+    assert client.delete(f"/v1/profiles/{out['profile_id']}").status_code == 404
+
+
+def test_retention_of_jobs_and_renders(tmp_path: Path) -> None:
+    s = Storage(str(tmp_path / "db.sqlite"))
+    profile, _ = s.put_profile("sha", "m.py", 1, {})
+    plan = s.put_plan("k", profile.id, "blocks", {"predicted": {"iteration_ms": 1.0}}, {})
+    jobs = [s.create_job("plan", f"k{i}", profile.id, {}) for i in range(5)]
+    for job in jobs[:4]:
+        s.finish_job(job.id, "succeeded", plan_id=plan.id)
+    for kind in ("svg", "png", "trace"):
+        s.put_render(plan.id, kind, b"x")
+    later = datetime.now(UTC) + timedelta(days=2)
+    assert s.prune(keep_jobs=2, keep_jobs_s=0, keep_renders=0, keep_renders_s=0) == {"jobs": 2, "renders": 0}
+    assert s.list_jobs(10, 0)[1] == 3  # 2 finished kept, the unfinished one never pruned
+    assert s.prune(0, 86_400, 2, 0) == {"jobs": 0, "renders": 1}
+    assert s.prune(0, 86_400, 0, 86_400, at=later) == {"jobs": 2, "renders": 2}
+    assert [j.id for j in s.list_jobs(10, 0)[0]] == [jobs[4].id]
+
+
+def test_extra_fields_are_bounded(tmp_path: Path) -> None:
+    with TestClient(create_app(make_settings(tmp_path, max_extra_bytes=1000))) as c:
+        small = {**profile_doc(), "notes": "x" * 500}
+        assert c.post("/v1/profiles", json=small).status_code == 201
+        big = profile_doc()
+        for layer in big["layers"]:
+            layer["comment"] = "y" * 200  # 8 layers x ~210 bytes
+        r = c.post("/v1/profiles", json=big)
+        assert r.status_code == 422 and "PIPEPLAN_MAX_EXTRA_BYTES" in r.text
+
+
+def test_stored_bytes_quota_per_client(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path, api_keys="alice:k-a,bob:k-b", quota_stored_bytes=6_000)
+    with TestClient(create_app(settings)) as c:
+        alice, bob = {"Authorization": "Bearer k-a"}, {"Authorization": "Bearer k-b"}
+        assert c.post("/v1/profiles", json=profile_doc(n_layers=8), headers=alice).status_code == 201
+        over = c.post("/v1/profiles", json=profile_doc(n_layers=20), headers=alice)
+        assert over.status_code == 413 and "alice" in over.json()["detail"]
+        assert c.post("/v1/profiles", json=profile_doc(n_layers=20), headers=bob).status_code == 201
+        first = c.get("/v1/profiles", headers=alice).json()["items"][0]["id"]
+        assert c.delete(f"/v1/profiles/{first}", headers=alice).status_code == 204
+        assert c.post("/v1/profiles", json=profile_doc(n_layers=12), headers=alice).status_code == 201
+
+
+def test_cache_key_holds_the_planner_version(client: TestClient, monkeypatch) -> None:
+    first = client.post("/v1/plans", json=plan_body("blocks")).json()
+    assert client.post("/v1/plans", json=plan_body("blocks")).json()["id"] == first["id"]
+    monkeypatch.setattr(service, "planner_version", lambda: "9.9.9+upgraded")
+    after = client.post("/v1/plans", json=plan_body("blocks"))
+    assert after.status_code == 201 and after.json()["id"] != first["id"]
+
+
+def test_no_security_in_the_schema_without_keys(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    ops = [op for item in schema["paths"].values() for op in item.values()]
+    assert not any("security" in op or "401" in op["responses"] for op in ops)
+    cluster = schema["components"]["schemas"]["Cluster"]
+    uniform = next(f for f in cluster["oneOf"] if f["title"] == "uniform")
+    assert set(uniform["required"]) == {"nodes", "devices_per_node", "device_memory_gb"}
+    assert all("500" in op["responses"] for op in ops)
+
+
+def test_docs_are_served_without_a_cdn(client: TestClient) -> None:
+    page = client.get("/docs").text
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page) + re.findall(r"url: '([^']+)'", page)
+    assert sources and all(s.startswith("/") for s in sources), sources  # nothing from another host
+    for asset in re.findall(r"(/docs/assets/[\w.-]+)", page):
+        r = client.get(asset)
+        assert r.status_code == 200 and len(r.content) > 500, asset
+    assert "/docs/assets/swagger-ui-bundle.js" in page
+
+
+def test_access_log_lines_are_json_with_the_request_id(client: TestClient, caplog) -> None:
+    import json
+    import logging
+
+    from api.observe import JsonFormatter
+
+    with caplog.at_level(logging.INFO, logger="api.access"):
+        client.get("/v1/plans/nope", headers={"X-Request-ID": "log-me"})
+    [record] = [r for r in caplog.records if r.name == "api.access"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "log-me" and line["status"] == 404
+    assert line["route"] == "/v1/plans/{plan_id}" and line["level"] == "info"
