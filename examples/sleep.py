@@ -10,7 +10,12 @@ import time
 import torch
 from torch import nn
 
-F_MS = float(os.environ.get("PIPEPLAN_SLEEP_MS", "10"))
+
+def f_ms() -> float:
+    """F, read when the layer runs (a process that loaded this file earlier may change it)."""
+    return float(os.environ.get("PIPEPLAN_SLEEP_MS", "10"))
+
+
 BLOCKS = int(os.environ.get("PIPEPLAN_SLEEP_BLOCKS", "4"))
 DIM = int(os.environ.get("PIPEPLAN_SLEEP_DIM", "16"))
 
@@ -20,12 +25,12 @@ class Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):  # noqa: ANN001, ANN205
-        time.sleep(F_MS / 1e3)
+        time.sleep(f_ms() / 1e3)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        time.sleep(2 * F_MS / 1e3)
+        time.sleep(2 * f_ms() / 1e3)
         return grad
 
 
