@@ -30,7 +30,7 @@ from api import worker
 log = logging.getLogger(__name__)
 
 # imported once in the forkserver, inherited by every worker
-PRELOAD = ["api.worker", "planner.solve", "planner.cpsat", "api.timeline"]
+PRELOAD = ["api.worker", "planner.solve", "planner.search", "planner.cpsat", "api.timeline"]
 TASKS_PER_PROCESS = 500  # then a fresh process, to bound any memory growth
 
 

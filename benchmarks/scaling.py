@@ -30,8 +30,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks.cpsat_targets import chain_profile  # noqa: E402
 from planner.build import evaluate  # noqa: E402
 from planner.cost import layer_table, lower_bound_ms  # noqa: E402
-from planner.cpsat import solve_detailed  # noqa: E402
 from planner.formats import Cluster, PlanOptions  # noqa: E402
+from planner.search import solve_detailed  # noqa: E402
 from planner.solve import METHODS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 if method == "cpsat":
-                    cand, _ = solve_detailed(profile, cluster, options, gap_limit=0.01)
+                    cand, _ = solve_detailed(profile, cluster, options)
                     row["cpsat_gap"] = cand.solver.get("gap")
                     row["cpsat_bound_ms"] = cand.solver.get("bound")
                     row["cpsat_status"] = cand.solver.get("status")

@@ -4,6 +4,7 @@ model's per-stage numbers, the schedule every rank executes, and the simulator's
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost import (
@@ -17,6 +18,7 @@ from planner.cost import (
 from planner.errors import PipeplanError
 from planner.formats import (
     Cluster,
+    Device,
     Plan,
     PlanOptions,
     PlanStage,
@@ -69,11 +71,12 @@ class Evaluation:
                                             strict=True))
 
 
-def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options: PlanOptions
-             ) -> Evaluation:
-    """Cost model + schedule + simulation for one candidate (what every method is judged by)."""
+def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options: PlanOptions,
+             devices: Sequence[Device] | None = None) -> Evaluation:
+    """Cost model + schedule + simulation for one candidate (what every method is judged by).
+    `devices` (`cluster.devices()`) may be passed by a caller that evaluates many candidates."""
     candidate.check(table.num_layers, cluster.num_devices)
-    costs = pipeline_costs(table, cluster, candidate, options.optimizer)
+    costs = pipeline_costs(table, cluster, candidate, options.optimizer, devices)
     sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, candidate.num_microbatches))
     memory = tuple(max(sim.peak_memory_bytes[d] for d in devs) for devs in costs.stage_devices)
     return Evaluation(candidate, costs, sim, memory)

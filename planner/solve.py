@@ -29,7 +29,7 @@ def _pipedream(profile: Profile, cluster: Cluster, options: PlanOptions) -> Cand
 
 
 def _cpsat(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
-    from planner.cpsat import solve  # lazy: ortools loads only when CP-SAT is asked for
+    from planner.search import solve  # lazy: ortools loads only when the search is asked for
 
     return solve(profile, cluster, options)
 

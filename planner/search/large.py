@@ -1,52 +1,25 @@
-"""Bounds: the model's own value for a given candidate: the CP-SAT model with the candidate's structure
-pinned (internal; used to report the model objective of a plan and to test that the model's
-bound never exceeds the simulated time)."""
+"""A lower bound for instances too large for the round-trip DP of `bound.py` (its cost grows
+with layers^2 x devices): a DP over layers only that minimises the devices used, with per-stage
+conditions that need no device count (written for the first CP-SAT planner; see
+`dp_lower_bound`). Cheaper and looser; its plan is a seed of the search."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import numpy as np
-from ortools.sat.python import cp_model
 
 from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, transfer_ms
-from planner.cpsat.decode import structure_of
-from planner.cpsat.instance import Instance, adjacent_bytes
-from planner.cpsat.model import build_model
-from planner.cpsat.search import EXACT_MICROBATCHES, EXACT_SLOTS, _slot_literals
-from planner.formats import GB, Cluster, Device, PlanOptions
-from planner.partition import Candidate
+from planner.formats import GB, Cluster, PlanOptions
+from planner.search.bound import BoundPlan
 
 
-def model_value_ms(inst: Instance, candidate: Candidate, devices: list[Device],
-                   max_stages: int | None = None, time_limit_s: float = 10.0) -> float | None:
-    """The model's objective (ms) for `candidate`, or None if the model cannot represent it
-    (a placement it does not offer) or finds it infeasible (memory)."""
-    st = structure_of(inst, candidate, devices)
-    if st is None:
-        return None
-    J = min(max_stages or inst.num_layers, inst.num_layers, inst.num_devices)
-    h = build_model(inst, J, exact=J <= EXACT_SLOTS and inst.num_microbatches <= EXACT_MICROBATCHES)
-    for var, val in _slot_literals(h, st):
-        h.model.Add(var == val)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = time_limit_s
-    status = solver.Solve(h.model)
-    if status != cp_model.OPTIMAL:
-        return None
-    return solver.ObjectiveValue() / inst.unit_per_ms
-
-
-# ---------------------------------------------------------------- a DP lower bound for any plan
-
-
-@dataclass(frozen=True)
-class DPBound:
-    bound_ms: float  # no plan of the instance is faster
-    bounds: list[int]  # the split that attains it (stage boundaries [0, ..., L])
-    replicas: list[int]
+def adjacent_bytes(table: LayerTable) -> list[int]:
+    """`out[z]` = bytes of the tensors produced by layer z-1 and used by layer z: they cross
+    any stage boundary at z into the very next stage, so they bound its traffic from below."""
+    out = [0] * (table.num_layers + 1)
+    for t in table.tensors:
+        if t.producer >= 0 and t.producer + 1 in t.consumers:
+            out[t.producer + 1] += t.nbytes
+    return out
 
 
 def _replica_choices(m: int, max_r: int) -> np.ndarray:
@@ -176,16 +149,9 @@ def _dp_plan(sb: StageBounds, T: float) -> tuple[list[int], list[int]] | None:
     return bounds[::-1], reps[::-1]
 
 
-def dp_excludes_below(table: LayerTable, cluster: Cluster, options: PlanOptions,
-                      microbatch_size: int, T: float) -> bool:
-    """True if no plan of the instance finishes within T (the conditions of
-    `dp_lower_bound` admit no split at T): a plan simulated at just above T is optimal."""
-    return _dp_plan(StageBounds(table, cluster, options, microbatch_size), T) is None
-
-
 def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
                    microbatch_size: int, upper_ms: float, rel_tol: float = 2e-3,
-                   deadline: float = float("inf")) -> DPBound | None:
+                   max_steps: int = 30) -> BoundPlan | None:
     """The smallest T for which some split and replica vector (at most D devices) satisfies,
     for every stage [a, z) with r replicas, on the fastest devices with the largest memory:
 
@@ -205,8 +171,8 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
       can hold the later layers' static memory).
 
     Every plan satisfies these at its own iteration time (communication only adds), so the
-    result is a lower bound of the optimum; bisection to `rel_tol` or until `deadline`
-    (perf_counter; the bound stays valid, only looser). None: nothing fits."""
+    result is a lower bound of the optimum; bisection to `rel_tol` or `max_steps` (the bound
+    stays valid, only looser). None: nothing fits."""
     sb = StageBounds(table, cluster, options, microbatch_size)
 
     def feasible(T: float):
@@ -220,11 +186,13 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     low_plan = feasible(lo)
     if low_plan is not None:
         hi, plan = lo, low_plan
-    while hi - lo > rel_tol * hi and time.perf_counter() < deadline:
+    for _ in range(max_steps):
+        if hi - lo <= rel_tol * hi:
+            break
         mid = (lo + hi) / 2
         mid_plan = feasible(mid)
         if mid_plan is not None:
             hi, plan = mid, mid_plan
         else:
             lo = mid
-    return DPBound(float(lo), [int(x) for x in plan[0]], [int(x) for x in plan[1]])
+    return BoundPlan(float(lo), tuple(int(x) for x in plan[0]), tuple(int(x) for x in plan[1]))

@@ -1,0 +1,307 @@
+"""How good are the planner's plans? Against an independent randomized search and every
+baseline, on real GPU profiles, the bundled examples and synthetic chains, on slow and fast
+clusters, with generous and tight memory, fixed and chosen microbatch sizes (issue 10).
+
+For each instance: the planner's (method cpsat) predicted iteration time, proven bound, gap
+and wall time; whether a second run (optionally while another process keeps both cores busy)
+gives the same plan; whether a stage that computes nothing has devices of its own; the best
+plan of a randomized search implemented here (it calls `evaluate()`, never the planner): random
+splits, replicas and microbatch sizes on consecutive ranks, each improved by hill climbing on
+boundaries and replicas, for `--rs-seconds`; and the baselines uniform, params, blocks,
+pipedream. Prints a table and writes benchmarks/results/plan_quality.json.
+
+    .venv/bin/python benchmarks/plan_quality.py [--rs-seconds 60] [--only gnmt,chain100]
+        [--clusters slow16,hier4x4,fast2x8,fast16x8] [--memory generous,tight]
+        [--microbatch fixed,chosen] [--loaded-rerun]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+# keep benchmarks/ off sys.path so no script name here can shadow a package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from planner.build import evaluate  # noqa: E402
+from planner.cost import layer_table  # noqa: E402
+from planner.errors import PipeplanError  # noqa: E402
+from planner.formats import Cluster, PlanOptions, Profile  # noqa: E402
+from planner.importers.pipedream import import_pipedream_file  # noqa: E402
+from planner.io import load_model  # noqa: E402
+from planner.partition import Candidate, StageChoice  # noqa: E402
+from planner.search.bound import conditions, feasible  # noqa: E402
+from planner.solve import make_plan  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = Path(os.environ.get("PIPEPLAN_PIPEDREAM_PROFILES",
+                               ROOT.parent / "shared" / "data" / "pipedream-profiles"))
+CLUSTERS = {
+    "slow16": dict(nodes=16, devices_per_node=1, intra_node_gb_per_s=1, inter_node_gb_per_s=1),
+    "hier4x4": dict(nodes=4, devices_per_node=4, intra_node_gb_per_s=10, inter_node_gb_per_s=1),
+    "fast2x8": dict(nodes=2, devices_per_node=8, intra_node_gb_per_s=300, inter_node_gb_per_s=25),
+    "fast16x8": dict(nodes=16, devices_per_node=8, intra_node_gb_per_s=300, inter_node_gb_per_s=25),
+}
+BASELINES = ["uniform", "params", "blocks", "pipedream"]
+MICROBATCHES = 16  # global batch = 16 x the profile's batch size
+
+
+def chain_profile(num_layers: int, seed: int = 0) -> Profile:
+    """A synthetic chain with uneven layers (times 0.05-0.35 ms, 2-20 MB of parameters)."""
+    rng = random.Random(seed)
+    layers = [dict(name=f"layer{i}", fwd_ms=rng.uniform(0.05, 0.15), bwd_ms=rng.uniform(0.1, 0.2),
+                   param_bytes=int(rng.uniform(2e6, 2e7)), activation_bytes=int(rng.uniform(1e7, 4e7)),
+                   output_bytes=int(4e6)) for i in range(num_layers)]
+    return Profile(model={"path": f"synthetic-chain-{num_layers}", "sha256": "0"},
+                   device={"type": "gpu", "name": "synthetic"}, batch_size=4, layers=layers)
+
+
+def profiles(only: list[str] | None) -> dict[str, Profile]:
+    out: dict[str, Profile] = {}
+    for path in sorted(PROFILES.glob("*.txt")):
+        if path.stem.upper().startswith("LICENSE"):
+            continue
+        out[path.stem] = import_pipedream_file(path, 64 if path.stem.startswith("gnmt") else 128)
+    for path in sorted((ROOT / "benchmarks/results/planner_profiles").glob("*.json")):
+        out[f"example_{path.stem}"] = load_model(path, Profile)
+    for n in (100, 200, 1000):
+        out[f"chain{n}"] = chain_profile(n)
+    return {k: v for k, v in out.items() if not only or k in only}
+
+
+def least_memory_gb(profile: Profile, cluster: dict, options: PlanOptions, b: int) -> float:
+    """The least device memory at which the planner's memory conditions admit some plan
+    (bisection over the DP's feasibility at unlimited time): no plan fits below it."""
+    table = layer_table(profile)
+    lo, hi = 1e-3, 1e4
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        cl = Cluster(**cluster, device_memory_gb=mid)
+        c = conditions(table, cl, options.optimizer, options.schedule, options.global_batch, b)
+        if feasible(c, math.inf):
+            hi = mid
+        else:
+            lo = mid
+        if hi / lo < 1.001:
+            break
+    return hi
+
+
+# ---------------------------------------------------------------- the independent search
+
+
+def _candidate(bounds: list[int], reps: list[int], b: int, m: int) -> Candidate:
+    stages, rank = [], 0
+    for a, z, r in zip(bounds, bounds[1:], reps, strict=False):
+        stages.append(StageChoice(a, z, tuple(range(rank, rank + r))))
+        rank += r
+    return Candidate(tuple(stages), b, m)
+
+
+def random_search(profile: Profile, cluster: Cluster, options: PlanOptions, sizes: list[int],
+                  seconds: float, seed: int = 0, allow_idle: bool = False) -> dict:
+    """Random (split, replicas, microbatch size) on consecutive ranks + hill climbing, judged by
+    `evaluate()`. With `allow_idle` False, a stage that computes nothing is not allowed."""
+    table = layer_table(profile)
+    L, D = table.num_layers, cluster.num_devices
+    rng = random.Random(seed)
+    best = (math.inf, None)
+    evals = 0
+
+    def score(bounds: list[int], reps: list[int], b: int) -> float:
+        nonlocal evals
+        if not allow_idle and any(table.compute_ms(a, z) <= 0 for a, z in zip(bounds, bounds[1:], strict=False)):
+            return math.inf
+        evals += 1
+        ev = evaluate(table, cluster, _candidate(bounds, reps, b, options.global_batch // b), options)
+        return ev.iteration_ms if ev.fits else math.inf
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        b = rng.choice(sizes)
+        S = rng.randint(1, min(L, D, rng.choice([4, 8, 16, 32, 64])))
+        bounds = [0, *sorted(rng.sample(range(1, L), S - 1)), L]
+        reps = [1] * S
+        for _ in range(rng.randint(0, D - S)):
+            reps[rng.randrange(S)] += 1
+        cur = score(bounds, reps, b)
+        if not math.isfinite(cur):
+            continue
+        improved = True
+        while improved and time.perf_counter() - t0 < seconds:
+            improved = False
+            moves = []
+            for k in range(1, len(bounds) - 1):
+                for d in (-4, -1, 1, 4):
+                    nb = list(bounds)
+                    nb[k] += d
+                    if nb[k - 1] < nb[k] < nb[k + 1]:
+                        moves.append((nb, reps))
+            for k in range(len(reps)):
+                if reps[k] > 1:
+                    for t in range(len(reps)):
+                        if t != k:
+                            nr = list(reps)
+                            nr[k] -= 1
+                            nr[t] += 1
+                            moves.append((bounds, nr))
+            for nb, nr in moves:
+                v = score(nb, nr, b)
+                if v < cur * (1 - 1e-12):
+                    bounds, reps, cur, improved = nb, nr, v, True
+                    break
+        if cur < best[0]:
+            best = (cur, (bounds, reps, b))
+    out = {"iteration_ms": best[0] if math.isfinite(best[0]) else None, "evaluations": evals}
+    if best[1] is not None:
+        out.update(bounds=best[1][0], replicas=best[1][1], microbatch_size=best[1][2])
+    return out
+
+
+# ---------------------------------------------------------------- one instance
+
+
+def _busy(stop) -> None:  # pragma: no cover - a load generator
+    x = 0
+    while not stop.is_set():
+        x = (x * 31 + 7) % 1000003
+
+
+def plan_key(plan) -> list:
+    return [(s.layers[0], s.layers[-1], s.replicas, s.devices) for s in plan.stages] + \
+        [plan.microbatch_size]
+
+
+def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOptions,
+                 sizes: list[int], rs_seconds: float, loaded_rerun: bool) -> dict:
+    table = layer_table(profile)
+    row: dict = {"instance": name, "layers": table.num_layers, "devices": cluster.num_devices}
+    t0 = time.perf_counter()
+    try:
+        plan = make_plan(profile, cluster, options)
+        wall = time.perf_counter() - t0
+        idle = [s.index for s in plan.stages if s.predicted.compute_ms <= 0]
+        row.update(planner_ms=plan.predicted.iteration_ms, bound_ms=plan.solver.bound,
+                   gap=plan.solver.gap, status=plan.solver.status, wall_s=wall,
+                   stages=len(plan.stages), used_devices=sum(s.replicas for s in plan.stages),
+                   microbatch_size=plan.microbatch_size, idle_stages=idle)
+        stop = None
+        procs = []
+        if loaded_rerun:
+            stop = mp.Event()
+            procs = [mp.Process(target=_busy, args=(stop,)) for _ in range(2)]
+            for p in procs:
+                p.start()
+        try:
+            again = make_plan(profile, cluster, options)
+        finally:
+            if stop is not None:
+                stop.set()
+                for p in procs:
+                    p.join()
+        row["same_plan_on_rerun"] = plan_key(again) == plan_key(plan) and \
+            again.predicted.iteration_ms == plan.predicted.iteration_ms
+    except PipeplanError as exc:
+        row.update(planner_error=str(exc), wall_s=time.perf_counter() - t0)
+    for method in BASELINES:
+        try:
+            bp = make_plan(profile, cluster, options.model_copy(update={"method": method,
+                                                                        "microbatch_sizes": None}))
+            row[method] = bp.predicted.iteration_ms
+        except PipeplanError:
+            row[method] = None
+    if rs_seconds > 0:
+        rs = random_search(profile, cluster, options, sizes, rs_seconds)
+        row["random"] = rs["iteration_ms"]
+        row["random_evaluations"] = rs["evaluations"]
+    best_other = min((v for k in BASELINES + ["random"] if (v := row.get(k)) is not None),
+                     default=None)
+    row["best_other"] = best_other
+    if best_other is not None and row.get("planner_ms") is not None:
+        row["planner_vs_best_other"] = row["planner_ms"] / best_other - 1
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="")
+    ap.add_argument("--clusters", default=",".join(CLUSTERS))
+    ap.add_argument("--memory", default="generous,tight")
+    ap.add_argument("--microbatch", default="fixed,chosen")
+    ap.add_argument("--rs-seconds", type=float, default=60.0)
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--loaded-rerun", action="store_true",
+                    help="rerun each plan while two busy processes load both cores")
+    ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/plan_quality.json"))
+    args = ap.parse_args()
+    only = [x for x in args.only.split(",") if x]
+    rows = []
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = (f"{'instance':34} {'L':>5} {'D':>4} {'planner':>10} {'bound':>10} {'gap%':>6} "
+            f"{'wall':>5} {'random':>10} {'best base':>10} {'vs best%':>8} same idle")
+    print(head)
+    for pname, profile in profiles(only).items():
+        B0 = profile.batch_size
+        for cname in args.clusters.split(","):
+            for mem in args.memory.split(","):
+                for mb in args.microbatch.split(","):
+                    gb = MICROBATCHES * B0
+                    sizes = [B0] if mb == "fixed" else \
+                        sorted({max(1, B0 // 4), max(1, B0 // 2), B0, 2 * B0})
+                    base = PlanOptions(global_batch=gb, optimizer="sgd", time_limit_s=args.time_limit,
+                                       **({"microbatch_size": B0} if mb == "fixed" else
+                                          {"microbatch_sizes": sizes}))
+                    if mem == "generous":
+                        gbytes = 80.0
+                    else:
+                        gbytes = 1.2 * min(least_memory_gb(profile, CLUSTERS[cname], base, b)
+                                           for b in sizes)
+                    cluster = Cluster(**CLUSTERS[cname], device_memory_gb=gbytes)
+                    name = f"{pname}/{cname}/{mem}/{mb}"
+                    row = run_instance(name, profile, cluster, base, sizes, args.rs_seconds,
+                                       args.loaded_rerun)
+                    row.update(profile=pname, cluster=cname, memory=mem, microbatch=mb,
+                               device_memory_gb=gbytes)
+                    rows.append(row)
+                    out.write_text(json.dumps(rows, indent=1))
+
+                    def f(x: object, fmt: str = "10.2f") -> str:
+                        return format(x, fmt) if isinstance(x, float) else format(str(x), ">" + fmt.split(".")[0])
+                    base_best = min((v for k in BASELINES if (v := row.get(k)) is not None),
+                                    default=None)
+                    print(f"{name:34} {row['layers']:5d} {row['devices']:4d} "
+                          f"{f(row.get('planner_ms', 'error'))} {f(row.get('bound_ms'))} "
+                          f"{f(100 * row['gap'] if row.get('gap') is not None else None, '6.2f')} "
+                          f"{f(row['wall_s'], '5.1f')} {f(row.get('random'))} {f(base_best)} "
+                          f"{f(100 * row['planner_vs_best_other'] if 'planner_vs_best_other' in row else None, '8.2f')} "
+                          f"{str(row.get('same_plan_on_rerun', '-')):>4} {len(row.get('idle_stages', []))}",
+                          flush=True)
+    summarize(rows)
+
+
+def summarize(rows: list[dict]) -> None:
+    n = len(rows)
+    solved = [r for r in rows if r.get("planner_ms") is not None]
+    gap1 = [r for r in solved if r["gap"] is not None and r["gap"] <= 0.01]
+    beaten = [r for r in solved if r.get("planner_vs_best_other", -1) > 0.001]
+    same = [r for r in solved if r.get("same_plan_on_rerun")]
+    idle = [r for r in solved if r.get("idle_stages")]
+    missing = [r for r in rows if r.get("planner_ms") is None and r.get("best_other") is not None]
+    print(f"\n{n} instances: plan found {len(solved)}; gap <= 1 %: {len(gap1)} "
+          f"({100 * len(gap1) / max(n, 1):.0f} %); beaten by > 0.1 %: {len(beaten)}; "
+          f"same plan on rerun: {len(same)}; with a 0-ms stage: {len(idle)}; no plan where another "
+          f"method found one: {len(missing)}")
+    for r in beaten:
+        print(f"  beaten: {r['instance']}: planner {r['planner_ms']:.2f} vs {r['best_other']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

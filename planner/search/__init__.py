@@ -1,0 +1,199 @@
+"""The planner's search (method `cpsat`, the default): stage boundaries, replicas, placement
+and microbatch size that minimise the simulated iteration time under memory limits, with a
+lower bound every plan respects and the gap between the two.
+
+Per microbatch size:
+1. a lower bound and the plan that attains it, by DP over (layers, devices) with 1F1B's round
+   trips priced (`bound.py`);
+2. seeds: that plan, every baseline (pipedream, uniform, params, blocks), one stage on every
+   device, and the DP's plans at looser times;
+then a deterministic local search from the seeds (`local.py`, budget in simulated actions); on
+clusters of several nodes, the best plan's stages placed anew: every node placement on small
+clusters, and CP-SAT's placement that moves the fewest bytes across nodes (`planner.cpsat`). The plan returned is the best under `evaluate()`; its bound is the smallest
+of the per-size bounds, so it holds for every microbatch size tried.
+
+Same input, same plan: every step is deterministic and budgeted by work, not time; the
+wall-clock limit (`time_limit_s`) is a safety net that only a machine many times slower than
+ours reaches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from planner.baselines import solve_blocks, solve_params, solve_uniform
+from planner.build import evaluate, resolve_microbatch
+from planner.cost import LayerTable, layer_table, microbatch_scale
+from planner.cpsat import place_stages
+from planner.errors import PipeplanError
+from planner.formats import Cluster, PlanOptions, Profile
+from planner.partition import Candidate, StageChoice
+from planner.pipedream import solve_pipedream
+from planner.search.bound import BoundPlan, conditions, hop_bytes, lower_bound
+from planner.search.diagnose import check_transfers, infeasible_error
+from planner.search.large import dp_lower_bound
+from planner.search.local import Budget, iterated_search
+from planner.search.space import Evaluator, Score, Structure, node_placements
+
+__all__ = ["solve", "solve_detailed"]
+
+WORK_PER_SECOND = 100_000  # simulated actions per second of --time-limit (~40 % of it on our 2 cores)
+DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
+OPTIMAL_GAP = 1e-6
+
+
+def microbatch_sizes(profile: Profile, options: PlanOptions) -> list[int]:
+    if options.microbatch_sizes:
+        sizes = sorted({b for b in options.microbatch_sizes if options.global_batch % b == 0})
+        if not sizes:
+            raise PipeplanError(
+                f"--microbatch-sizes {','.join(map(str, options.microbatch_sizes))}: none divides "
+                f"--global-batch {options.global_batch}")
+        return sizes
+    return [resolve_microbatch(profile, options)[0]]
+
+
+def structure_of(c: Candidate) -> Structure:
+    return Structure(c.microbatch_size, (0, *(s.stop for s in c.stages)),
+                     tuple(s.replicas for s in c.stages), 0)
+
+
+def _baselines(profile: Profile, cluster: Cluster, options: PlanOptions, b: int,
+               large: bool) -> list[Candidate]:
+    opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None})
+    out = []
+    fns = [lambda: solve_pipedream(profile, cluster, opts, b), lambda: solve_uniform(profile, cluster, opts),
+           lambda: solve_params(profile, cluster, opts)]
+    if not large:
+        fns.append(lambda: solve_blocks(profile, cluster, opts))
+    for fn in fns:
+        try:
+            out.append(fn())
+        except PipeplanError:
+            continue
+    return out
+
+
+def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
+              hops, upper_ms: float) -> BoundPlan | None:
+    if options.objective != "iteration":
+        return None
+    c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
+                   hops)
+    if table.num_layers ** 2 * cluster.num_devices * len(c.rs) > DP_CELLS:
+        return dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)
+    return lower_bound(c, upper_ms=upper_ms)
+
+
+def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int) -> float:
+    """Every plan does the whole model's work on the cluster's devices, and one microbatch's
+    forward and backward through every layer on the fastest one."""
+    m = options.global_batch // b
+    scale = microbatch_scale(table.batch_size, b)
+    speeds = [d.speed for d in cluster.devices()]
+    total = scale * table.compute_ms(0, table.num_layers)
+    return max(m * total / sum(speeds), total / max(speeds))
+
+
+PLACEMENTS = 2000  # node placements of the best structure tried at the end
+
+
+SMALL_CLUSTER = 16  # devices up to which every local optimum is placed every way on the nodes
+
+
+def _polish_placement(st: Structure, score: Score, cand: Candidate | None, ev: Evaluator,
+                      cluster: Cluster, limit: int = PLACEMENTS, use_cpsat: bool = False
+                      ) -> tuple[Score, Candidate | None]:
+    """The best structure's stages placed every way the nodes allow (up to `limit`
+    placements: on mixed clusters the best order of fast and slow nodes can interleave), and
+    the CP-SAT placement that moves the fewest bytes across nodes."""
+    if len(cluster.node_specs()) < 2 or cand is None:
+        return score, cand
+    m = cand.num_microbatches
+    tried = list(node_placements(st.replicas, cluster, limit)) if cluster.num_devices <= 64 else []
+    if use_cpsat and score.fits:
+        ev_cand = evaluate(ev.table, cluster, cand, ev.options, ev.devices)
+        params = [ev.table.param_bytes(a, z) for a, z in zip(st.bounds, st.bounds[1:], strict=False)]
+        devs = place_stages(st.replicas, ev_cand.costs, params, cluster, ev.options.seed)
+        if devs is not None:
+            tried.append(devs)
+    for devs in tried:
+        c = Candidate(tuple(StageChoice(a, z, d) for a, z, d in
+                            zip(st.bounds, st.bounds[1:], devs, strict=False)), st.microbatch_size, m)
+        s = ev.score_candidate(c)
+        if s.better_than(score):
+            score, cand = s, c
+    return score, cand
+
+
+def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
+                   ) -> tuple[Candidate, dict[str, object]]:
+    t0 = time.perf_counter()
+    deadline = t0 + options.time_limit_s
+    table = layer_table(profile)
+    sizes = microbatch_sizes(profile, options)
+    check_transfers(table, cluster, microbatch_scale(table.batch_size, sizes[-1]))
+    ev = Evaluator(table, cluster, options)
+    D = cluster.num_devices
+    large = table.num_layers * D > 100_000
+    hops = hop_bytes(table)
+    seeds: list[Structure] = []
+    fallbacks: list[tuple[Score, Candidate]] = []  # baselines exactly as they place themselves
+    bounds: dict[int, float] = {}
+    for b in sizes:
+        seeds.append(Structure(b, (0, table.num_layers), (D,), 0))
+        seeds.append(Structure(b, (0, table.num_layers), (1,), 0))
+        upper = min((ev(s).objective_ms for s in seeds[-2:] if ev(s).fits), default=math.inf)
+        for cand in _baselines(profile, cluster, options, b, large):
+            seeds.append(structure_of(cand))
+            score = ev.score_candidate(cand)
+            fallbacks.append((score, cand))
+            if score.fits:
+                upper = min(upper, score.objective_ms)
+        bp = _dp_bound(table, cluster, options, b, hops, upper)
+        bounds[b] = max(bp.bound_ms if bp else 0.0, _simple_bound(table, cluster, options, b))
+        if bp is not None:
+            seeds.append(Structure(b, bp.bounds, bp.replicas, 0))
+    budget = Budget(int(WORK_PER_SECOND * options.time_limit_s), deadline)
+    placed: list[tuple[Score, Candidate]] = []  # local optima placed every way (small clusters)
+    several = len(cluster.node_specs()) > 1
+
+    def visit(st: Structure) -> None:
+        if several and D <= SMALL_CLUSTER:
+            s, c = _polish_placement(st, *ev.scored(st), ev, cluster, limit=200)
+            if c is not None:
+                placed.append((s, c))
+
+    best, best_s = iterated_search(seeds, ev, table, D, budget, options.seed, visit)
+    cand = None
+    if best is not None:
+        best_s, cand = ev.scored(best)
+        best_s, cand = _polish_placement(best, best_s, cand, ev, cluster, use_cpsat=True)
+    for s, c in placed:
+        if s.better_than(best_s):
+            best_s, cand = s, c
+    for s, c in fallbacks:
+        if s.better_than(best_s):
+            best_s, cand = s, c
+    if cand is None or best_s is None or not best_s.fits:
+        raise infeasible_error(table, cluster, options, sizes, ev)
+    bound = min(bounds.values())
+    obj = best_s.objective_ms
+    if options.objective != "iteration":
+        bound = 0.0
+    bound = min(bound, obj)
+    gap = (obj - bound) / obj if obj > 0 else 0.0
+    info: dict[str, object] = {
+        "name": "cpsat", "status": "OPTIMAL" if gap <= OPTIMAL_GAP else "FEASIBLE",
+        "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
+        "evaluations": ev.evaluations, "work": ev.work,
+        "bound_by_microbatch": {str(k): v for k, v in bounds.items()},
+    }
+    return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info), info
+
+
+def solve(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
+    """The plan of method `cpsat`; `candidate.solver` holds name, status, objective (the
+    simulated iteration ms), bound, gap and wall_s."""
+    return solve_detailed(profile, cluster, options)[0]

@@ -1,0 +1,267 @@
+"""A lower bound on the simulated iteration time of every plan, and the plan that attains it,
+by dynamic programming over (first layer of a suffix of stages, devices it uses).
+
+Alpa's inter-operator pass (Zheng et al., OSDI 2022) bounds a pipeline by its slowest stage;
+that bound is tight when compute dominates and loose when transfers do, because 1F1B keeps
+only `w` microbatches in flight on a stage: the next forward waits for a backward that went
+to the end of the pipeline and back. For every stage k of a plan (layers [i, j), r replicas,
+n = ceil(m / r) microbatches on its busiest replica, per-microbatch compute C, warm-up w)
+two conditions hold at the plan's simulated time T:
+
+    work:        H(i) + n C                 + max(Tl(i), AR) <= T
+    round trip:  H(i) + ceil(n / w) RT_k    + max(Tl(i), AR) <= T
+
+where H(i) is the earliest its first forward can start (the forward time of the layers before
+it and the smallest transfer into layer i), Tl(i) the backward time of the layers before it
+plus that transfer, AR its gradient all-reduce, and RT_k = C + 2 x_k + RT_{k+1} the round trip
+of one microbatch from this stage to the end of the pipeline and back (x_k the transfer of the
+tensors the stage sends to the first layer of the next stage). In 1F1B the forward of the
+replica's microbatch q + w follows the backward of its microbatch q, so consecutive groups of
+w microbatches are a round trip apart; in GPipe w = n and the condition is the work one.
+
+Everything is priced optimistically so the bound holds for every placement: the fastest
+device, the largest memory, a link inside a node whenever the stage and one more device fit
+in the largest node, else across nodes. RT_{k+1} only makes the conditions of stage k harder,
+so the smallest suffix round trip is all the DP keeps per (i, devices): the DP is exact for
+these conditions, bisection on T gives the smallest T some split and replica vector satisfies,
+and that split is a candidate plan as well.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.cost import (
+    OPTIMIZER_EXTRA_COPIES,
+    LayerTable,
+    allreduce_ms,
+    microbatch_scale,
+    transfer_ms,
+)
+from planner.formats import Cluster
+
+
+def replica_choices(num_microbatches: int, max_replicas: int) -> list[int]:
+    """Per distinct n = ceil(m / r), the smallest r giving it: a larger r with the same n uses
+    more devices, keeps fewer microbatches in flight and all-reduces over more replicas, so it
+    is never better for these conditions except in memory, which `Conditions` prices with the
+    fewest in flight of any r of that n."""
+    out: list[int] = []
+    seen: set[int] = set()
+    for r in range(1, min(max_replicas, num_microbatches) + 1):
+        n = -(-num_microbatches // r)
+        if n not in seen:
+            seen.add(n)
+            out.append(r)
+    return out
+
+
+def hop_bytes(table: LayerTable) -> np.ndarray:
+    """`h[i, j]` = bytes (profiled batch) of the tensors produced by layers i..j-1 and used by
+    layer j: whatever stage holds layer j receives at least these from a stage [i, j)."""
+    L = table.num_layers
+    h = np.zeros((L + 1, L + 1))
+    for t in table.tensors:
+        if t.producer < 0:
+            continue
+        for c in t.consumers:
+            if c > t.producer:
+                h[: t.producer + 1, c] += t.nbytes
+    return h
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """The per-stage quantities of the bound for one microbatch size (internal)."""
+
+    L: int
+    D: int
+    m: int
+    schedule: str
+    rs: np.ndarray  # replica choices (R,)
+    n: np.ndarray  # ceil(m / r) (R,)
+    r_max_same_n: np.ndarray  # the largest r with the same n (R,): fewest in flight
+    Fp: np.ndarray  # forward prefix ms at the microbatch size and the fastest speed (L+1,)
+    Bp: np.ndarray
+    Pp: np.ndarray  # parameter prefix bytes
+    Ap: np.ndarray  # activation prefix bytes (scaled)
+    hop_ms: np.ndarray  # (2, L+1, L+1): [fast link?, i, j] transfer of hop_bytes at that link
+    into_ms: np.ndarray  # (2, L+1): smallest transfer into layer i (from layer i-1 alone)
+    per_node: int
+    static_coef: float
+    memory_bytes: float
+    intra_gbps: float
+    inter_gbps: float
+    latency_us: float
+
+
+def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: str,
+               global_batch: int, microbatch_size: int,
+               hops: np.ndarray | None = None) -> Conditions:
+    L, D = table.num_layers, cluster.num_devices
+    m = global_batch // microbatch_size
+    scale = microbatch_scale(table.batch_size, microbatch_size)
+    devices = cluster.devices()
+    vmax = max(d.speed for d in devices)
+    per_node = max(s.devices for s in cluster.node_specs())
+    rs = replica_choices(m, D)
+    n = [-(-m // r) for r in rs]
+    r_hi = [max(x for x in range(1, min(D, m) + 1) if -(-m // x) == k) for k in n]
+    h = (hop_bytes(table) if hops is None else hops) * scale
+    fast = cluster.intra_node_gb_per_s if per_node > 1 else cluster.inter_node_gb_per_s
+    fast = max(fast, cluster.inter_node_gb_per_s)
+    lat = cluster.latency_us
+
+    def ms(nbytes: np.ndarray, gbps: float) -> np.ndarray:
+        return np.where(nbytes > 0, nbytes / (gbps * 1e9) * 1e3 + lat / 1e3, 0.0)
+
+    hop_ms = np.stack([ms(h, cluster.inter_node_gb_per_s), ms(h, fast)])
+    into = np.zeros((2, L + 1))
+    for i in range(1, L):
+        into[:, i] = hop_ms[:, i - 1, i]
+    return Conditions(
+        L=L, D=D, m=m, schedule=schedule, rs=np.array(rs, dtype=float), n=np.array(n, dtype=float),
+        r_max_same_n=np.array(r_hi, dtype=float),
+        Fp=np.array(table.fwd_prefix_ms) * scale / vmax,
+        Bp=np.array(table.bwd_prefix_ms) * scale / vmax,
+        Pp=np.array(table.param_prefix_bytes, dtype=float),
+        Ap=np.array(table.activation_prefix_bytes, dtype=float) * scale,
+        hop_ms=hop_ms, into_ms=into, per_node=per_node,
+        static_coef=2 + OPTIMIZER_EXTRA_COPIES[optimizer],
+        memory_bytes=max(d.memory_bytes for d in devices),
+        intra_gbps=fast, inter_gbps=cluster.inter_node_gb_per_s, latency_us=lat,
+    )
+
+
+@dataclass(frozen=True)
+class BoundPlan:
+    """A split and replica vector meeting every condition at `bound_ms`."""
+
+    bound_ms: float
+    bounds: tuple[int, ...]  # stage boundaries [0, ..., L]
+    replicas: tuple[int, ...]
+
+
+def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
+    """g[i, d]: the smallest round trip of a suffix of stages starting at layer i on exactly d
+    devices that meets every condition at T (inf: none). With `want_plan`, also the choices."""
+    L, D = c.L, c.D
+    g = np.full((L + 1, D + 1), np.inf)
+    g[L, 0] = 0.0
+    choice = {} if want_plan else None
+    dvec = np.arange(D + 1, dtype=float)
+    for i in range(L - 1, -1, -1):
+        j = np.arange(i + 1, L + 1)
+        fwd = (c.Fp[j] - c.Fp[i])[:, None]  # (J, 1)
+        bwd = (c.Bp[j] - c.Bp[i])[:, None]
+        comp = fwd[:, 0] + bwd[:, 0]  # (J,)
+        params = c.Pp[j] - c.Pp[i]
+        act = c.Ap[j] - c.Ap[i]
+        best = np.full(D + 1, np.inf)
+        for ri in range(len(c.rs)):
+            r, n = int(c.rs[ri]), c.n[ri]
+            if r > D:
+                break
+            fast = r + 1 <= c.per_node
+            link = 1 if fast else 0
+            hop = c.hop_ms[link, i, j]  # (J,)
+            H = c.Fp[i] + c.into_ms[link, i]
+            Tl = c.Bp[i] + c.into_ms[link, i]
+            ar_gbps = c.intra_gbps if r <= c.per_node else c.inter_gbps
+            ar = np.array([allreduce_ms(p, r, ar_gbps, c.latency_us) for p in params]) \
+                if r > 1 else np.zeros_like(params)
+            d = np.arange(r, D + 1)  # devices of the suffix including this stage
+            nxt = g[j][:, d - r]  # (J, Dd)
+            rt = comp[:, None] + np.where(j < L, 2 * hop, 0.0)[:, None] + nxt
+            if c.schedule == "gpipe":
+                w = np.full(d.shape, n)
+                inflight_lo = np.full(d.shape, n)
+            else:
+                w = np.minimum(n, np.ceil(dvec[d] / r))
+                # memory: the largest r with this n holds the fewest microbatches
+                inflight_lo = np.minimum(np.ceil(m_of(c) / c.r_max_same_n[ri]),
+                                         np.ceil(dvec[d] / c.r_max_same_n[ri]))
+            # the busiest replica's n microbatches, with its round trips (module docstring)
+            w = w[None, :]
+            busy = np.maximum(n * comp[:, None], rt + (n - 1) * bwd + (n - w) * fwd)
+            busy = np.maximum(busy, (n - 1) * fwd + (n - w) * bwd + rt)
+            rounds = np.floor((n - 1) / w)  # groups of w before the last forward: (q mod w) F after
+            busy = np.maximum(busy, np.where(rounds > 0, rounds * (rt - w * fwd), 0.0)
+                              + (n - 1) * fwd + rt)
+            t_stage = H + busy + np.maximum(Tl, ar)[:, None]
+            mem = (params * c.static_coef)[:, None] + act[:, None] * np.maximum(inflight_lo, 1)[None, :]
+            ok = (t_stage <= T) & (mem <= c.memory_bytes) & np.isfinite(nxt) \
+                & ((comp > 0) | (c.Fp[L] + c.Bp[L] <= 0))[:, None]  # no 0-ms stage
+            val = np.where(ok, rt, np.inf)
+            jbest = np.argmin(val, axis=0)  # (Dd,)
+            vbest = val[jbest, np.arange(len(d))]
+            better = vbest < best[d]
+            if want_plan:
+                for k in np.nonzero(better)[0]:
+                    choice[(i, int(d[k]))] = (int(j[jbest[k]]), r)
+            best[d] = np.where(better, vbest, best[d])
+        g[i] = best
+    return g, choice
+
+
+def m_of(c: Conditions) -> int:
+    return c.m
+
+
+def _plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    with np.errstate(invalid="ignore"):
+        g, choice = _suffix_dp(c, T, want_plan=True)
+    finite = np.nonzero(np.isfinite(g[0]))[0]
+    if len(finite) == 0:
+        return None
+    d = int(finite[0])  # the fewest devices
+    bounds, reps, i = [0], [], 0
+    while i < c.L:
+        j, r = choice[(i, d)]
+        bounds.append(j)
+        reps.append(r)
+        i, d = j, d - r
+    return tuple(bounds), tuple(reps)
+
+
+def feasible(c: Conditions, T: float) -> bool:
+    with np.errstate(invalid="ignore"):  # inf * 0 where no suffix exists: masked anyway
+        g, _ = _suffix_dp(c, T)
+    return bool(np.isfinite(g[0]).any())
+
+
+def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4,
+                max_steps: int = 40) -> BoundPlan | None:
+    """The smallest T (to `rel_tol`) at which some plan meets every condition, with that plan;
+    None when no plan fits memory at any time."""
+    total = c.Fp[c.L] + c.Bp[c.L]
+    hi = upper_ms if math.isfinite(upper_ms) else total * c.m * 4
+    if not feasible(c, hi):
+        hi2 = hi * 1e6
+        if not feasible(c, hi2):
+            return None
+        hi = hi2
+    lo = total  # one microbatch through the whole model on the fastest device
+    if feasible(c, lo):
+        plan = _plan_at(c, lo)
+        assert plan is not None
+        return BoundPlan(lo, *plan)
+    for _ in range(max_steps):
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
+        if feasible(c, mid):
+            hi = mid
+        else:
+            lo = mid
+    plan = _plan_at(c, hi)
+    assert plan is not None
+    return BoundPlan(lo, *plan)
+
+
+__all__ = ["BoundPlan", "Conditions", "conditions", "feasible", "hop_bytes", "lower_bound",
+           "replica_choices", "transfer_ms"]
+

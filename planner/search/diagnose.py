@@ -1,0 +1,67 @@
+"""Clear errors: a cluster whose links make transfers absurd, and a model no plan fits."""
+
+from __future__ import annotations
+
+import math
+
+from planner.cost import LayerTable, allreduce_ms, stage_memory_bytes, transfer_ms
+from planner.errors import PipeplanError
+from planner.formats import Cluster, PlanOptions
+from planner.units import format_bytes
+
+ABSURD_MS = 1e100  # a transfer slower than this is a unit mistake, not a cluster
+
+
+def check_transfers(table: LayerTable, cluster: Cluster, scale: float) -> None:
+    """PipeplanError unless every transfer and all-reduce of the model takes a finite, sane
+    time on `cluster` (an absurdly small bandwidth or huge latency gives inf, then NaN)."""
+    params = table.param_bytes(0, table.num_layers)
+    biggest = max([params] + [t.nbytes * scale for t in table.tensors], default=0.0)
+    for name in ("intra_node_gb_per_s", "inter_node_gb_per_s"):
+        gbps = getattr(cluster, name)
+        ms = max(transfer_ms(biggest or 1.0, gbps, cluster.latency_us),
+                 allreduce_ms(params or 1.0, cluster.num_devices, gbps, cluster.latency_us))
+        if not math.isfinite(ms) or ms > ABSURD_MS:
+            raise PipeplanError(
+                f"cluster {name} = {gbps:g} GB/s with latency_us = {cluster.latency_us:g}: "
+                f"moving the model's {biggest:.3g} bytes would take {ms:.3g} ms, which the "
+                "planner cannot represent; give bandwidths in GB/s (e.g. 300 within a node, "
+                "25 between nodes) and latency in microseconds (e.g. 5)")
+
+
+def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
+                     sizes: list[int], ev) -> PipeplanError:
+    """Why no plan fits. `ev` (the search's Evaluator) holds every plan it scored: the one that
+    came closest is described with its own figures, so the message never contradicts itself."""
+    devices = cluster.devices()
+    biggest = max(d.memory_bytes for d in devices)
+    b = min(sizes)
+    scale = b / table.batch_size
+    L = table.num_layers
+    # a single layer that fits nowhere, even alone with one microbatch in flight
+    need1 = [stage_memory_bytes(table.param_bytes(i, i + 1), table.activation_bytes(i, i + 1),
+                                scale, 1, options.optimizer) for i in range(L)]
+    worst = max(range(L), key=lambda i: need1[i])
+    if need1[worst] > biggest:
+        return PipeplanError(
+            f"layer {table.names[worst]!r} alone needs {format_bytes(need1[worst])} per device "
+            f"(microbatch size {b}, optimizer {options.optimizer}, one microbatch in flight) but "
+            f"the largest device has {format_bytes(biggest)}: no plan can fit. Give devices with "
+            "more memory, a smaller microbatch size or an optimizer with less state (sgd)")
+    total_static = stage_memory_bytes(table.param_bytes(0, L), 0, 0, 0, options.optimizer)
+    if total_static > biggest * len(devices):
+        return PipeplanError(
+            f"the model's parameters, gradients and {options.optimizer} state take "
+            f"{format_bytes(total_static)}, more than the cluster's {len(devices)} devices of "
+            f"{format_bytes(biggest)} hold together: no plan can fit. Give more devices or "
+            "--optimizer sgd")
+    closest = min((s for s, c in ev.cache.values() if c is not None),
+                  key=lambda s: s.overshoot, default=None)
+    detail = ""
+    if closest is not None and math.isfinite(closest.overshoot):
+        detail = (f"; the closest plan found ({closest.stages} stages on {closest.devices} "
+                  f"devices) needs {closest.overshoot:.2f}x the memory of its smallest device")
+    return PipeplanError(
+        f"no plan found that fits in device memory ({format_bytes(biggest)} per device, "
+        f"{len(devices)} devices, microbatch sizes {','.join(map(str, sizes))}){detail}. Try a "
+        "smaller microbatch size, --optimizer sgd, more devices or a longer --time-limit")

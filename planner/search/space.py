@@ -1,0 +1,273 @@
+"""The plan space the search walks: a structure (microbatch size, stage boundaries, replicas,
+placement policy) and its score under the planner's own `evaluate()`.
+
+A structure becomes a `Candidate` by placing its stages on ranks (`place`). Scores compare
+lexicographically: a plan that fits memory beats one that does not (those compare by how far
+they overshoot); then the simulated iteration time (or PipeDream's slowest stage with
+`--objective throughput`), equal to a relative 1e-9; then fewer devices, then fewer stages —
+a device that does no work is a device the user pays for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from planner.build import evaluate
+from planner.cost import LayerTable, PipelineCosts
+from planner.formats import Cluster, Device, PlanOptions
+from planner.partition import Candidate, StageChoice
+
+STYLES = ("packed", "aligned")
+EVERY_PLACEMENT = 12  # devices up to which every node placement of a structure is scored
+PLACEMENTS_PER_STRUCTURE = 64
+TIME_TOL = 1e-9  # relative: two times this close are equal (prefer fewer devices, stages)
+
+
+@dataclass(frozen=True, order=True)
+class Structure:
+    microbatch_size: int
+    bounds: tuple[int, ...]  # [0, stop_0, ..., L]
+    replicas: tuple[int, ...]
+    policy: int = 0  # index into `placement_policies(cluster)`
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(self.replicas)
+
+
+Policy = tuple[tuple[tuple[Device, ...], ...], str]  # nodes in the order stages take them, style
+
+
+def placement_policies(cluster: Cluster) -> list[Policy]:
+    """The orders in which stages take nodes (fastest first, slowest first, most memory
+    first, least memory first; distinct ones only), each packed or aligned."""
+    nodes: dict[int, list[Device]] = {}
+    for d in cluster.devices():
+        nodes.setdefault(d.node, []).append(d)
+    keys = [lambda n: (-nodes[n][0].speed, n), lambda n: (nodes[n][0].speed, n),
+            lambda n: (-nodes[n][0].memory_bytes, n), lambda n: (nodes[n][0].memory_bytes, n)]
+    orders: list[tuple[tuple[Device, ...], ...]] = []
+    for key in keys:
+        order = tuple(tuple(nodes[n]) for n in sorted(nodes, key=key))
+        if order not in orders:
+            orders.append(order)
+    styles = STYLES if len(nodes) > 1 else STYLES[:1]
+    return [(o, style) for o in orders for style in styles]
+
+
+def place(st: Structure, policy: Policy) -> tuple[tuple[int, ...], ...] | None:
+    """Ranks of every stage's replicas, or None if the policy cannot place the structure.
+
+    packed: consecutive devices, node after node in the policy's order;
+    aligned: like packed, but a stage that would straddle two nodes and fits in one starts on
+    the next node when enough devices are left for the stages after it."""
+    nodes, style = policy
+    free = [list(n) for n in nodes]
+    per_node = [len(n) for n in nodes]
+    remaining = st.num_devices
+    out: list[tuple[int, ...]] = []
+    k = 0  # current node
+    for r in st.replicas:
+        while k < len(free) and not free[k]:
+            k += 1
+        if k >= len(free):
+            return None
+        if style == "aligned" and r <= max(per_node):
+            left_here = len(free[k])
+            spare = sum(len(f) for f in free) - remaining
+            if r > left_here and spare >= left_here and k + 1 < len(free):
+                k += 1
+        ranks: list[int] = []
+        while len(ranks) < r:
+            while k < len(free) and not free[k]:
+                k += 1
+            if k >= len(free):
+                return None
+            ranks.append(free[k].pop(0).rank)
+        remaining -= r
+        out.append(tuple(ranks))
+    return tuple(out)
+
+
+def to_candidate(st: Structure, policies: list[Policy], num_microbatches: int
+                 ) -> Candidate | None:
+    """`policies`: `placement_policies(cluster)`."""
+    if st.policy >= len(policies):
+        return None
+    devs = place(st, policies[st.policy])
+    if devs is None:
+        return None
+    stages = tuple(StageChoice(a, z, d) for a, z, d in zip(st.bounds, st.bounds[1:], devs,
+                                                            strict=False))
+    return Candidate(stages, st.microbatch_size, num_microbatches)
+
+
+def throughput_objective_ms(costs: PipelineCosts) -> float:
+    """PipeDream's objective of a costed candidate: its slowest stage per microbatch."""
+    m = costs.num_microbatches
+    worst = 0.0
+    for s, devs in enumerate(costs.stage_devices):
+        r = len(devs)
+        worst = max(worst, (costs.fwd_ms[s] + costs.bwd_ms[s]) / r + costs.allreduce_ms[s] / m)
+        if s >= 1:
+            worst = max(worst, 2 * costs.sends[(s - 1, s)].ms / r)
+    return worst
+
+
+@dataclass(frozen=True)
+class Score:
+    overshoot: float  # 0 when the plan fits memory, else the largest need / limit ratio
+    objective_ms: float
+    devices: int
+    stages: int
+
+    def better_than(self, other: Score | None) -> bool:
+        if other is None:
+            return True
+        if self.overshoot != other.overshoot:
+            return self.overshoot < other.overshoot
+        a, b = self.objective_ms, other.objective_ms
+        if abs(a - b) > TIME_TOL * max(a, b):
+            return a < b
+        return (self.devices, self.stages) < (other.devices, other.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.overshoot == 0.0
+
+
+INFEASIBLE = Score(float("inf"), float("inf"), 0, 0)
+
+
+class Evaluator:
+    """`evaluate()` with a cache and a count of the work done (simulated actions), which is
+    the search's deterministic budget."""
+
+    def __init__(self, table: LayerTable, cluster: Cluster, options: PlanOptions) -> None:
+        self.table, self.cluster, self.options = table, cluster, options
+        self.devices = cluster.devices()
+        self.policies = placement_policies(cluster)
+        # small clusters of several nodes: a structure is scored at its best placement of all
+        self.every_placement = len(self.policies) > 1 and cluster.num_devices <= EVERY_PLACEMENT
+        self.cache: dict[Structure, tuple[Score, Candidate | None]] = {}
+        self.work = 0  # actions simulated
+        self.evaluations = 0
+
+    def __call__(self, st: Structure) -> Score:
+        return self.scored(st)[0]
+
+    def allowed(self, bounds: tuple[int, ...], replicas: tuple[int, ...]) -> bool:
+        """No stage that computes nothing (0 ms: its devices would do no work); with
+        `powers_of_two`, replica counts that are powers of two."""
+        if self.options.powers_of_two and any(r & (r - 1) for r in replicas):
+            return False
+        return not self.idle_stage(bounds)
+
+    def idle_stage(self, bounds: tuple[int, ...]) -> bool:
+        """True if a stage computes nothing (0 ms): it would hold devices that do no work."""
+        if self.table.compute_ms(0, self.table.num_layers) <= 0:
+            return False
+        return any(self.table.compute_ms(a, z) <= 0 for a, z in zip(bounds, bounds[1:], strict=False))
+
+    def _best_placement(self, st: Structure, m: int) -> tuple[Score, Candidate | None]:
+        if st.policy != 0 or not self.allowed(st.bounds, st.replicas):
+            return INFEASIBLE, None
+        best: tuple[Score, Candidate | None] = (INFEASIBLE, None)
+        for devs in node_placements(st.replicas, self.cluster, PLACEMENTS_PER_STRUCTURE):
+            cand = Candidate(tuple(StageChoice(a, z, d) for a, z, d in
+                                   zip(st.bounds, st.bounds[1:], devs, strict=False)),
+                             st.microbatch_size, m)
+            self.work += 2 * m * st.num_stages + 4 * st.num_devices + 100
+            self.evaluations += 1
+            s = self.score_candidate(cand)
+            if s.better_than(best[0]):
+                best = (s, cand)
+        return best
+
+    def score_candidate(self, cand: Candidate) -> Score:
+        """A candidate placed by someone else (a baseline), scored the same way."""
+        if not self.allowed((0, *(s.stop for s in cand.stages)),
+                            tuple(s.replicas for s in cand.stages)):
+            return INFEASIBLE
+        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
+        obj = ev.iteration_ms if self.options.objective == "iteration" \
+            else throughput_objective_ms(ev.costs)
+        return Score(0.0 if ev.fits else ev.memory_overshoot(), obj,
+                     sum(s.replicas for s in cand.stages), len(cand.stages))
+
+    def scored(self, st: Structure) -> tuple[Score, Candidate | None]:
+        hit = self.cache.get(st)
+        if hit is not None:
+            return hit
+        m = self.options.global_batch // st.microbatch_size
+        if self.every_placement:
+            out = self._best_placement(st, m)
+            self.cache[st] = out
+            return out
+        cand = to_candidate(st, self.policies, m) if self.allowed(st.bounds, st.replicas) else None
+        if cand is None:
+            out: tuple[Score, Candidate | None] = (INFEASIBLE, None)
+        else:
+            ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
+            self.work += 2 * m * st.num_stages + 4 * st.num_devices + 100  # ~ its cost
+            self.evaluations += 1
+            obj = ev.iteration_ms if self.options.objective == "iteration" \
+                else throughput_objective_ms(ev.costs)
+            over = 0.0 if ev.fits else ev.memory_overshoot()
+            out = (Score(over, obj, st.num_devices, st.num_stages), cand)
+        self.cache[st] = out
+        return out
+
+
+def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int
+                    ) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Every way to take each stage's replicas from the nodes (a device count per node per
+    stage; which devices of a node does not matter), up to `limit` of them, in a fixed order.
+    Placements that give every stage the same set of nodes as one already yielded are skipped
+    (the cost model sees only those sets)."""
+    devs = cluster.devices()
+    per_node: dict[int, list[int]] = {}
+    for d in devs:
+        per_node.setdefault(d.node, []).append(d.rank)
+    nodes = sorted(per_node)
+    seen: set[tuple] = set()
+    count = 0
+
+    def vectors(r: int, free: list[int], k: int):
+        if k == len(free):
+            if r == 0:
+                yield ()
+            return
+        for v in range(min(r, free[k]), -1, -1):
+            for rest in vectors(r - v, free, k + 1):
+                yield (v, *rest)
+
+    def rec(s: int, free: list[int], acc: list[tuple[int, ...]]):
+        nonlocal count
+        if count >= limit:
+            return
+        if s == len(replicas):
+            count += 1  # duplicates count too: the limit bounds the work, not the yield
+            key = tuple((tuple(n for n, v in enumerate(vec) if v), sum(vec)) for vec in acc)
+            if key in seen:
+                return
+            seen.add(key)
+            used = [0] * len(nodes)
+            out = []
+            for vec in acc:
+                ranks: list[int] = []
+                for k, v in enumerate(vec):
+                    ranks += per_node[nodes[k]][used[k]:used[k] + v]
+                    used[k] += v
+                out.append(tuple(ranks))
+            yield tuple(out)
+            return
+        for vec in vectors(replicas[s], free, 0):
+            yield from rec(s + 1, [f - v for f, v in zip(free, vec, strict=True)], acc + [vec])
+
+    yield from rec(0, [len(per_node[n]) for n in nodes], [])

@@ -1,0 +1,246 @@
+"""The planner's search (method `cpsat`) against brute force over every plan of small instances
+(`cpsat_reference.py`, judged by the core's `evaluate()`), the baselines, and its own promises:
+a bound that no plan beats, the same plan for the same input, no device for a stage that
+computes nothing, clear errors when nothing fits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.build import evaluate
+from planner.cost import layer_table
+from planner.errors import PipeplanError
+from planner.formats import Cluster, PlanOptions, Profile
+from planner.search import solve
+from planner.solve import METHODS, make_plan
+from tests.planner.cpsat_reference import brute_force
+
+REL = 1e-9
+
+
+def random_profile(rng: random.Random, num_layers: int, dag: bool) -> Profile:
+    layers = [dict(name=f"l{i}", fwd_ms=rng.uniform(0.2, 3), bwd_ms=rng.uniform(0.4, 6),
+                   param_bytes=int(rng.uniform(1e5, 3e8)),
+                   activation_bytes=int(rng.uniform(1e6, 4e8)),
+                   output_bytes=int(rng.uniform(1e5, 5e7))) for i in range(num_layers)]
+    edges = []
+    for i in range(1, num_layers):
+        edges.append(dict(src=f"l{i - 1}", dst=f"l{i}", bytes=layers[i - 1]["output_bytes"]))
+        if dag and i >= 2 and rng.random() < 0.4:
+            k = rng.randrange(0, i - 1)
+            edges.append(dict(src=f"l{k}", dst=f"l{i}", bytes=layers[k]["output_bytes"]))
+    return Profile(model=dict(path="random", sha256="0"), device=dict(type="cpu", name="x"),
+                   batch_size=8, layers=layers, edges=edges)
+
+
+def random_cluster(rng: random.Random, mixed: bool, max_nodes: int = 2) -> Cluster:
+    # slow links (communication dominates) as well as fast ones (compute dominates)
+    bw = dict(intra_node_gb_per_s=rng.choice([0.5, 50, 300]),
+              inter_node_gb_per_s=rng.choice([0.1, 1, 5, 25]), latency_us=rng.choice([0, 5]))
+    if mixed:
+        return Cluster(nodes=[
+            dict(name="fast", devices=rng.randint(1, 3), device_memory_gb=rng.choice([2, 4, 8]),
+                 speed=1.0),
+            dict(name="slow", devices=rng.randint(1, 3), device_memory_gb=rng.choice([2, 8, 16]),
+                 speed=0.5)], **bw)
+    return Cluster(nodes=rng.randint(1, max_nodes), devices_per_node=rng.randint(1, 3),
+                   device_memory_gb=rng.choice([1, 2, 4, 8, 40]), **bw)
+
+
+def random_instance(seed: int, mixed: bool | None = None, max_nodes: int = 2
+                    ) -> tuple[Profile, Cluster, PlanOptions]:
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(2, 7), dag=rng.random() < 0.5)
+    cluster = random_cluster(rng, mixed=rng.random() < 0.4 if mixed is None else mixed,
+                             max_nodes=max_nodes)
+    options = PlanOptions(global_batch=rng.choice([8, 16, 32]), microbatch_size=rng.choice([2, 4, 8]),
+                          optimizer=rng.choice(["sgd", "adam"]), time_limit_s=2,
+                          schedule=rng.choice(["1f1b", "1f1b", "gpipe"]))
+    return profile, cluster, options
+
+
+def _check_against_brute_force(seed: int, mixed: bool, max_nodes: int = 2
+                               ) -> tuple[float | None, float | None]:
+    profile, cluster, options = random_instance(seed, mixed, max_nodes)
+    ref = brute_force(profile, cluster, options, [options.microbatch_size])
+    try:
+        cand = solve(profile, cluster, options)
+    except PipeplanError:
+        assert ref.candidate is None, f"seed {seed}: no plan, but {ref.iteration_ms} fits"
+        return None, None
+    assert ref.candidate is not None, f"seed {seed}: a plan that does not fit"
+    ev = evaluate(layer_table(profile), cluster, cand, options)
+    assert ev.fits and cand.solver["objective"] == pytest.approx(ev.iteration_ms, rel=REL)
+    bound = float(cand.solver["bound"])  # type: ignore[arg-type]
+    assert bound <= ref.iteration_ms * (1 + REL), f"seed {seed}: bound above the optimum"
+    assert ev.iteration_ms >= ref.iteration_ms * (1 - REL)
+    return ev.iteration_ms, ref.iteration_ms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", range(3))
+def test_uniform_clusters_equal_brute_force(block: int) -> None:
+    """Chains and DAGs, 1-2 nodes of 1-3 devices, memory from tight to generous, slow and fast
+    links, 1F1B and GPipe: the plan's simulated time is the exhaustive optimum and the bound
+    never exceeds it."""
+    for seed in range(block * 25, block * 25 + 25):
+        got, ref = _check_against_brute_force(seed, mixed=False)
+        if got is not None:
+            assert got == pytest.approx(ref, rel=REL), f"seed {seed}: {got} vs optimum {ref}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixed", [True, False])
+def test_mixed_and_three_node_clusters_near_brute_force(mixed: bool) -> None:
+    """Fast and slow nodes, or three nodes: the bound holds everywhere; the plan is the optimum
+    on most instances (the misses place stages over the nodes in ways the search does not
+    reach from its local optima; within 5 %: 3.1 % worst seen)."""
+    exact = 0
+    for seed in range(1000, 1030):
+        got, ref = _check_against_brute_force(seed, mixed=mixed, max_nodes=3)
+        if got is None:
+            exact += 1
+            continue
+        assert got <= ref * 1.05, f"seed {seed}: {got} vs optimum {ref}"
+        exact += got == pytest.approx(ref, rel=REL)
+    assert exact >= 25
+
+
+def test_microbatch_size_is_chosen_among_the_allowed_ones() -> None:
+    profile, _, _ = random_instance(5, mixed=False)
+    cluster = Cluster(nodes=2, devices_per_node=2, device_memory_gb=40, intra_node_gb_per_s=50,
+                      inter_node_gb_per_s=1)
+    options = PlanOptions(global_batch=16, microbatch_sizes=[2, 4, 8], time_limit_s=2)
+    cand = solve(profile, cluster, options)
+    ref = brute_force(profile, cluster, options, [2, 4, 8])
+    assert cand.solver["objective"] == pytest.approx(ref.iteration_ms, rel=REL)
+    assert cand.microbatch_size in (2, 4, 8) and cand.microbatch_size * cand.num_microbatches == 16
+
+
+def test_never_worse_than_any_baseline() -> None:
+    for seed in range(200, 212):
+        profile, cluster, options = random_instance(seed)
+        table = layer_table(profile)
+        try:
+            ours = solve(profile, cluster, options).solver["objective"]
+        except PipeplanError:
+            ours = None
+        for name in ("pipedream", "blocks", "params", "uniform"):
+            try:
+                base = METHODS[name](profile, cluster, options.model_copy(update={"method": name}))
+            except PipeplanError:
+                continue
+            ev = evaluate(table, cluster, base, options)
+            if ev.fits:
+                assert ours is not None and ours <= ev.iteration_ms * (1 + REL), (seed, name)
+
+
+def gnmt_like(seed: int = 0) -> Profile:
+    """Layers that compute nothing (reshapes, getitems) between heavy ones, big activations."""
+    rng = random.Random(seed)
+    layers = []
+    for i in range(24):
+        zero = i % 3 != 0
+        layers.append(dict(name=f"l{i}", fwd_ms=0.0 if zero else rng.uniform(2, 6),
+                           bwd_ms=0.0 if zero else rng.uniform(3, 9),
+                           param_bytes=0 if zero else int(rng.uniform(1e7, 1e8)),
+                           activation_bytes=int(6e6), output_bytes=int(6e6)))
+    return Profile(model=dict(path="g", sha256="0"), device=dict(type="gpu", name="x"),
+                   batch_size=64, layers=layers)
+
+
+def test_no_device_for_a_stage_that_computes_nothing_and_same_plan_twice() -> None:
+    profile = gnmt_like()
+    cluster = Cluster(nodes=16, devices_per_node=1, device_memory_gb=16, intra_node_gb_per_s=1,
+                      inter_node_gb_per_s=1)
+    options = PlanOptions(global_batch=1024, microbatch_size=64, optimizer="sgd", time_limit_s=3)
+    a = make_plan(profile, cluster, options)
+    assert all(s.predicted.compute_ms > 0 for s in a.stages)
+    b = make_plan(profile, cluster, options)
+    assert [(s.layers, s.devices) for s in a.stages] == [(s.layers, s.devices) for s in b.stages]
+    assert a.predicted.iteration_ms == b.predicted.iteration_ms
+    assert a.solver.bound is not None and a.solver.bound <= a.predicted.iteration_ms
+
+
+def test_powers_of_two_replicas() -> None:
+    profile, cluster, options = random_instance(11, mixed=False)
+    cluster = Cluster(nodes=1, devices_per_node=7, device_memory_gb=40, intra_node_gb_per_s=300,
+                      inter_node_gb_per_s=25)
+    cand = solve(profile, cluster, options.model_copy(update={"powers_of_two": True}))
+    assert all(s.replicas & (s.replicas - 1) == 0 for s in cand.stages)
+    free = solve(profile, cluster, options)
+    assert free.solver["objective"] <= cand.solver["objective"] * (1 + REL)
+
+
+def test_a_plan_whenever_one_fits_tight_memory() -> None:
+    """Memory so tight that only uneven replicas fit (e.g. 4, 2, 1, 1: few microbatches in
+    flight per device), which no baseline tries."""
+    layers = [dict(name=f"l{i}", fwd_ms=1, bwd_ms=2, param_bytes=10**7, activation_bytes=3 * 10**8,
+                   output_bytes=10**6) for i in range(4)]
+    profile = Profile(model=dict(path="x", sha256="0"), device=dict(type="cpu", name="x"),
+                      batch_size=8, layers=layers)
+    cluster = Cluster(nodes=2, devices_per_node=4, device_memory_gb=1.0, intra_node_gb_per_s=10,
+                      inter_node_gb_per_s=1)
+    options = PlanOptions(global_batch=64, microbatch_size=8, optimizer="sgd", time_limit_s=2)
+    for name in ("uniform", "params", "blocks", "pipedream"):
+        with pytest.raises(PipeplanError):
+            make_plan(profile, cluster, options.model_copy(update={"method": name}))
+    plan = make_plan(profile, cluster, options)
+    assert plan.predicted.fits_memory
+    assert all(s.predicted.memory_bytes <= s.predicted.memory_limit_bytes for s in plan.stages)
+
+
+def test_infeasible_names_the_layer_and_what_would_fit() -> None:
+    layers = [dict(name="small", fwd_ms=1, bwd_ms=1, param_bytes=10**6, activation_bytes=10**6,
+                   output_bytes=10),
+              dict(name="huge", fwd_ms=1, bwd_ms=1, param_bytes=10**6, activation_bytes=5 * 10**9,
+                   output_bytes=10)]
+    profile = Profile(model=dict(path="x", sha256="0"), device=dict(type="cpu", name="x"),
+                      batch_size=8, layers=layers)
+    cluster = Cluster(nodes=1, devices_per_node=2, device_memory_gb=2, intra_node_gb_per_s=10,
+                      inter_node_gb_per_s=1)
+    with pytest.raises(PipeplanError) as err:
+        solve(profile, cluster, PlanOptions(global_batch=8, microbatch_size=8))
+    msg = str(err.value)
+    assert "huge" in msg and "GB" in msg and "smaller microbatch" in msg
+
+
+def test_infeasible_too_little_memory_in_total_says_so() -> None:
+    layers = [dict(name=f"l{i}", fwd_ms=1, bwd_ms=1, param_bytes=3 * 10**8, activation_bytes=10**6,
+                   output_bytes=10) for i in range(6)]
+    profile = Profile(model=dict(path="x", sha256="0"), device=dict(type="cpu", name="x"),
+                      batch_size=8, layers=layers)
+    cluster = Cluster(nodes=1, devices_per_node=2, device_memory_gb=2, intra_node_gb_per_s=10,
+                      inter_node_gb_per_s=1)
+    with pytest.raises(PipeplanError) as err:
+        solve(profile, cluster, PlanOptions(global_batch=8, microbatch_size=8, optimizer="adam"))
+    msg = str(err.value)
+    assert "more devices" in msg and "no plan can fit" in msg
+
+
+@pytest.mark.parametrize("field", ["intra_node_gb_per_s", "inter_node_gb_per_s"])
+def test_absurdly_small_bandwidth_is_a_user_error_naming_the_field(field: str) -> None:
+    profile, _, options = random_instance(3)
+    bw = {"intra_node_gb_per_s": 300.0, "inter_node_gb_per_s": 25.0, field: 5e-324}
+    cluster = Cluster(nodes=2, devices_per_node=2, device_memory_gb=40, **bw)
+    with pytest.raises(PipeplanError) as err:
+        solve(profile, cluster, options)
+    assert field in str(err.value) and "GB/s" in str(err.value)
+
+
+def test_tiny_but_sane_bandwidth_keeps_every_transfer_off_the_slow_links() -> None:
+    profile, _, options = random_instance(3)
+    cluster = Cluster(nodes=2, devices_per_node=2, device_memory_gb=40, intra_node_gb_per_s=300,
+                      inter_node_gb_per_s=1e-12)
+    cand = solve(profile, cluster, options)
+    nodes = {d // 2 for s in cand.stages for d in s.devices}
+    assert len(nodes) == 1  # a byte between nodes would take hours
+
+
+def test_tiny_time_limit_still_returns_the_best_seed() -> None:
+    profile, cluster, options = random_instance(21, mixed=False)
+    cand = solve(profile, cluster, options.model_copy(update={"time_limit_s": 1e-6}))
+    ev = evaluate(layer_table(profile), cluster, cand, options)
+    assert cand.solver["objective"] == pytest.approx(ev.iteration_ms, rel=REL)
