@@ -60,6 +60,11 @@ class LayerProfile(_Open):
     activation_bytes: NonNegativeInt  # bytes autograd keeps for backward, per profiled batch
     output_bytes: NonNegativeInt  # bytes of this layer's outputs, per profiled batch
     kind: str | None = None  # module class or description, for people
+    # zero-bubble schedules: the backward split into the gradient of the layer's inputs (B) and
+    # of its weights (W), measured separately. Absent in older profiles: planner.cost splits
+    # bwd_ms (a layer without parameters is all B; others half B, half W).
+    bwd_input_ms: NonNegativeFloat | None = None
+    bwd_weight_ms: NonNegativeFloat | None = None
 
 
 class Edge(_Open):
@@ -232,7 +237,7 @@ class Cluster(_Closed):
 
 # ---------------------------------------------------------------- plan options and plan.json
 
-ScheduleName = Literal["1f1b", "gpipe"]
+ScheduleName = Literal["1f1b", "gpipe", "zb-h1"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 ObjectiveName = Literal["iteration", "throughput"]
 
@@ -271,6 +276,8 @@ class StagePredicted(_Open):
     memory_bytes: int  # peak per device
     memory_limit_bytes: int
     allreduce_ms: float = 0.0
+    bwd_input_ms: float | None = None  # zb-h1: B (recomputation included) and W of bwd_ms
+    bwd_weight_ms: float | None = None
 
 
 class PlanStage(_Open):
@@ -279,6 +286,7 @@ class PlanStage(_Open):
     replicas: PositiveInt
     devices: list[NonNegativeInt]
     predicted: StagePredicted
+    recompute: bool = False  # activation recomputation (torch.utils.checkpoint per block)
 
     @model_validator(mode="after")
     def _check(self) -> PlanStage:

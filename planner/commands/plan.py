@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch-size", type=int, help="samples per microbatch (default: the "
                    "largest divisor of the global batch up to the profile's batch size)")
     p.add_argument("--microbatch-sizes", type=_ints, help="cpsat: sizes it may choose among, e.g. 4,8,16")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zb-h1"], default="1f1b",
+                   help="1f1b (default), gpipe, or zb-h1 (zero bubble: backward split into B and W)")
     p.add_argument("--method", help="cpsat (default when available), pipedream, blocks, params, "
                    "uniform, or manual (with --split)")
     p.add_argument("--objective", choices=["iteration", "throughput"], default="iteration")
