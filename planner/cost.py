@@ -297,8 +297,10 @@ class PipelineCosts:
     activation_bytes_per_microbatch: tuple[float, ...]  # scaled
     memory_limit_bytes: tuple[float, ...]  # smallest device of the stage
     sends: dict[tuple[int, int], Send]  # (s, t) -> traffic; (s-1, s) always present
-    # zero bubble: the W part of bwd_ms (B = bwd_ms - W), used where a schedule has W actions
+    # zero bubble, where a schedule has W actions: B and W of each stage (default: bwd_ms -
+    # bwd_weight_ms and bwd_weight_ms, which defaults to half of bwd_ms)
     bwd_weight_ms: tuple[float, ...] | None = None
+    bwd_input_ms: tuple[float, ...] | None = None
     # bytes a microbatch keeps between its B and its W (default: activation_bytes_per_microbatch)
     weight_hold_bytes_per_microbatch: tuple[float, ...] | None = None
     # bytes held only while a backward runs (one recomputed block's activations)
@@ -308,11 +310,17 @@ class PipelineCosts:
     def bwd_split(self, s: int) -> tuple[float, float]:
         """(B, W) of stage s when its backward is split."""
         w = self.bwd_weight_ms[s] if self.bwd_weight_ms is not None else 0.5 * self.bwd_ms[s]
-        return self.bwd_ms[s] - w, w
+        b = self.bwd_input_ms[s] if self.bwd_input_ms is not None else self.bwd_ms[s] - w
+        return b, w
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_devices)
+
+
+def stages_without_input_grad(candidate: Candidate, stage: object) -> bool:
+    """The first stage receives no tensor whose gradient it must send back."""
+    return stage is candidate.stages[0]
 
 
 def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, optimizer: str,
@@ -325,15 +333,21 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
     scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
     bounds = [0] + [st.stop for st in candidate.stages]
     fwd, bwd, ar, static, act, limit = [], [], [], [], [], []
-    wgt, hold, transient = [], [], []
+    wgt, inp, hold, transient = [], [], [], []
     for st in candidate.stages:
         speed = min(devices[d].speed for d in st.devices)
         f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
         fwd.append(f)
         # recomputation runs the forward once more, in the backward's B (before W)
-        bwd.append(stage_bwd_ms(table, st.start, st.stop, scale, speed)
-                   + (f if st.recompute else 0.0))
-        wgt.append(scale * table.bwd_weight_ms(st.start, st.stop) / speed)
+        full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
+        w = scale * table.bwd_weight_ms(st.start, st.stop) / speed
+        if stages_without_input_grad(candidate, st):
+            w = full_bwd  # nothing to send back: the whole backward runs in W (runtime's choice)
+        bwd.append(full_bwd + (f if st.recompute else 0.0))
+        inp.append(full_bwd - w + (f if st.recompute else 0.0))
+        # split and recomputed: W differentiates from the stage's outputs again (runtime's
+        # split_backward `direct`), the backward and the recomputation once more
+        wgt.append(full_bwd + f if st.recompute else w)
         full = scale * table.activation_bytes(st.start, st.stop)
         hold.append(full)  # a retained graph keeps every saved tensor until W (recomputed too)
         if st.recompute:
@@ -364,7 +378,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), allreduce_ms=tuple(ar),
         static_memory_bytes=tuple(static), activation_bytes_per_microbatch=tuple(act),
         memory_limit_bytes=tuple(limit), sends=sends,
-        bwd_weight_ms=tuple(wgt), weight_hold_bytes_per_microbatch=tuple(hold),
+        bwd_weight_ms=tuple(wgt), bwd_input_ms=tuple(inp), weight_hold_bytes_per_microbatch=tuple(hold),
         transient_bytes=tuple(transient), recompute=tuple(st.recompute for st in candidate.stages),
     )
 

@@ -255,6 +255,8 @@ class PlanOptions(_Closed):
     seed: int = 0
     split: list[PositiveInt] | None = None  # method "manual": layers per stage
     replicas: list[PositiveInt] | None = None  # method "manual": replicas per stage
+    recompute: list[bool] | None = None  # method "manual": activation recomputation per stage
+    allow_recompute: bool = True  # False (--no-recompute): no stage may recompute
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:
@@ -266,6 +268,10 @@ class PlanOptions(_Closed):
                 )
         if self.replicas is not None and self.split is not None and len(self.replicas) != len(self.split):
             raise ValueError("replicas: give one count per stage of split")
+        if self.recompute is not None and self.split is not None and len(self.recompute) != len(self.split):
+            raise ValueError("recompute: give one flag (0 or 1) per stage of split")
+        if self.recompute and any(self.recompute) and not self.allow_recompute:
+            raise ValueError("recompute asks for recomputation but allow_recompute is false")
         return self
 
 

@@ -213,6 +213,11 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
         bwd_weight_ms=tuple(
             extra(st.predicted, "bwd_weight_ms") if getattr(st.predicted, "bwd_weight_ms", None) is not None
             else 0.5 * st.predicted.bwd_ms for st in stages),
+        bwd_input_ms=tuple(
+            extra(st.predicted, "bwd_input_ms") if getattr(st.predicted, "bwd_input_ms", None) is not None
+            else st.predicted.bwd_ms - (extra(st.predicted, "bwd_weight_ms")
+                                        if getattr(st.predicted, "bwd_weight_ms", None) is not None
+                                        else 0.5 * st.predicted.bwd_ms) for st in stages),
         weight_hold_bytes_per_microbatch=tuple(
             extra(st.predicted, "weight_hold_bytes_per_microbatch")
             if getattr(st.predicted, "weight_hold_bytes_per_microbatch", None) is not None

@@ -118,9 +118,12 @@ def test_plan_with_zb_h1_round_trips_and_simulates_the_same(tmp_path):
     check_plan(again)
     one = make_plan(profile, cluster(per_node=4), options.model_copy(update={"schedule": "1f1b"}))
     assert plan.predicted.iteration_ms < one.predicted.iteration_ms
-    # no measured split: a layer with parameters is half B, half W (planner.cost)
-    st = plan.stages[0].predicted
+    # no measured split: a layer with parameters is half B, half W (planner.cost); the first
+    # stage sends no gradient back, so its whole backward is W
+    st = plan.stages[1].predicted
     assert st.bwd_input_ms == pytest.approx(st.bwd_weight_ms) == pytest.approx(st.bwd_ms / 2)
+    first = plan.stages[0].predicted
+    assert first.bwd_input_ms == 0 and first.bwd_weight_ms == pytest.approx(first.bwd_ms)
     assert validate(plan_actions(again), 4, 8)
 
 
