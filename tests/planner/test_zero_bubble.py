@@ -158,3 +158,35 @@ def test_recompute_costs_a_forward_and_saves_memory(schedule):
     assert rec.stage_memory_bytes[0] < base.stage_memory_bytes[0]
     assert rec.stage_memory_bytes[1] == pytest.approx(base.stage_memory_bytes[1])
     assert rec.iteration_ms > base.iteration_ms
+
+
+def _files(tmp_path):
+    prof = tmp_path / "profile.json"
+    prof.write_text(chain_profile([1.0] * 6, act=[10**9] * 6, batch_size=8).model_dump_json())
+    cl = tmp_path / "cluster.json"
+    cl.write_text(json.dumps({"nodes": 1, "devices_per_node": 3, "device_memory_gb": 16,
+                              "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}))
+    return str(prof), str(cl)
+
+
+def test_plan_cli_zb_h1_and_manual_recompute(tmp_path, capsys):
+    from planner.cli import main
+
+    prof, cl = _files(tmp_path)
+    out = tmp_path / "plan.json"
+    trace = tmp_path / "trace.json"
+    common = ["plan", prof, "--cluster", cl, "--global-batch", "16", "--microbatch-size", "8",
+              "--method", "manual", "--split", "2,2,2", "--optimizer", "sgd", "-o", str(out)]
+    assert main([*common, "--schedule", "zb-h1", "--recompute", "1,0,1", "--trace", str(trace)]) == 0
+    plan = Plan.model_validate_json(out.read_text())
+    assert plan.schedule == "zb-h1" and [s.recompute for s in plan.stages] == [True, False, True]
+    cats = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"F", "B", "W"} <= cats
+    # 1 GB of activations per layer and microbatch, 16 GB devices: 1F1B holds 3 microbatches of
+    # 2 GB on stage 0 without recomputation (fits), the recomputed stage keeps only inputs
+    assert plan.stages[0].predicted.memory_bytes < plan.stages[1].predicted.memory_bytes
+    capsys.readouterr()
+    assert main([*common, "--recompute", "1,0"]) != 0
+    assert "one flag (0 or 1) per stage" in capsys.readouterr().err
+    assert main([*common, "--recompute", "1,0,0", "--no-recompute"]) != 0
+    assert "contradict" in capsys.readouterr().err
