@@ -149,6 +149,8 @@ class StageExecutor:
         # saved activations, each storage once, parameters and buffers not (as the profiler counts)
         with count_saved_bytes(self._state) as seen:
             out = self.forward_fn(feed)
+            for ptr, nbytes in getattr(self.forward_fn, "kept", {}).items():  # recomputed blocks' inputs
+                seen.setdefault(ptr, nbytes)
             loss = None
             if self.is_last:
                 loss = self.loss_fn(out[OUTPUT_KEY], target.to(self.device)) / self.m

@@ -48,9 +48,16 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
 
     def forward(feed: Values) -> Values:
         env = dict(feed)
+        kept: dict[int, int] = {}  # what the checkpoints keep: the blocks' inputs, each storage once
         for block in blocks:
             args = {k: env[k] for k in block.input_keys}  # type: ignore[attr-defined]
+            for t in args.values():
+                if isinstance(t, torch.Tensor) and torch.is_grad_enabled():
+                    st = t.untyped_storage()
+                    kept.setdefault(st.data_ptr(), st.nbytes())
             env.update(checkpoint(run_block, block, args, use_reentrant=False))
+        forward.kept = kept  # type: ignore[attr-defined]
         return {k: env[k] for k in outputs}
 
+    forward.kept = {}  # type: ignore[attr-defined]
     return forward
