@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from planner.build import Evaluation, evaluate, resolve_microbatch
 from planner.cost import LayerTable, layer_table
@@ -219,4 +220,19 @@ def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Ca
         bounds.append(bounds[-1] + n_layers)
         devs.append(tuple(range(rank, rank + r)))
         rank += r
-    return _candidate(bounds, devs, b, m, {"name": "manual", "status": "GIVEN"})
+    cand = _candidate(bounds, devs, b, m, {"name": "manual", "status": "GIVEN"})
+    return with_recompute(cand, options)
+
+
+def with_recompute(candidate: Candidate, options: PlanOptions) -> Candidate:
+    """The manual plan's `--recompute` flags (one 0/1 per stage) on its stages."""
+    flags = options.recompute
+    if not flags:
+        return candidate
+    if len(flags) != len(candidate.stages):
+        raise PipeplanError(f"--recompute gives {len(flags)} flags but the plan has "
+                            f"{len(candidate.stages)} stages: give one 0 or 1 per stage")
+    if any(flags) and not options.allow_recompute:
+        raise PipeplanError("--recompute asks for recomputation but --no-recompute forbids it")
+    return replace(candidate, stages=tuple(replace(st, recompute=bool(f))
+                                           for st, f in zip(candidate.stages, flags, strict=True)))

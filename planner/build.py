@@ -82,6 +82,18 @@ def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options:
     return Evaluation(candidate, costs, sim, memory)
 
 
+def stage_split_fields(costs: PipelineCosts, s: int) -> dict[str, float]:
+    """What the simulator needs of stage s beyond fwd / bwd: its backward's B / W split and the
+    memory it holds between them and during a (recomputed) backward."""
+    b, w = costs.bwd_split(s)
+    out = {"bwd_input_ms": b, "bwd_weight_ms": w}
+    if costs.weight_hold_bytes_per_microbatch is not None:
+        out["weight_hold_bytes_per_microbatch"] = costs.weight_hold_bytes_per_microbatch[s]
+    if costs.transient_bytes is not None:
+        out["transient_bytes"] = costs.transient_bytes[s]
+    return out
+
+
 def memory_error(ev: Evaluation, method: str) -> PipeplanError:
     worst = max(range(len(ev.stage_memory_bytes)),
                 key=lambda s: ev.stage_memory_bytes[s] / ev.costs.memory_limit_bytes[s])
@@ -120,7 +132,9 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
                 activation_bytes_per_microbatch=costs.activation_bytes_per_microbatch[s],
                 peak_inflight=max(sim.peak_inflight[d] for d in st.devices),
                 sends=sends,
+                **stage_split_fields(costs, s),
             ),
+            recompute=st.recompute,
         ))
     it = sim.iteration_ms
     solver = {"name": options.method, "status": "HEURISTIC", **candidate.solver}

@@ -45,6 +45,8 @@ class LayerTable:
     param_prefix_bytes: tuple[int, ...]
     activation_prefix_bytes: tuple[int, ...]
     tensors: tuple[Tensor, ...]
+    # zero bubble: the weight-gradient part (W) of bwd; None: see `default_bwd_weight_ms`
+    bwd_weight_prefix_ms: tuple[float, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -55,6 +57,23 @@ class LayerTable:
 
     def bwd_ms(self, start: int, stop: int) -> float:
         return self.bwd_prefix_ms[stop] - self.bwd_prefix_ms[start]
+
+    def bwd_weight_ms(self, start: int, stop: int) -> float:
+        """W of layers start..stop-1; B (`bwd_input`) is `bwd_ms - bwd_weight_ms`."""
+        if self.bwd_weight_prefix_ms is None:
+            return 0.5 * self.bwd_ms(start, stop)
+        return self.bwd_weight_prefix_ms[stop] - self.bwd_weight_prefix_ms[start]
+
+    def layer_activation_bytes(self, i: int) -> int:
+        return self.activation_prefix_bytes[i + 1] - self.activation_prefix_bytes[i]
+
+    def recompute_bytes(self, start: int, stop: int) -> tuple[int, int]:
+        """Recomputation of layers start..stop-1, each its own checkpointed block: (bytes kept
+        per microbatch = every tensor the blocks read, each once; bytes one block's recomputed
+        forward holds during the backward = the largest layer's activations)."""
+        kept = sum(t.nbytes for t in self.tensors if any(start <= c < stop for c in t.consumers))
+        peak = max((self.layer_activation_bytes(i) for i in range(start, stop)), default=0)
+        return kept, peak
 
     def compute_ms(self, start: int, stop: int) -> float:
         return self.fwd_ms(start, stop) + self.bwd_ms(start, stop)
@@ -107,6 +126,26 @@ def loss_activation_bytes(profile: Profile) -> int:
     return int(getattr(profile.measured, "loss_activation_bytes", 0) or 0) if profile.measured else 0
 
 
+DEFAULT_WEIGHT_SHARE = 0.5  # of bwd_ms, for a layer with parameters and no measured bwd_weight_ms
+
+
+def default_bwd_weight_ms(bwd_ms: float, param_bytes: int) -> float:
+    """W of a layer whose profile predates the B / W split: none without parameters, else
+    `DEFAULT_WEIGHT_SHARE` of its backward."""
+    return DEFAULT_WEIGHT_SHARE * bwd_ms if param_bytes > 0 else 0.0
+
+
+def layer_bwd_weight_ms(layer: object) -> float:
+    """A layer's W: measured (`bwd_weight_ms`, rescaled so B + W = bwd_ms) or the default."""
+    bwd = float(layer.bwd_ms)  # type: ignore[attr-defined]
+    bi = getattr(layer, "bwd_input_ms", None)
+    bw = getattr(layer, "bwd_weight_ms", None)
+    if bw is None:
+        return default_bwd_weight_ms(bwd, int(layer.param_bytes))  # type: ignore[attr-defined]
+    total = float(bw) + float(bi or 0.0)
+    return bwd * float(bw) / total if total > 0 else 0.0
+
+
 def layer_table(profile: Profile) -> LayerTable:
     """The profile as prefix sums; the loss's time and saved bytes are the last layer's."""
     layers = profile.layers
@@ -122,6 +161,7 @@ def layer_table(profile: Profile) -> LayerTable:
         param_prefix_bytes=_prefix([x.param_bytes for x in layers]),
         activation_prefix_bytes=_prefix(activation),
         tensors=tuple(profile_tensors(profile)),
+        bwd_weight_prefix_ms=_prefix([layer_bwd_weight_ms(x) for x in layers]),
     )
 
 
@@ -257,10 +297,30 @@ class PipelineCosts:
     activation_bytes_per_microbatch: tuple[float, ...]  # scaled
     memory_limit_bytes: tuple[float, ...]  # smallest device of the stage
     sends: dict[tuple[int, int], Send]  # (s, t) -> traffic; (s-1, s) always present
+    # zero bubble, where a schedule has W actions: B and W of each stage (default: bwd_ms -
+    # bwd_weight_ms and bwd_weight_ms, which defaults to half of bwd_ms)
+    bwd_weight_ms: tuple[float, ...] | None = None
+    bwd_input_ms: tuple[float, ...] | None = None
+    # bytes a microbatch keeps between its B and its W (default: activation_bytes_per_microbatch)
+    weight_hold_bytes_per_microbatch: tuple[float, ...] | None = None
+    # bytes held only while a backward runs (one recomputed block's activations)
+    transient_bytes: tuple[float, ...] | None = None
+    recompute: tuple[bool, ...] | None = None
+
+    def bwd_split(self, s: int) -> tuple[float, float]:
+        """(B, W) of stage s when its backward is split."""
+        w = self.bwd_weight_ms[s] if self.bwd_weight_ms is not None else 0.5 * self.bwd_ms[s]
+        b = self.bwd_input_ms[s] if self.bwd_input_ms is not None else self.bwd_ms[s] - w
+        return b, w
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_devices)
+
+
+def stages_without_input_grad(candidate: Candidate, stage: object) -> bool:
+    """The first stage receives no tensor whose gradient it must send back."""
+    return stage is candidate.stages[0]
 
 
 def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, optimizer: str,
@@ -273,16 +333,35 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
     scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
     bounds = [0] + [st.stop for st in candidate.stages]
     fwd, bwd, ar, static, act, limit = [], [], [], [], [], []
+    wgt, inp, hold, transient = [], [], [], []
     for st in candidate.stages:
         speed = min(devices[d].speed for d in st.devices)
-        fwd.append(stage_fwd_ms(table, st.start, st.stop, scale, speed))
-        bwd.append(stage_bwd_ms(table, st.start, st.stop, scale, speed))
+        f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
+        fwd.append(f)
+        # recomputation runs the forward once more, in the backward's B (before W)
+        full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
+        w = scale * table.bwd_weight_ms(st.start, st.stop) / speed
+        if stages_without_input_grad(candidate, st):
+            w = full_bwd  # nothing to send back: the whole backward runs in W (runtime's choice)
+        bwd.append(full_bwd + (f if st.recompute else 0.0))
+        inp.append(full_bwd - w + (f if st.recompute else 0.0))
+        # split and recomputed: W differentiates from the stage's outputs again (runtime's
+        # split_backward `direct`), the backward and the recomputation once more
+        wgt.append(full_bwd + f if st.recompute else w)
+        full = scale * table.activation_bytes(st.start, st.stop)
+        hold.append(full)  # a retained graph keeps every saved tensor until W (recomputed too)
+        if st.recompute:
+            kept, peak = table.recompute_bytes(st.start, st.stop)
+            act.append(scale * kept)
+            transient.append(scale * peak)
+        else:
+            act.append(full)
+            transient.append(0.0)
         params = table.param_bytes(st.start, st.stop)
         kind = link_kind(devices, st.devices)
         ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
                                link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)
         static.append(static_memory_bytes(params, optimizer))
-        act.append(scale * table.activation_bytes(st.start, st.stop))
         limit.append(min(devices[d].memory_bytes for d in st.devices))
     traffic = stage_traffic_bytes(table, bounds)
     for s in range(1, len(candidate.stages)):
@@ -299,6 +378,8 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), allreduce_ms=tuple(ar),
         static_memory_bytes=tuple(static), activation_bytes_per_microbatch=tuple(act),
         memory_limit_bytes=tuple(limit), sends=sends,
+        bwd_weight_ms=tuple(wgt), bwd_input_ms=tuple(inp), weight_hold_bytes_per_microbatch=tuple(hold),
+        transient_bytes=tuple(transient), recompute=tuple(st.recompute for st in candidate.stages),
     )
 
 

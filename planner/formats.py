@@ -60,6 +60,11 @@ class LayerProfile(_Open):
     activation_bytes: NonNegativeInt  # bytes autograd keeps for backward, per profiled batch
     output_bytes: NonNegativeInt  # bytes of this layer's outputs, per profiled batch
     kind: str | None = None  # module class or description, for people
+    # zero-bubble schedules: the backward split into the gradient of the layer's inputs (B) and
+    # of its weights (W), measured separately. Absent in older profiles: planner.cost splits
+    # bwd_ms (a layer without parameters is all B; others half B, half W).
+    bwd_input_ms: NonNegativeFloat | None = None
+    bwd_weight_ms: NonNegativeFloat | None = None
 
 
 class Edge(_Open):
@@ -232,7 +237,7 @@ class Cluster(_Closed):
 
 # ---------------------------------------------------------------- plan options and plan.json
 
-ScheduleName = Literal["1f1b", "gpipe"]
+ScheduleName = Literal["1f1b", "gpipe", "zb-h1"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 ObjectiveName = Literal["iteration", "throughput"]
 
@@ -250,6 +255,8 @@ class PlanOptions(_Closed):
     seed: int = 0
     split: list[PositiveInt] | None = None  # method "manual": layers per stage
     replicas: list[PositiveInt] | None = None  # method "manual": replicas per stage
+    recompute: list[bool] | None = None  # method "manual": activation recomputation per stage
+    allow_recompute: bool = True  # False (--no-recompute): no stage may recompute
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:
@@ -261,6 +268,10 @@ class PlanOptions(_Closed):
                 )
         if self.replicas is not None and self.split is not None and len(self.replicas) != len(self.split):
             raise ValueError("replicas: give one count per stage of split")
+        if self.recompute is not None and self.split is not None and len(self.recompute) != len(self.split):
+            raise ValueError("recompute: give one flag (0 or 1) per stage of split")
+        if self.recompute and any(self.recompute) and not self.allow_recompute:
+            raise ValueError("recompute asks for recomputation but allow_recompute is false")
         return self
 
 
@@ -271,6 +282,8 @@ class StagePredicted(_Open):
     memory_bytes: int  # peak per device
     memory_limit_bytes: int
     allreduce_ms: float = 0.0
+    bwd_input_ms: float | None = None  # zb-h1: B (recomputation included) and W of bwd_ms
+    bwd_weight_ms: float | None = None
 
 
 class PlanStage(_Open):
@@ -279,6 +292,7 @@ class PlanStage(_Open):
     replicas: PositiveInt
     devices: list[NonNegativeInt]
     predicted: StagePredicted
+    recompute: bool = False  # activation recomputation (torch.utils.checkpoint per block)
 
     @model_validator(mode="after")
     def _check(self) -> PlanStage:

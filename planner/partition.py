@@ -11,6 +11,7 @@ class StageChoice:
     start: int  # first layer index (topological order)
     stop: int  # one past the last layer index
     devices: tuple[int, ...]  # global ranks; replicas = len(devices)
+    recompute: bool = False  # keep only each block's inputs, recompute its forward in backward
 
     @property
     def replicas(self) -> int:

@@ -6,6 +6,13 @@ arrived: a forward waits for the forwards of the same microbatch on the stages t
 it sent to (their end + transfer of the gradient). Transfers delay, they do not occupy a rank.
 Once every replica of a stage has finished its last backward, all of them all-reduce.
 
+Three kinds: F, B and W. On a rank whose actions include W (zero-bubble schedules), B is the
+input gradient (`PipelineCosts.bwd_split`) and W the weight gradient, which waits only for its
+own B (earlier on the same rank) and sends nothing; without W, B is the full backward. Memory
+per rank: parameters and optimizer state, plus what each microbatch keeps from its forward until
+its backward is done (B, or W where split: after B it keeps `weight_hold_bytes_per_microbatch`),
+plus, while a backward runs, `transient_bytes` (a recomputed block's activations).
+
 The simulation is dependency-driven (each action is timed once its inputs are timed), so it
 costs O(actions x stage pairs) and handles plans with thousands of ranks quickly.
 """
@@ -26,7 +33,7 @@ class Event(NamedTuple):
 
     rank: int
     name: str  # "1F3", or "allreduce 1"
-    kind: str  # "F" | "B" | "allreduce"
+    kind: str  # "F" | "B" | "W" | "allreduce"
     stage: int
     mb: int  # -1 for allreduce
     start_ms: float
@@ -62,13 +69,20 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
         consumers[s].append((t, send.ms))
     M = max(m, 1 + max((a.mb for acts in schedule.values() for a in acts), default=0))
 
-    # end time per action, keyed (stage * 2 + is_backward) * M + mb
+    # end time per action, keyed (stage * 3 + kind) * M + mb with kind F 0, B 1, W 2
     end: dict[int, float] = {}
     waiters: dict[int, list[int]] = {}
     pos = {r: 0 for r in schedule}
     free = {r: 0.0 for r in schedule}
     inflight = {r: 0 for r in schedule}
     peak = {r: 0 for r in schedule}
+    held = {r: 0.0 for r in schedule}
+    peak_bytes = {r: 0.0 for r in schedule}
+    split = {r: any(a.kind == "W" for a in acts) for r, acts in schedule.items()}
+    act = costs.activation_bytes_per_microbatch
+    hold = costs.weight_hold_bytes_per_microbatch or act
+    transient = costs.transient_bytes or (0.0,) * S
+    bw_split = [costs.bwd_split(s) for s in range(S)]
     busy = {r: 0.0 for r in schedule}
     events: list[Event] = []
     fwd, bwd = costs.fwd_ms, costs.bwd_ms
@@ -85,28 +99,33 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
             missing = -1
             if a.kind == "F":
                 for p, ms in producers[s]:
-                    e = end.get((p * 2) * M + j)
+                    e = end.get((p * 3) * M + j)
                     if e is None:
-                        missing = (p * 2) * M + j
+                        missing = (p * 3) * M + j
                         break
                     if e + ms > ready:
                         ready = e + ms
                 dur = fwd[s]
-                key = (s * 2) * M + j
-            else:
-                e = end.get((s * 2) * M + j)
+                key = (s * 3) * M + j
+            elif a.kind == "B":
+                e = end.get((s * 3) * M + j)
                 if e is None:
-                    missing = (s * 2) * M + j
+                    missing = (s * 3) * M + j
                 else:
                     for c, ms in consumers[s]:
-                        e = end.get((c * 2 + 1) * M + j)
+                        e = end.get((c * 3 + 1) * M + j)
                         if e is None:
-                            missing = (c * 2 + 1) * M + j
+                            missing = (c * 3 + 1) * M + j
                             break
                         if e + ms > ready:
                             ready = e + ms
-                dur = bwd[s]
-                key = (s * 2 + 1) * M + j
+                dur = bw_split[s][0] if split[r] else bwd[s]
+                key = (s * 3 + 1) * M + j
+            else:
+                if (s * 3 + 1) * M + j not in end:
+                    missing = (s * 3 + 1) * M + j
+                dur = bw_split[s][1]
+                key = (s * 3 + 2) * M + j
             if missing >= 0:
                 waiters.setdefault(missing, []).append(r)
                 break
@@ -118,8 +137,20 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
                 inflight[r] += 1
                 if inflight[r] > peak[r]:
                     peak[r] = inflight[r]
+                held[r] += act[s]
+            elif a.kind == "B":
+                if held[r] + transient[s] > peak_bytes[r]:
+                    peak_bytes[r] = held[r] + transient[s]
+                if split[r]:
+                    held[r] += hold[s] - act[s]
+                else:
+                    held[r] -= act[s]
+                    inflight[r] -= 1
             else:
+                held[r] -= hold[s]
                 inflight[r] -= 1
+            if held[r] > peak_bytes[r]:
+                peak_bytes[r] = held[r]
             i += 1
             woken = waiters.pop(key, None)
             if woken:
@@ -146,11 +177,8 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
     makespan = max(free.values(), default=0.0)
     idle = {r: makespan - busy[r] - comm[r] for r in schedule}
     total = makespan * len(schedule)
-    memory = {
-        r: costs.static_memory_bytes[stage_of_rank[r]]
-        + costs.activation_bytes_per_microbatch[stage_of_rank[r]] * peak[r]
-        for r in schedule if r in stage_of_rank
-    }
+    memory = {r: costs.static_memory_bytes[stage_of_rank[r]] + peak_bytes[r]
+              for r in schedule if r in stage_of_rank}
     return Simulation(
         events=events, iteration_ms=makespan, busy_ms=busy, comm_ms=comm, idle_ms=idle,
         bubble_fraction=sum(idle.values()) / total if total > 0 else 0.0,
@@ -182,6 +210,20 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
             extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
         memory_limit_bytes=tuple(float(st.predicted.memory_limit_bytes) for st in stages),
         sends=sends,
+        bwd_weight_ms=tuple(
+            extra(st.predicted, "bwd_weight_ms") if getattr(st.predicted, "bwd_weight_ms", None) is not None
+            else 0.5 * st.predicted.bwd_ms for st in stages),
+        bwd_input_ms=tuple(
+            extra(st.predicted, "bwd_input_ms") if getattr(st.predicted, "bwd_input_ms", None) is not None
+            else st.predicted.bwd_ms - (extra(st.predicted, "bwd_weight_ms")
+                                        if getattr(st.predicted, "bwd_weight_ms", None) is not None
+                                        else 0.5 * st.predicted.bwd_ms) for st in stages),
+        weight_hold_bytes_per_microbatch=tuple(
+            extra(st.predicted, "weight_hold_bytes_per_microbatch")
+            if getattr(st.predicted, "weight_hold_bytes_per_microbatch", None) is not None
+            else extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
+        transient_bytes=tuple(extra(st.predicted, "transient_bytes") for st in stages),
+        recompute=tuple(bool(getattr(st, "recompute", False)) for st in stages),
     )
 
 

@@ -19,6 +19,12 @@ def _events(x: EventsLike) -> list[Event]:
     return list(x.events if isinstance(x, Simulation) else x)
 
 
+# Chrome's reserved colour names (catapult's color_scheme): forward, input gradient, weight
+# gradient and all-reduce each their own
+COLOURS = {"F": "thread_state_running", "B": "rail_response", "W": "good",
+           "allreduce": "thread_state_iowait"}
+
+
 def chrome_trace(events: EventsLike, metadata: Mapping[str, Any] | None = None,
                  label: str = "predicted", pid: int = 0,
                  stage_of_rank: Mapping[int, int] | None = None) -> dict[str, Any]:
@@ -43,6 +49,7 @@ def chrome_trace(events: EventsLike, metadata: Mapping[str, Any] | None = None,
             "ph": "X", "name": e.name, "cat": e.kind, "pid": pid, "tid": e.rank,
             "ts": e.start_ms * 1e3, "dur": max(e.end_ms - e.start_ms, 0.0) * 1e3,
             "args": {"stage": e.stage, "microbatch": e.mb},
+            **({"cname": COLOURS[e.kind]} if e.kind in COLOURS else {}),
         })
     return {"traceEvents": out, "displayTimeUnit": "ms", "metadata": dict(metadata or {})}
 
@@ -72,7 +79,8 @@ def text_timeline(events: EventsLike, width: int = 100, max_ranks: int = 32) -> 
             if e.rank != r:
                 continue
             ch = "=" if e.kind == "allreduce" else (
-                str(e.mb % 10) if e.kind == "F" else chr(ord("a") + e.mb % 26))
+                str(e.mb % 10) if e.kind == "F" else chr(ord("a") + e.mb % 26) if e.kind == "B"
+                else chr(ord("A") + e.mb % 26))
             a = min(int(e.start_ms * scale), width - 1)
             z = max(min(int(round(e.end_ms * scale)), width), a + 1)
             for c in range(a, z):
@@ -80,5 +88,8 @@ def text_timeline(events: EventsLike, width: int = 100, max_ranks: int = 32) -> 
         lines.append(f"rank {r:4d} |{''.join(row)}|")
     if len(ranks) > max_ranks:
         lines.append(f"... {len(ranks) - max_ranks} more ranks")
-    lines.append("legend: 0-9 forward of microbatch j (mod 10), a-z its backward, = all-reduce, . idle")
+    legend = "legend: 0-9 forward of microbatch j (mod 10), a-z its backward"
+    if any(e.kind == "W" for e in evs):
+        legend += " (input gradient), A-Z its weight gradient"
+    lines.append(legend + ", = all-reduce, . idle")
     return "\n".join(lines)

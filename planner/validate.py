@@ -2,7 +2,10 @@
 
 Dependencies (ARCHITECTURE.md): `F(t, j)` needs `F(s, j)` for every stage pair `(s, t)` that
 exchanges tensors (at least `(t-1, t)`); `B(s, j)` needs `F(s, j)` earlier *on the same rank*
-(the activations live there) and `B(t, j)` for every pair `(s, t)`. Errors print the
+(the activations live there) and `B(t, j)` for every pair `(s, t)`; `W(s, j)` (zero bubble:
+the weight gradient) needs `B(s, j)` earlier on the same rank, and a rank that runs any W runs
+one for each of its B's. Optionally the in-flight work per rank (forwards whose backward - B,
+or W where split - has not run) is held to a limit. Errors print the
 step x rank grid with the failing step(s) marked `>..<` (PyTorch pipelining's habit).
 """
 
@@ -59,12 +62,14 @@ def chain_deps(num_stages: int) -> set[tuple[int, int]]:
 
 def validate(schedule: Mapping[int, Sequence[Action | str]], num_stages: int | None = None,
              num_microbatches: int | None = None,
-             deps: Iterable[tuple[int, int]] | None = None) -> dict[int, list[Action]]:
+             deps: Iterable[tuple[int, int]] | None = None,
+             max_inflight: Mapping[int, int] | None = None) -> dict[int, list[Action]]:
     """Check `schedule` (rank -> actions or strings like "1F3"); return it parsed.
 
     `deps` are the stage pairs `(s, t)` that exchange tensors (default: the chain). With
     `num_stages` and `num_microbatches`, every stage's forward and backward of every microbatch
-    must be scheduled."""
+    must be scheduled. `max_inflight[rank]`: the most microbatches that rank may hold between a
+    forward and the end of its backward (the memory the plan was sized for)."""
     sched = {r: [a if isinstance(a, Action) else Action.parse(a) for a in acts]
              for r, acts in schedule.items()}
     stages_seen = {a.stage for acts in sched.values() for a in acts}
@@ -91,9 +96,23 @@ def validate(schedule: Mapping[int, Sequence[Action | str]], num_stages: int | N
     def needs(a: Action) -> list[Action]:
         if a.kind == "F":
             return [Action(s, "F", a.mb) for s in producers.get(a.stage, [])]
+        if a.kind == "W":
+            return [Action(a.stage, "B", a.mb)]
         return [Action(a.stage, "F", a.mb)] + [Action(t, "B", a.mb) for t in consumers.get(a.stage, [])]
 
+    split_ranks = {r for r, acts in sched.items() if any(a.kind == "W" for a in acts)}
     for a, (r, i) in where.items():
+        if a.kind == "W":
+            b = Action(a.stage, "B", a.mb)
+            pos = where.get(b)
+            if pos is None or pos[0] != r or pos[1] > i:
+                at = "no rank runs it" if pos is None else f"it is at rank {pos[0]} step {pos[1]}"
+                raise _fail(sched, f"rank {r} step {i}: weight gradient {a} before its input "
+                            f"gradient {b} on the same rank ({at})", [(r, i)] + ([pos] if pos else []))
+        if a.kind == "B" and r in split_ranks and Action(a.stage, "W", a.mb) not in where:
+            raise _fail(sched, f"rank {r} step {i}: {a} has no weight gradient "
+                        f"{Action(a.stage, 'W', a.mb)} (a rank that splits its backward runs a W "
+                        "for every B)", [(r, i)])
         if a.kind == "B":
             f = Action(a.stage, "F", a.mb)
             pos = where.get(f)
@@ -114,6 +133,16 @@ def validate(schedule: Mapping[int, Sequence[Action | str]], num_stages: int | N
                     if a not in where:
                         raise _fail(sched, f"{a} is never run: every stage must run the forward "
                                     "and backward of every microbatch", [])
+
+    for r, limit in (max_inflight or {}).items():
+        count = 0
+        last = "W" if r in split_ranks else "B"
+        for i, a in enumerate(sched.get(r, [])):
+            count += 1 if a.kind == "F" else -1 if a.kind == last else 0
+            if count > limit:
+                raise _fail(sched, f"rank {r} step {i}: {count} microbatches in flight (forward "
+                            f"done, backward not), more than the {limit} its memory allows",
+                            [(r, i)])
 
     # run it in order, without time: a rank advances while its next action's inputs are done
     done: set[Action] = set()

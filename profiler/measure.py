@@ -53,6 +53,8 @@ class LayerMeasurement:
     buffer_bytes: int
     activation_bytes: int
     output_bytes: int
+    bwd_input_ms: float | None = None  # zero bubble: the backward's two parts, measured apart
+    bwd_weight_ms: float | None = None
 
 
 def tensor_bytes(value: Any) -> int:
@@ -322,6 +324,51 @@ def _in_whole_result(lg: LayerGraph, runners: list[StageRunner], timed: InWholeR
     return out
 
 
+class SplitRunner:
+    """Times one layer's backward in the two parts a zero-bubble schedule runs apart: B, the
+    gradient of its inputs alone (`autograd.grad` to the input leaves), then W, the gradient of
+    its weights alone (`autograd.grad` to the parameters), on one forward with the graph kept
+    between them. A layer without parameters is all B; one whose inputs need no gradient, all W."""
+
+    def __init__(self, stage: StageModule, values: dict[str, Any], device: torch.device,
+                 clock: str = "wall") -> None:
+        self.stage, self.values, self.timer = stage, values, Timer(device, clock)
+        self.weights = [p for p in stage.parameters() if p.requires_grad]
+        self.b: list[float] = []
+        self.w: list[float] = []
+
+    def once(self, keep: bool) -> None:
+        feed = _fresh(self.stage, self.values)
+        out = self.stage(feed)
+        targets = _grad_targets(out)
+        leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        b = w = 0.0
+        if targets:
+            grads = [torch.ones_like(t) for t in targets]
+            if leaves:
+                t0 = self.timer.start()
+                torch.autograd.grad(targets, leaves, grads, retain_graph=True, allow_unused=True)
+                b = self.timer.stop(t0)
+            if self.weights:
+                t1 = self.timer.start()
+                torch.autograd.grad(targets, self.weights, grads, allow_unused=True)
+                w = self.timer.stop(t1)
+        if keep:
+            self.b.append(b)
+            self.w.append(w)
+
+
+def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
+                     warmup: int = 1, repeats: int = 5, clock: str = "wall"
+                     ) -> dict[str, tuple[float, float]]:
+    """Per layer name: (B ms, W ms), medians of `repeats` after `warmup` rounds."""
+    values = layer_values(lg, inputs)
+    runners = {name: SplitRunner(build_stage(lg, [name]), values, device, clock)
+               for name in lg.layer_names()}
+    _rounds(list(runners.values()), warmup, repeats, None)
+    return {name: (statistics.median(r.b), statistics.median(r.w)) for name, r in runners.items()}
+
+
 def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                 target: Any, loss_fn: Callable[[Any, Any], Any], device: torch.device,
                 warmup: int = 2, repeats: int = 5,
@@ -340,7 +387,12 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
     if layer_timing == "in-whole":
         timed = InWholeRunner(lg, inputs, device, clock)
         _rounds([timed, whole, null], warmup, repeats, on_round)
-        return _in_whole_result(lg, runners, timed), _whole_result(whole), _overhead(null)
-    _rounds([*runners, whole, null], warmup, repeats, on_round)
-    oh = _overhead(null)
-    return (_layer_result(lg, runners, oh if subtract_overhead else None), _whole_result(whole), oh)
+        layers, oh = _in_whole_result(lg, runners, timed), _overhead(null)
+    else:
+        _rounds([*runners, whole, null], warmup, repeats, on_round)
+        oh = _overhead(null)
+        layers = _layer_result(lg, runners, oh if subtract_overhead else None)
+    split = measure_bw_split(lg, inputs, device, min(warmup, 1), repeats, clock)
+    for m in layers:
+        m.bwd_input_ms, m.bwd_weight_ms = split[m.name]
+    return layers, _whole_result(whole), oh

@@ -127,6 +127,7 @@ def profile_model_file(
                 name=m.name, kind=m.kind, fwd_ms=m.fwd_ms, bwd_ms=m.bwd_ms,
                 param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
                 output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
+                bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
             )
             for m in layers
         ],

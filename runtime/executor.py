@@ -6,7 +6,9 @@ its outputs straight to every later stage that reads them; on the last stage it 
 `loss_fn(output, target_j) / m`, so the gradients summed over microbatches are those of the
 mean loss. `B(s, j)` receives the gradients of the outputs (summed over consumers), runs
 autograd and sends the inputs' gradients back to their producers. Gradients accumulate in the
-parameters' `.grad` until the flush.
+parameters' `.grad` until the flush. Where the rank's actions include `W(s, j)` (zero-bubble
+schedules), `B(s, j)` computes only the inputs' gradients (graph retained) and `W(s, j)` the
+weights' (runtime.split_backward), two separate autograd calls.
 
 Bookkeeping for the report: compute time of each forward and backward, the number of
 microbatches in flight (forward done, backward not) and the bytes autograd saved for them.
@@ -51,6 +53,7 @@ class _InFlight:
     outputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None
     saved_bytes: int
+    pending: object = None  # split_backward.PendingWeights between B and W
 
 
 class StageExecutor:
@@ -76,6 +79,11 @@ class StageExecutor:
         self.events: list[TimedEvent] = []
         self._inflight: dict[int, _InFlight] = {}
         self._saved_now = 0
+        self.split_backward = False  # set by run() when the actions include W
+        self._w_done = 0
+        self.recompute = False  # the worker sets both for a recomputed stage (runtime.recompute)
+        self.forward_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = module
+        self._weights = [p for p in module.parameters() if p.requires_grad]
 
     def _sync(self) -> None:
         """On CUDA, wait for the kernels so compute times are measured, not just launched."""
@@ -104,6 +112,7 @@ class StageExecutor:
         """Execute `actions`; `inputs[j]`, `targets[j]` are microbatch j's. Returns the sum of
         this rank's scaled microbatch losses (0 on other stages than the last)."""
         total = 0.0
+        self.split_backward = any(a.kind == "W" for a in actions)
         batched = self.p2p.batched  # NCCL: the order planner.p2p_order checks (runtime.comm)
         for i, a in enumerate(actions):
             if not batched or i == 0:
@@ -112,8 +121,10 @@ class StageExecutor:
                 self._post(actions[i + 1])
             if a.kind == "F":
                 total += self.forward(a.mb, inputs[a.mb], targets[a.mb])
-            else:
+            elif a.kind == "B":
                 self.backward(a.mb)
+            else:
+                self.backward_weight(a.mb)
             if batched:  # this action's sends and the next action's receives, one batch
                 if i + 1 < len(actions):
                     self._post(actions[i + 1])
@@ -137,7 +148,9 @@ class StageExecutor:
         t0 = time.time()
         # saved activations, each storage once, parameters and buffers not (as the profiler counts)
         with count_saved_bytes(self._state) as seen:
-            out = self.module(feed)
+            out = self.forward_fn(feed)
+            for ptr, nbytes in getattr(self.forward_fn, "kept", {}).items():  # recomputed blocks' inputs
+                seen.setdefault(ptr, nbytes)
             loss = None
             if self.is_last:
                 loss = self.loss_fn(out[OUTPUT_KEY], target.to(self.device)) / self.m
@@ -156,7 +169,8 @@ class StageExecutor:
         return float(loss.detach()) if loss is not None else 0.0
 
     def backward(self, j: int) -> None:
-        st = self._inflight.pop(j)
+        """B: the full backward, or (split) the inputs' gradients only."""
+        st = self._inflight[j] if self.split_backward else self._inflight.pop(j)
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if st.loss is not None:
@@ -174,7 +188,16 @@ class StageExecutor:
                 tensors.append(out)
                 grads.append(g)
         t0 = time.time()
-        if tensors:
+        input_grads: dict[str, torch.Tensor | None] = {}
+        if self.split_backward:
+            from runtime.split_backward import backward_input
+
+            keys = list(st.received)
+            full = [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads, strict=True)]
+            got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
+                                             self._weights, direct=self.recompute)
+            input_grads = dict(zip(keys, got, strict=True))
+        elif tensors:
             torch.autograd.backward(tensors, grads)
         self._sync()
         t1 = time.time()
@@ -184,6 +207,26 @@ class StageExecutor:
             x = st.received.get(key)
             if x is None:
                 continue
-            g = x.grad if x.grad is not None else torch.zeros_like(x)
-            self.p2p.send(g, self.rank_of(src, j), j, key, grad=True)
+            g = input_grads.get(key) if self.split_backward else x.grad
+            self.p2p.send(g if g is not None else torch.zeros_like(x), self.rank_of(src, j), j,
+                          key, grad=True)
+        if not self.split_backward:
+            self._saved_now -= st.saved_bytes
+
+    def backward_weight(self, j: int) -> None:
+        """W: the weights' gradients of microbatch j, after its B (split backward)."""
+        from runtime.split_backward import backward_weight
+
+        st = self._inflight.pop(j, None)
+        if st is None or st.pending is None:
+            raise RuntimeError(f"{self.stage}W{j} runs before {self.stage}B{j}")
+        t0 = time.time()
+        backward_weight(st.pending, self._weights)  # type: ignore[arg-type]
+        self._sync()
+        t1 = time.time()
+        # bwd_ms[k] is the k-th backward's B + W (W's run in their B's order)
+        self.stats.bwd_ms[self._w_done] += (t1 - t0) * 1e3
+        self._w_done += 1
+        self.events.append(TimedEvent(f"{self.stage}W{j}", "W", self.stage, j, t0, t1))
+        st.pending = None
         self._saved_now -= st.saved_bytes

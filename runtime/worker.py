@@ -142,6 +142,13 @@ class Worker:
             [t for t in self.aliases if t[0] in param_names], names)
         self.module = modules[self.stage].to(self.device)
         self.module.train()
+        self.forward_fn = None
+        if getattr(plan.stages[self.stage], "recompute", False):
+            from runtime.recompute import block_modules, recomputed_forward
+
+            blocks = [b.to(self.device).train() for b in
+                      block_modules(graph, list(plan.stages[self.stage].layers))]
+            self.forward_fn = recomputed_forward(self.module, blocks)
         del modules, graph, model  # keep only this rank's stage
 
         # process groups: every rank creates every group, in the same order
@@ -181,6 +188,9 @@ class Worker:
                                        [list(s.devices) for s in plan.stages], self.p2p,
                                        self.mf.loss_fn, self.m, self.device)
         self.executor.seed = opts.seed
+        if self.forward_fn is not None:
+            self.executor.forward_fn = self.forward_fn
+            self.executor.recompute = True
         from planner.schedules import actions_for_rank
 
         self.actions = actions_for_rank(plan, self.rank)

@@ -17,6 +17,13 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _flags(text: str) -> list[bool]:
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or any(x not in ("0", "1") for x in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated 0 or 1, got {text!r}")
+    return [x == "1" for x in parts]
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan pipeline-parallel training of a profiled model",
                        description="Choose stages, replicas and devices for a profiled model on a "
@@ -27,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch-size", type=int, help="samples per microbatch (default: the "
                    "largest divisor of the global batch up to the profile's batch size)")
     p.add_argument("--microbatch-sizes", type=_ints, help="cpsat: sizes it may choose among, e.g. 4,8,16")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zb-h1"], default="1f1b",
+                   help="1f1b (default), gpipe, or zb-h1 (zero bubble: backward split into B and W)")
     p.add_argument("--method", help="cpsat (default when available), pipedream, blocks, params, "
                    "uniform, or manual (with --split)")
     p.add_argument("--objective", choices=["iteration", "throughput"], default="iteration")
@@ -37,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--powers-of-two", action="store_true", help="cpsat: replica counts 1, 2, 4, ...")
     p.add_argument("--split", type=_ints, help="manual: layers per stage, e.g. 3,3,2")
     p.add_argument("--replicas", type=_ints, help="manual: replicas per stage, e.g. 1,1,2")
+    p.add_argument("--recompute", type=_flags, help="manual: recompute activations per stage, "
+                   "one 0 or 1 per stage of --split, e.g. 1,0,0")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="no stage may recompute its activations")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (plan.json)")
     p.add_argument("--trace", help="also write the predicted timeline as a Chrome trace JSON")
     p.add_argument("--timeline", action="store_true", help="also print a text timeline")
@@ -56,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas and not args.split:
         raise PipeplanError("--replicas needs --split (the layers per stage)")
     method = args.method or ("manual" if args.split else default_method())
+    if args.recompute and not args.split:
+        raise PipeplanError("--recompute needs --split (one 0 or 1 per stage of the manual plan)")
+    if args.recompute and any(args.recompute) and args.no_recompute:
+        raise PipeplanError("--recompute and --no-recompute contradict each other")
     if args.split and method != "manual":
         raise PipeplanError(f"--split is for --method manual, not {method}")
     options = parse_model({
@@ -63,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         "microbatch_sizes": args.microbatch_sizes, "schedule": args.schedule, "method": method,
         "objective": args.objective, "optimizer": args.optimizer, "time_limit_s": args.time_limit,
         "seed": args.seed, "powers_of_two": args.powers_of_two, "split": args.split,
-        "replicas": args.replicas,
+        "replicas": args.replicas, "recompute": args.recompute,
+        "allow_recompute": not args.no_recompute,
     }, PlanOptions, "options")
     plan = make_plan(profile, cluster, options)
     save_model(plan, args.output)

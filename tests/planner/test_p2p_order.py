@@ -22,7 +22,7 @@ def _devices(replicas: list[int]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 @pytest.mark.parametrize("S", range(2, 9))
 def test_chains_pass(schedule, S):
     devs = _devices([1] * S)
@@ -30,7 +30,7 @@ def test_chains_pass(schedule, S):
         check_schedule(generate(schedule, devs, m), devs)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 @pytest.mark.parametrize("replicas", [[2, 1], [1, 2], [2, 2], [3, 1, 2], [1, 3, 2, 1], [2, 3], [4]])
 def test_replicated_stages_pass(schedule, replicas):
     devs = _devices(replicas)
@@ -110,7 +110,7 @@ def test_programs_issue_sends_with_the_next_receives():
     assert progs[1][-1].ops[0].msg.kind == "loss" and progs[0][-1].ops[0].msg.kind == "loss"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_plans_the_planner_emits_pass(schedule):
     # real plans: a chain on 2..8 stages and replicated stages, from the planner itself
     for S in range(2, 9):

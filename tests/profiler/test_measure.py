@@ -89,7 +89,7 @@ def test_profile_round_trips_and_bytes_repeat_exactly(small_env) -> None:
     again = Profile.model_validate(json.loads(first.model_dump_json()))
     assert again == first
     second = profile_model_file(EXAMPLES / "unet.py", 2, warmup=1, repeats=2)
-    strip = ("fwd_ms", "bwd_ms")
+    strip = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")
     for a, b in zip(first.layers, second.layers, strict=True):
         assert {k: v for k, v in a.model_dump().items() if k not in strip} == \
                {k: v for k, v in b.model_dump().items() if k not in strip}
@@ -97,6 +97,8 @@ def test_profile_round_trips_and_bytes_repeat_exactly(small_env) -> None:
     assert first.measured.activation_bytes == second.measured.activation_bytes
     assert first.cut_bytes() == second.cut_bytes()
     assert all(layer.fwd_ms >= 0 and layer.bwd_ms >= 0 for layer in first.layers)
+    assert all(layer.bwd_input_ms is not None and layer.bwd_weight_ms is not None
+               for layer in first.layers)
     assert sum(layer.fwd_ms + layer.bwd_ms for layer in first.layers) > 0
 
 
@@ -116,3 +118,43 @@ def test_stage_call_overhead_is_measured_on_a_stage_with_a_backward() -> None:
     for _ in range(3):
         run.once(keep=True)
     assert all(b > 0 for b in run.bwd) and all(f > 0 for f in run.fwd)
+
+
+class _SleepGrad(torch.autograd.Function):
+    """Identity whose backward sleeps `ms`."""
+
+    @staticmethod
+    def forward(ctx, x, ms):  # noqa: ANN001, ANN205
+        ctx.ms = ms
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        import time
+
+        time.sleep(ctx.ms / 1e3)
+        return grad, None
+
+
+class _SplitLayer(nn.Module):
+    """The input's gradient waits 30 ms, the weight's 5 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SleepGrad.apply(x, 30.0) * _SleepGrad.apply(self.w, 5.0)
+
+
+def test_backward_input_and_weight_are_measured_apart() -> None:
+    from profiler.measure import measure_bw_split
+
+    model = nn.Sequential(nn.Linear(4, 4), _SplitLayer())
+    x = torch.randn(2, 4)
+    lg = trace(model, (x,), granularity="modules")
+    split = measure_bw_split(lg, (x,), torch.device("cpu"), warmup=0, repeats=3)
+    b, w = split[lg.layer_names()[1]]
+    assert b >= 30 and 5 <= w < 25  # each part waits for its own branch only
+    b0, w0 = split[lg.layer_names()[0]]
+    assert b0 == 0.0 and w0 >= 0  # the model's input needs no gradient: all W

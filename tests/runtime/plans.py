@@ -24,7 +24,8 @@ from runtime import stages as runtime_stages
 
 
 def make_plan(model_path: str | Path, layers: list[str], split: list[int], replicas: list[int],
-              *, schedule: str = "1f1b", global_batch: int = 8, microbatch_size: int = 2) -> Plan:
+              *, schedule: str = "1f1b", global_batch: int = 8, microbatch_size: int = 2,
+              recompute: list[bool] | None = None) -> Plan:
     assert sum(split) == len(layers)
     stages, start, rank = [], 0, 0
     for s, (n, r) in enumerate(zip(split, replicas, strict=True)):
@@ -32,6 +33,7 @@ def make_plan(model_path: str | Path, layers: list[str], split: list[int], repli
             index=s, layers=layers[start:start + n], replicas=r, devices=list(range(rank, rank + r)),
             predicted=StagePredicted(fwd_ms=1.0, bwd_ms=2.0, compute_ms=3.0, memory_bytes=0,
                                      memory_limit_bytes=10**9),
+            recompute=bool(recompute[s]) if recompute else False,
         ))
         start += n
         rank += r

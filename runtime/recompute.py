@@ -1,0 +1,63 @@
+"""Activation recomputation of a stage: each of its blocks (the plan's layers) under
+`torch.utils.checkpoint` (non-reentrant), so a microbatch in flight keeps only the blocks'
+inputs and the backward runs each block's forward once more.
+
+Internal module. The blocks are built from the same traced graph as the stage and share its
+parameters and buffers (the same tensor objects: the optimizer, the all-reduce and the
+checkpoint files see the stage module as before); hooks and custom autograd Functions run as
+written, and checkpoint's saved random state makes the recomputed forward draw the same
+random numbers as the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.errors import PipeplanError
+
+Values = dict[str, torch.Tensor]
+
+
+def block_modules(graph: object, layers: list[str]) -> list[nn.Module]:
+    """One module per layer, in order, each `forward(values) -> values` like a stage's."""
+    from profiler.graph import build_stage
+
+    return [build_stage(graph, [name]) for name in layers]  # type: ignore[arg-type]
+
+
+def check_shared(stage: nn.Module, blocks: list[nn.Module]) -> None:
+    own = {id(t) for t in stage.state_dict(keep_vars=True).values()}
+    for b in blocks:
+        for name, t in b.state_dict(keep_vars=True).items():
+            if id(t) not in own:
+                raise PipeplanError(f"recomputation: block tensor {name!r} is not the stage's own "
+                                    "(plan this stage without recompute)")
+
+
+def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[Values], Values]:
+    """The stage's forward with each block checkpointed."""
+    check_shared(stage, blocks)
+    outputs = list(stage.output_keys)  # type: ignore[attr-defined]
+
+    def run_block(block: nn.Module, values: Values) -> Values:
+        return block(values)
+
+    def forward(feed: Values) -> Values:
+        env = dict(feed)
+        kept: dict[int, int] = {}  # what the checkpoints keep: the blocks' inputs, each storage once
+        for block in blocks:
+            args = {k: env[k] for k in block.input_keys}  # type: ignore[attr-defined]
+            for t in args.values():
+                if isinstance(t, torch.Tensor) and torch.is_grad_enabled():
+                    st = t.untyped_storage()
+                    kept.setdefault(st.data_ptr(), st.nbytes())
+            env.update(checkpoint(run_block, block, args, use_reentrant=False))
+        forward.kept = kept  # type: ignore[attr-defined]
+        return {k: env[k] for k in outputs}
+
+    forward.kept = {}  # type: ignore[attr-defined]
+    return forward

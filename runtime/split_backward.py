@@ -1,0 +1,129 @@
+"""A stage's backward in two autograd calls, for zero-bubble schedules: B (gradients of the
+stage's inputs, what the previous stage waits for) and W (gradients of its weights, later).
+
+Internal module. The method is torch.distributed.pipelining's `stage_backward_input` /
+`stage_backward_weight` (torch/distributed/pipelining/_backward.py), whose graph helpers it
+reuses: B runs `autograd.grad` from the outputs to the inputs with the graph retained, and on
+the way records the gradient arriving at every "intermediate" node where a weight's branch
+joins the input path; W runs `autograd.grad` from those intermediates to the weights, so no
+node's backward runs twice. Differences from torch's: the outputs are not detached in place
+(views cannot be); weights that no input path reaches (a stage whose inputs need no
+gradient, or a branch from the parameters alone) get their gradients in W from the outputs
+directly, with the graph B retained, instead of being left without a gradient; and a
+recomputed (checkpointed) stage computes all its weights' gradients that way (`direct`), which
+runs the input-gradient part of the backward and the recomputation once more in W.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    get_param_groups,
+)
+
+
+@dataclass
+class PendingWeights:
+    """What B leaves for W: the groups of intermediates with their gradients, and the weights
+    W computes straight from the outputs."""
+
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    output_grads: list[torch.Tensor] = field(default_factory=list)
+    direct: list[torch.Tensor] = field(default_factory=list)  # weights outside every group
+
+
+def _accumulate(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is None:
+        return
+    if weight.grad is None:
+        weight.grad = grad.detach().clone()
+    else:
+        weight.grad += grad
+
+
+def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor],
+                   inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                   direct: bool = False) -> tuple[list[torch.Tensor | None], PendingWeights]:
+    """B: the gradients of `inputs` (None where unused), and what W needs. `direct`: W computes
+    every weight's gradient from the outputs (a recomputed stage: torch.utils.checkpoint's
+    recomputation and the intermediates' gradients do not mix)."""
+    outs = [o for o in outputs if o.requires_grad]
+    grads = [g for o, g in zip(outputs, output_grads, strict=True) if o.requires_grad]
+    weights = [w for w in weights if w.requires_grad]
+    pending = PendingWeights(outputs=outs, output_grads=grads)
+    grad_inputs = [x for x in inputs if x.requires_grad]
+    if not outs:
+        return [None] * len(inputs), pending
+    if not grad_inputs or direct:
+        pending.direct = list(weights)
+        if not grad_inputs:
+            return [None] * len(inputs), pending
+        got = torch.autograd.grad(outs, grad_inputs, grads, retain_graph=True, allow_unused=True)
+        by_id = {id(x): g for x, g in zip(grad_inputs, got, strict=True)}
+        return [by_id.get(id(x)) for x in inputs], pending
+    reverse = construct_reverse_graph([n for n in map(_get_grad_fn_or_grad_acc, outs) if n is not None])
+    weight_nodes = {w: _get_grad_fn_or_grad_acc(w) for w in weights}
+    input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, grad_inputs) if n is not None]
+    groups = get_param_groups(input_nodes, [n for n in weight_nodes.values() if n is not None], reverse)
+    grouped = {n for g in groups for n in g["params"]}
+    pending.direct = [w for w, n in weight_nodes.items() if n not in grouped and n in reverse]
+    handles = []
+    for group in groups:
+        inter = list(group["intermediates"])
+        group["intermediates"] = inter
+        group["grads"] = [None] * len(inter)
+        for i, node in enumerate(inter):
+            def hook(grad_outputs: tuple[torch.Tensor | None, ...], group: dict[str, Any] = group,
+                     i: int = i) -> None:
+                group["grads"][i] = grad_outputs
+            handles.append(node.register_prehook(hook))
+    try:
+        got = torch.autograd.grad(outs, grad_inputs, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    pending.groups = groups
+    by_id = {id(x): g for x, g in zip(grad_inputs, got, strict=True)}
+    return [by_id.get(id(x)) for x in inputs], pending
+
+
+def backward_weight(pending: PendingWeights, weights: Sequence[torch.Tensor]) -> None:
+    """W: accumulate the weights' gradients into `.grad`; frees the graph."""
+    node_to_weight = {_get_grad_fn_or_grad_acc(w): w for w in weights if w.requires_grad}
+    for group in pending.groups:
+        edges, grads = [], []
+        for grads_tuple, node in zip(group["grads"], group["intermediates"], strict=True):
+            for i, g in enumerate(grads_tuple or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        handles = []
+        if len(group["intermediates"]) > 1:  # a descendant intermediate must not count twice
+            for grads_tuple, node in zip(group["grads"], group["intermediates"], strict=True):
+                handles.append(node.register_prehook(lambda _g, saved=grads_tuple: saved))
+        try:
+            if edges:
+                params = list(group["params"])
+                dws = torch.autograd.grad(edges, tuple(GradientEdge(p, 0) for p in params),
+                                          grad_outputs=grads, retain_graph=True, allow_unused=True)
+                for p, dw in zip(params, dws, strict=True):
+                    _accumulate(node_to_weight[p], dw)
+        finally:
+            for h in handles:
+                h.remove()
+    if pending.direct and pending.outputs:
+        dws = torch.autograd.grad(pending.outputs, pending.direct, pending.output_grads,
+                                  retain_graph=True, allow_unused=True)
+        for w, dw in zip(pending.direct, dws, strict=True):
+            _accumulate(w, dw)
+    pending.groups.clear()
+    pending.outputs.clear()
+    pending.output_grads.clear()

@@ -1,0 +1,192 @@
+"""ZB-H1 (zero bubble) and per-stage recomputation in the planner: the W action, the generator,
+the validator, the simulator against the paper's closed forms, the cost model and the plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import chain_profile, cluster, equal_costs
+
+from planner.actions import Action
+from planner.build import evaluate
+from planner.cost import layer_table
+from planner.formats import Plan, PlanOptions
+from planner.p2p_order import check_plan, check_schedule
+from planner.partition import Candidate, StageChoice
+from planner.schedules import generate, plan_actions
+from planner.simulator import simulate, simulate_costs
+from planner.solve import make_plan
+from planner.trace import chrome_trace, text_timeline
+from planner.validate import ScheduleError, validate
+
+
+def _split(costs, w_ms):
+    from dataclasses import replace
+
+    return replace(costs, bwd_weight_ms=(w_ms,) * costs.num_stages)
+
+
+def test_w_action_parses_back():
+    a = Action.parse("1W3")
+    assert a == Action(1, "W", 3) and str(a) == "1W3"
+    with pytest.raises(ValueError):
+        Action.parse("1X3")
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 13])
+def test_zb_h1_is_valid_and_reaches_the_papers_makespan(p, m):
+    # F = B = W = 1: 1F1B's full backward is B + W = 2
+    devs = [(s,) for s in range(p)]
+    zb = validate(generate("zb-h1", devs, m), p, m)
+    costs = _split(equal_costs(p, m, fwd_ms=1.0, bwd_ms=2.0, act_bytes=1.0), 1.0)
+    sim = simulate_costs(costs, zb)
+    one = simulate_costs(costs, generate("1f1b", devs, m))
+    if m >= p:  # the closed forms assume a full pipeline
+        assert sim.iteration_ms == pytest.approx(m * 3 + (p - 1) * (1 + 1 - 1))
+        assert one.iteration_ms == pytest.approx(m * 3 + (p - 1) * 3)
+    assert sim.iteration_ms <= one.iteration_ms + 1e-9
+    # memory: ZB-H1 never holds more microbatches than 1F1B's busiest rank
+    assert max(sim.peak_inflight.values()) <= max(one.peak_inflight.values())
+    assert max(sim.peak_memory_bytes.values()) <= max(one.peak_memory_bytes.values())
+    # every rank: same F / B order as 1F1B, one W per B after it
+    for r, acts in zb.items():
+        assert [a for a in acts if a.kind != "W"] == generate("1f1b", devs, m)[r]
+
+
+@pytest.mark.parametrize("F,B,W", [(1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (2.0, 1.0, 1.0), (1.0, 0.7, 1.3)])
+def test_zb_h1_never_below_its_ideal_and_never_worse_than_1f1b(F, B, W):
+    p, m = 4, 8
+    devs = [(s,) for s in range(p)]
+    costs = _split(equal_costs(p, m, fwd_ms=F, bwd_ms=B + W), W)
+    zb = simulate_costs(costs, generate("zb-h1", devs, m)).iteration_ms
+    one = simulate_costs(costs, generate("1f1b", devs, m)).iteration_ms
+    assert zb >= m * (F + B + W) + (p - 1) * max(F + B - W, 0) - 1e-9
+    assert zb <= one + 1e-9
+
+
+@pytest.mark.parametrize("replicas", [[2, 1], [1, 2], [2, 2, 1], [1, 3, 2, 1]])
+def test_zb_h1_with_replicas_is_valid_and_nccl_safe(replicas):
+    devs, r = [], 0
+    for k in replicas:
+        devs.append(list(range(r, r + k)))
+        r += k
+    for m in (1, 4, 6, 12):
+        sched = generate("zb-h1", devs, m)
+        validate(sched, len(devs), m)
+        check_schedule(sched, devs)
+        costs = equal_costs(len(devs), m)
+        one = simulate_costs(costs, generate("1f1b", devs, m))
+        zb = simulate_costs(costs, sched)
+        assert max(zb.peak_inflight.values()) <= max(one.peak_inflight.values())
+
+
+def test_validator_rejects_w_before_b_a_missing_w_and_too_much_in_flight():
+    devs = [(0,), (1,)]
+    good = generate("zb-h1", devs, 3)
+    bad = {r: list(a) for r, a in good.items()}
+    i, k = bad[1].index(Action(1, "B", 0)), bad[1].index(Action(1, "W", 0))
+    bad[1][i], bad[1][k] = bad[1][k], bad[1][i]
+    with pytest.raises(ScheduleError, match="weight gradient 1W0 before its input gradient 1B0"):
+        validate(bad, 2, 3)
+    bad = {r: [a for a in acts if a != Action(0, "W", 2)] for r, acts in good.items()}
+    with pytest.raises(ScheduleError, match="0B2 has no weight gradient 0W2"):
+        validate(bad, 2, 3)
+    validate(good, 2, 3, max_inflight={0: 2, 1: 2})
+    with pytest.raises(ScheduleError, match="rank 1 .* more than the 1"):
+        validate(good, 2, 3, max_inflight={0: 2, 1: 1})
+
+
+def test_trace_gives_w_its_own_colour_and_letter():
+    devs = [(0,), (1,)]
+    sim = simulate_costs(equal_costs(2, 2), generate("zb-h1", devs, 2))
+    evs = [e for e in chrome_trace(sim)["traceEvents"] if e["ph"] == "X"]
+    colours = {e["cat"]: e["cname"] for e in evs}
+    assert set(colours) == {"F", "B", "W"} and len(set(colours.values())) == 3
+    assert "A-Z its weight gradient" in text_timeline(sim)
+
+
+def test_plan_with_zb_h1_round_trips_and_simulates_the_same(tmp_path):
+    profile = chain_profile([1.0] * 8, bwd=[2.0] * 8)
+    options = PlanOptions(global_batch=16, microbatch_size=2, schedule="zb-h1", method="manual",
+                          split=[2, 2, 2, 2], optimizer="sgd")
+    plan = make_plan(profile, cluster(per_node=4), options)
+    assert plan.schedule == "zb-h1" and any("W" in a for acts in plan.rank_actions.values() for a in acts)
+    again = Plan.model_validate(json.loads(plan.model_dump_json()))
+    assert simulate(again).iteration_ms == pytest.approx(plan.predicted.iteration_ms)
+    check_plan(again)
+    one = make_plan(profile, cluster(per_node=4), options.model_copy(update={"schedule": "1f1b"}))
+    assert plan.predicted.iteration_ms < one.predicted.iteration_ms
+    # no measured split: a layer with parameters is half B, half W (planner.cost); the first
+    # stage sends no gradient back, so its whole backward is W
+    st = plan.stages[1].predicted
+    assert st.bwd_input_ms == pytest.approx(st.bwd_weight_ms) == pytest.approx(st.bwd_ms / 2)
+    first = plan.stages[0].predicted
+    assert first.bwd_input_ms == 0 and first.bwd_weight_ms == pytest.approx(first.bwd_ms)
+    assert validate(plan_actions(again), 4, 8)
+
+
+def test_measured_b_w_split_is_used():
+    profile = chain_profile([1.0] * 4, bwd=[2.0] * 4)
+    for layer in profile.layers:
+        layer.bwd_input_ms, layer.bwd_weight_ms = 1.5, 0.5
+    table = layer_table(profile)
+    assert table.bwd_weight_ms(0, 4) == pytest.approx(2.0)
+    assert table.bwd_ms(0, 4) - table.bwd_weight_ms(0, 4) == pytest.approx(6.0)
+    no_params = chain_profile([1.0] * 2, params=[0, 0])
+    assert layer_table(no_params).bwd_weight_ms(0, 2) == 0.0
+
+
+def _cand(recompute: tuple[bool, ...]) -> Candidate:
+    return Candidate(tuple(StageChoice(2 * s, 2 * s + 2, (s,), recompute=recompute[s]) for s in range(2)),
+                     microbatch_size=8, num_microbatches=4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_recompute_costs_a_forward_and_saves_memory(schedule):
+    profile = chain_profile([1.0] * 4, bwd=[2.0] * 4, act=[1000] * 4, out=[50] * 4)
+    table = layer_table(profile)
+    opts = PlanOptions(global_batch=32, microbatch_size=8, schedule=schedule, method="manual",
+                       optimizer="sgd")
+    base = evaluate(table, cluster(per_node=2), _cand((False, False)), opts)
+    rec = evaluate(table, cluster(per_node=2), _cand((True, False)), opts)
+    assert rec.costs.bwd_ms[0] == pytest.approx(base.costs.bwd_ms[0] + base.costs.fwd_ms[0])
+    assert rec.costs.bwd_ms[1] == pytest.approx(base.costs.bwd_ms[1])
+    # kept per microbatch: the blocks' inputs (the model input 8 B and l0's output 50 B)
+    assert rec.costs.activation_bytes_per_microbatch[0] == pytest.approx(58)
+    assert rec.stage_memory_bytes[0] < base.stage_memory_bytes[0]
+    assert rec.stage_memory_bytes[1] == pytest.approx(base.stage_memory_bytes[1])
+    assert rec.iteration_ms > base.iteration_ms
+
+
+def _files(tmp_path):
+    prof = tmp_path / "profile.json"
+    prof.write_text(chain_profile([1.0] * 6, act=[10**9] * 6, batch_size=8).model_dump_json())
+    cl = tmp_path / "cluster.json"
+    cl.write_text(json.dumps({"nodes": 1, "devices_per_node": 3, "device_memory_gb": 16,
+                              "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}))
+    return str(prof), str(cl)
+
+
+def test_plan_cli_zb_h1_and_manual_recompute(tmp_path, capsys):
+    from planner.cli import main
+
+    prof, cl = _files(tmp_path)
+    out = tmp_path / "plan.json"
+    trace = tmp_path / "trace.json"
+    common = ["plan", prof, "--cluster", cl, "--global-batch", "16", "--microbatch-size", "8",
+              "--method", "manual", "--split", "2,2,2", "--optimizer", "sgd", "-o", str(out)]
+    assert main([*common, "--schedule", "zb-h1", "--recompute", "1,0,1", "--trace", str(trace)]) == 0
+    plan = Plan.model_validate_json(out.read_text())
+    assert plan.schedule == "zb-h1" and [s.recompute for s in plan.stages] == [True, False, True]
+    cats = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"F", "B", "W"} <= cats
+    # 1 GB of activations per layer and microbatch, 16 GB devices: 1F1B holds 3 microbatches of
+    # 2 GB on stage 0 without recomputation (fits), the recomputed stage keeps only inputs
+    assert plan.stages[0].predicted.memory_bytes < plan.stages[1].predicted.memory_bytes
+    capsys.readouterr()
+    assert main([*common, "--recompute", "1,0"]) != 0
+    assert "one flag (0 or 1) per stage" in capsys.readouterr().err
+    assert main([*common, "--recompute", "1,0,0", "--no-recompute"]) != 0
+    assert "contradict" in capsys.readouterr().err
