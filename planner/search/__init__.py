@@ -77,8 +77,8 @@ def _baselines(profile: Profile, cluster: Cluster, options: PlanOptions, b: int,
 
 def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
               hops, upper_ms: float) -> BoundPlan | None:
-    if options.objective != "iteration":
-        return None
+    if options.objective != "iteration" or options.schedule not in ("1f1b", "gpipe"):
+        return None  # the DPs' conditions assume a full backward per B (not zb-h1's B and W)
     c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
                    hops)
     if table.num_layers ** 2 * cluster.num_devices * len(c.rs) > DP_CELLS:
