@@ -250,6 +250,7 @@ class PlanOptions(_Closed):
     seed: int = 0
     split: list[PositiveInt] | None = None  # method "manual": layers per stage
     replicas: list[PositiveInt] | None = None  # method "manual": replicas per stage
+    tp: list[PositiveInt] | None = None  # method "manual": tensor-parallel degree per stage
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:
@@ -261,6 +262,8 @@ class PlanOptions(_Closed):
                 )
         if self.replicas is not None and self.split is not None and len(self.replicas) != len(self.split):
             raise ValueError("replicas: give one count per stage of split")
+        if self.tp is not None and self.split is not None and len(self.tp) != len(self.split):
+            raise ValueError("tp: give one degree per stage of split")
         return self
 
 
@@ -277,16 +280,24 @@ class PlanStage(_Open):
     index: NonNegativeInt
     layers: list[str] = Field(min_length=1)
     replicas: PositiveInt
+    # replicas x tp ranks, replica-major: replica k's tensor-parallel ranks are
+    # devices[k*tp:(k+1)*tp]
     devices: list[NonNegativeInt]
     predicted: StagePredicted
+    tp: PositiveInt = 1  # tensor-parallel degree: each replica is sharded over tp devices
 
     @model_validator(mode="after")
     def _check(self) -> PlanStage:
-        if len(self.devices) != self.replicas:
+        if len(self.devices) != self.replicas * self.tp:
             raise ValueError(
-                f"stage {self.index}: {self.replicas} replicas but {len(self.devices)} devices"
+                f"stage {self.index}: {self.replicas} replicas x tp {self.tp} but "
+                f"{len(self.devices)} devices"
             )
         return self
+
+    def replica_ranks(self) -> list[int]:
+        """The first rank of each replica (the one the schedule and the simulator track)."""
+        return self.devices[::self.tp]
 
 
 class Predicted(_Open):
@@ -343,7 +354,7 @@ class Plan(_Open):
 
     @property
     def world_size(self) -> int:
-        return sum(s.replicas for s in self.stages)
+        return sum(len(s.devices) for s in self.stages)
 
 
 # ---------------------------------------------------------------- report.json (runtime)

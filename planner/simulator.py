@@ -171,8 +171,8 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
     def extra(st: object, name: str) -> float:
         return float(getattr(st, name, None) or 0.0)
 
-    return PipelineCosts(
-        stage_devices=tuple(tuple(st.devices) for st in stages),
+    return PipelineCosts(  # a tensor-parallel replica is simulated as its first rank
+        stage_devices=tuple(tuple(st.devices[::getattr(st, "tp", 1)]) for st in stages),
         num_microbatches=plan.num_microbatches,
         fwd_ms=tuple(st.predicted.fwd_ms for st in stages),
         bwd_ms=tuple(st.predicted.bwd_ms for st in stages),
@@ -196,7 +196,10 @@ def simulate(plan_or_costs: Plan | PipelineCosts,
         from planner.schedules import plan_actions
 
         costs = costs_from_plan(plan_or_costs)
-        return simulate_costs(costs, schedule if schedule is not None else plan_actions(plan_or_costs))  # type: ignore[arg-type]
+        if schedule is None:
+            tracked = {r for devs in costs.stage_devices for r in devs}
+            schedule = {r: a for r, a in plan_actions(plan_or_costs).items() if r in tracked}
+        return simulate_costs(costs, schedule)  # type: ignore[arg-type]
     if schedule is None:
         raise ValueError("simulate(costs) needs a schedule (planner.schedules.generate)")
     return simulate_costs(plan_or_costs, schedule)  # type: ignore[arg-type]
