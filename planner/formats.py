@@ -52,6 +52,18 @@ class DeviceInfo(_Open):
     name: str
 
 
+class LayerTP(_Open):
+    """A layer as it runs on one of `degree` tensor-parallel devices (profile --tp)."""
+
+    degree: PositiveInt
+    fwd_ms: NonNegativeFloat  # the shard's own work, measured
+    bwd_ms: NonNegativeFloat
+    param_bytes: NonNegativeInt  # the shard's parameters
+    activation_bytes: NonNegativeInt  # saved for backward on one device, per profiled batch
+    allreduce_bytes_fwd: NonNegativeInt = 0  # TP collectives per profiled batch (all-reduce
+    allreduce_bytes_bwd: NonNegativeInt = 0  # equivalents: an all-gather of n counts n/2)
+
+
 class LayerProfile(_Open):
     name: str
     fwd_ms: NonNegativeFloat
@@ -60,6 +72,14 @@ class LayerProfile(_Open):
     activation_bytes: NonNegativeInt  # bytes autograd keeps for backward, per profiled batch
     output_bytes: NonNegativeInt  # bytes of this layer's outputs, per profiled batch
     kind: str | None = None  # module class or description, for people
+    tp: list[LayerTP] | None = None  # per tensor-parallel degree (profile --tp), if profiled
+
+    def at_degree(self, degree: int) -> LayerTP | None:
+        """The layer on one of `degree` TP devices (degree 1: the layer itself)."""
+        if degree == 1:
+            return LayerTP(degree=1, fwd_ms=self.fwd_ms, bwd_ms=self.bwd_ms,
+                           param_bytes=self.param_bytes, activation_bytes=self.activation_bytes)
+        return next((x for x in self.tp or [] if x.degree == degree), None)
 
 
 class Edge(_Open):

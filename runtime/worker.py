@@ -207,6 +207,8 @@ class Worker:
         self.executor.seed = opts.seed
         self.executor.stage_tp = [st.tp for st in plan.stages]
         self.executor.tp_rank = self.tp_rank
+        if self.mesh is not None:  # saved shards of the parameters are not activations
+            self.executor._state = [tensor_parallel.local(t.detach()) for t in self.executor._state]
         from planner.schedules import actions_for_rank
 
         self.actions = actions_for_rank(plan, self.rank)
