@@ -62,6 +62,8 @@ class LayerTP(_Open):
     activation_bytes: NonNegativeInt  # saved for backward on one device, per profiled batch
     allreduce_bytes_fwd: NonNegativeInt = 0  # TP collectives per profiled batch (all-reduce
     allreduce_bytes_bwd: NonNegativeInt = 0  # equivalents: an all-gather of n counts n/2)
+    allreduces_fwd: NonNegativeInt = 0  # how many collectives (each pays the link's latency)
+    allreduces_bwd: NonNegativeInt = 0
 
 
 class LayerProfile(_Open):
@@ -294,6 +296,7 @@ class StagePredicted(_Open):
     memory_bytes: int  # peak per device
     memory_limit_bytes: int
     allreduce_ms: float = 0.0
+    tp_comm_ms: float = 0.0  # TP all-reduces per microbatch (fwd + bwd), inside fwd_ms/bwd_ms
 
 
 class PlanStage(_Open):

@@ -40,6 +40,7 @@ class _CommBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.nbytes = 0
+        self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.__name__.split(".")[0]
@@ -50,6 +51,7 @@ class _CommBytes(TorchDispatchMode):
                 if name in ("all_gather_into_tensor", "allgather_"):
                     n *= dist.get_world_size()  # the gathered output
                 self.nbytes += n if name in _FULL else n // 2
+                self.count += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -92,7 +94,7 @@ def measure_degree(build: Callable[[], torch.nn.Module], inputs: tuple[torch.Ten
             parallelize(stage, plan, mesh)
             state = [_local(t.detach()) for t in list(stage.parameters()) + list(stage.buffers())]
             params = sum(_local(p.detach()).numel() * p.element_size() for p in stage.parameters())
-            fwd, bwd, saved, comm_f, comm_b = [], [], 0, 0, 0
+            fwd, bwd, saved, comm_f, comm_b, n_f, n_b = [], [], 0, 0, 0, 0, 0
             for i in range(warmup + repeats):
                 feed = {k: (v.detach().clone().requires_grad_(v.is_floating_point())
                             if isinstance(v, torch.Tensor) else v)
@@ -114,8 +116,10 @@ def measure_degree(build: Callable[[], torch.nn.Module], inputs: tuple[torch.Ten
                     fwd.append((t1 - t0) * 1e3)
                     bwd.append((t3 - t2) * 1e3)
                 saved, comm_f, comm_b = sum(seen.values()), cf.nbytes, cb.nbytes
+                n_f, n_b = cf.count, cb.count
             out.append(LayerTP(degree=degree, fwd_ms=statistics.median(fwd),
                                bwd_ms=statistics.median(bwd), param_bytes=params,
                                activation_bytes=saved, allreduce_bytes_fwd=comm_f,
-                               allreduce_bytes_bwd=comm_b))
+                               allreduce_bytes_bwd=comm_b, allreduces_fwd=n_f,
+                               allreduces_bwd=n_b))
     return out

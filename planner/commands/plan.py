@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--powers-of-two", action="store_true", help="cpsat: replica counts 1, 2, 4, ...")
     p.add_argument("--split", type=_ints, help="manual: layers per stage, e.g. 3,3,2")
     p.add_argument("--replicas", type=_ints, help="manual: replicas per stage, e.g. 1,1,2")
+    p.add_argument("--tp", type=_ints, help="manual: tensor-parallel degree per stage, e.g. 2,1 "
+                   "(each replica spans that many devices of one node; profile with --tp first)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (plan.json)")
     p.add_argument("--trace", help="also write the predicted timeline as a Chrome trace JSON")
     p.add_argument("--timeline", action="store_true", help="also print a text timeline")
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
     if args.replicas and not args.split:
         raise PipeplanError("--replicas needs --split (the layers per stage)")
+    if args.tp and not args.split:
+        raise PipeplanError("--tp needs --split (the layers per stage)")
     method = args.method or ("manual" if args.split else default_method())
     if args.split and method != "manual":
         raise PipeplanError(f"--split is for --method manual, not {method}")
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         "microbatch_sizes": args.microbatch_sizes, "schedule": args.schedule, "method": method,
         "objective": args.objective, "optimizer": args.optimizer, "time_limit_s": args.time_limit,
         "seed": args.seed, "powers_of_two": args.powers_of_two, "split": args.split,
-        "replicas": args.replicas,
+        "replicas": args.replicas, **({"tp": args.tp} if args.tp else {}),
     }, PlanOptions, "options")
     plan = make_plan(profile, cluster, options)
     save_model(plan, args.output)
