@@ -59,3 +59,18 @@ def test_tp_plan_patterns_name_the_stage_modules(gpt):
     got = resolve(model_tp_plan(model, mf.tp_plan), model)
     assert got["blocks.1.attn.q"] == "colwise" and got["blocks.0.mlp.2"] == "rowwise"
     assert got["tok_emb"] == "embedding" and "pos_emb" not in got and "blocks.0.mlp.1" not in got
+
+
+def test_tp_checkpoint_resumes_on_another_layout(run, tmp_path, gpt):
+    # 2 steps on TP 2 (momentum: optimizer state is sharded too), saved whole; resumed for one
+    # more step on 2 stages with TP 1 and 2: equal to 3 uninterrupted single-process steps
+    a = run.plan(gpt, [4], [1], tp=[2], name="a.json")
+    rc, _, err, _ = run(a, "--model", gpt, "--steps", 2, "--optimizer", "momentum",
+                        "--save", tmp_path / "a", "--timeout", 60)
+    assert rc == 0, err
+    b = run.plan(gpt, [2, 2], [1, 1], tp=[1, 2], name="b.json")
+    rc, _, err, _ = run(b, "--model", gpt, "--steps", 1, "--resume", tmp_path / "a",
+                        "--save", tmp_path / "b", "--timeout", 60)
+    assert rc == 0, err
+    ref = reference_train(str(gpt), 3, optimizer="momentum")
+    assert max_abs_diff(ref, torch.load(tmp_path / "b" / "model.pt")) < TOL
