@@ -8,11 +8,11 @@ where a pattern is a dotted module name whose parts may hold `*` wildcards
   along its last dimension (the next `rowwise` layer consumes it);
 - `rowwise`: `RowwiseParallel()`: the weight split by input feature; partial outputs are summed
   (one all-reduce in forward, its input's gradient needs none);
-- `colwise_rep` (alias `vocab_head`): `ColwiseParallel(output_layouts=Replicate())`: like
+- `colwise_rep` (aliases `vocab_head`, and transformers' `colwise_gather_output`): `ColwiseParallel(output_layouts=Replicate())`: like
   `colwise`, the output gathered whole (a vocabulary-parallel head in front of a plain loss);
 - `rowwise_rep`: `RowwiseParallel(input_layouts=Replicate())`: like `rowwise` with a whole
   (replicated) input;
-- `embedding` (alias `vocab_embedding`): `RowwiseParallel(input_layouts=Replicate())` on an
+- `embedding` (aliases `vocab_embedding`, transformers' `embedding_rowwise`): `RowwiseParallel(input_layouts=Replicate())` on an
   `nn.Embedding`: the table split over the vocabulary, the lookups summed.
 
 The plan comes from the model file's `tp_plan(model)` or, for a Hugging Face `transformers`
@@ -23,6 +23,7 @@ objects under their original names), on a one-dimensional mesh over the ranks of
 
 from __future__ import annotations
 
+import logging
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -31,8 +32,10 @@ from torch import nn
 
 from planner.errors import PipeplanError
 
+log = logging.getLogger(__name__)
+
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding",
-          "vocab_embedding", "vocab_head")
+          "vocab_embedding", "vocab_head", "colwise_gather_output", "embedding_rowwise")
 
 
 def parallel_style(name: str) -> Any:
@@ -44,9 +47,9 @@ def parallel_style(name: str) -> Any:
         return ColwiseParallel()
     if name == "rowwise":
         return RowwiseParallel()
-    if name in ("colwise_rep", "vocab_head"):
+    if name in ("colwise_rep", "vocab_head", "colwise_gather_output"):
         return ColwiseParallel(output_layouts=Replicate())
-    if name in ("rowwise_rep", "embedding", "vocab_embedding"):
+    if name in ("rowwise_rep", "embedding", "vocab_embedding", "embedding_rowwise"):
         return RowwiseParallel(input_layouts=Replicate())
     raise PipeplanError(f"tensor-parallel plan: unknown style {name!r}; use one of {', '.join(STYLES)}")
 
@@ -100,7 +103,7 @@ def check_divisible(module: nn.Module, styles: dict[str, str], tp: int) -> None:
         if isinstance(m, nn.Embedding):
             dim = 0
         else:
-            dim = 0 if style in ("colwise", "colwise_rep", "vocab_head") else 1
+            dim = 0 if style.startswith("colwise") or style == "vocab_head" else 1
         if w.shape[dim] % tp:
             raise PipeplanError(
                 f"tensor-parallel degree {tp} does not divide {name}'s weight dimension {dim} "
@@ -112,6 +115,15 @@ def parallelize(module: nn.Module, plan: dict[str, str], mesh: Any) -> dict[str,
     from torch.distributed.tensor.parallel import parallelize_module
 
     styles = resolve(plan, module)
+    # a module the stage does not call as a module (the tracer went through it: its weight is
+    # read by the graph, e.g. transformers' embeddings) stays whole on every TP rank
+    kept = {n: s for n, s in styles.items()
+            if isinstance(module.get_submodule(n), nn.Linear | nn.Embedding)}
+    if len(kept) != len(styles):
+        log.warning("tensor parallelism: %s not sharded (the stage reads its weight directly, "
+                    "not as an nn.Linear/nn.Embedding call); it stays whole on every TP rank",
+                    ", ".join(sorted(set(styles) - set(kept))))
+    styles = kept
     tied = {}
     for name in styles:
         for pname, p in module.get_submodule(name).named_parameters(recurse=False):

@@ -74,3 +74,19 @@ def test_tp_checkpoint_resumes_on_another_layout(run, tmp_path, gpt):
     assert rc == 0, err
     ref = reference_train(str(gpt), 3, optimizer="momentum")
     assert max_abs_diff(ref, torch.load(tmp_path / "b" / "model.pt")) < TOL
+
+
+def test_transformers_llama_tp2_through_its_own_plan(run, tmp_path):
+    # (transformers' GPT-2 has no TP plan: Conv1D layers; Llama ships base_model_tp_plan and
+    # _tp_plan, used unchanged: q/k/v/gate/up colwise, o/down rowwise; its embedding and
+    # lm_head are traced through (their weights read by the graph), so they stay whole)
+    pytest.importorskip("transformers")
+    from runtime_paths import MODELS
+
+    model = MODELS / "hf_llama.py"
+    plan = run.plan(model, [3, 3], [1, 1], tp=[2, 2])
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 3, "--optimizer", "sgd",
+                        "--save", tmp_path / "ck", "--timeout", 120)
+    assert rc == 0, err
+    ref = reference_train(str(model), 3)
+    assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < TOL
