@@ -90,3 +90,24 @@ def test_transformers_llama_tp2_through_its_own_plan(run, tmp_path):
     assert rc == 0, err
     ref = reference_train(str(model), 3)
     assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < TOL
+
+
+def test_profile_plan_run_tp_memory_matches_the_prediction(run, tmp_path, gpt):
+    # the real commands: profile --tp 2, plan --method manual --tp 2,1, run; every TP rank's
+    # measured peak memory (params + grads + saved activations) within 5 % of the plan's
+    from planner.cli import main as planner_main
+    from runtime_paths import EXAMPLES as ex
+
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert planner_main(["profile", str(gpt), "--batch-size", "4", "--tp", "2", "--warmup", "0",
+                         "--repeats", "1", "-q", "-o", str(prof)]) == 0
+    assert planner_main(["plan", str(prof), "--cluster", str(ex / "cpu_cluster.json"),
+                         "--method", "manual", "--split", "2,2", "--tp", "2,1", "--global-batch",
+                         "8", "--microbatch-size", "2", "--optimizer", "sgd", "-o", str(plan)]) == 0
+    got, report = _train(run, gpt, plan, tmp_path)
+    assert max_abs_diff(reference_train(str(gpt), 3), got) < TOL
+    predicted = json.loads(plan.read_text())["stages"][0]["predicted"]["memory_bytes"]
+    tp_ranks = [r for r in report["ranks"] if r["stage"] == 0]
+    assert len(tp_ranks) == 2
+    for r in tp_ranks:
+        assert abs(r["peak_memory_bytes"] / predicted - 1) < 0.05, (r["peak_memory_bytes"], predicted)
