@@ -95,8 +95,9 @@ def test_transformers_llama_tp2_through_its_own_plan(run, tmp_path):
 def test_profile_plan_run_tp_memory_matches_the_prediction(run, tmp_path, gpt):
     # the real commands: profile --tp 2, plan --method manual --tp 2,1, run; every TP rank's
     # measured peak memory (params + grads + saved activations) within 5 % of the plan's
-    from planner.cli import main as planner_main
     from runtime_paths import EXAMPLES as ex
+
+    from planner.cli import main as planner_main
 
     prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
     assert planner_main(["profile", str(gpt), "--batch-size", "4", "--tp", "2", "--warmup", "0",
