@@ -118,7 +118,8 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
                 activation_bytes_per_microbatch=costs.activation_bytes_per_microbatch[s],
                 peak_inflight=max(sim.peak_inflight[d] for d in st.devices[::t]),
                 sends=sends,
-                **({"tp_comm_ms": costs.tp_comm_ms[s]} if costs.tp_comm_ms else {}),
+                **({"tp_comm_fwd_ms": costs.tp_comm_fwd_ms[s],
+                    "tp_comm_bwd_ms": costs.tp_comm_bwd_ms[s]} if t > 1 else {}),
             ),
         ))
     it = sim.iteration_ms

@@ -322,10 +322,17 @@ class PipelineCosts:
     memory_limit_bytes: tuple[float, ...]  # smallest device of the stage
     sends: dict[tuple[int, int], Send]  # (s, t) -> traffic; (s-1, s) always present
     # tensor parallelism: stage_devices holds the first rank of each replica; a stage's
-    # replicas each span tp[s] devices; tp_comm_ms[s] = TP all-reduces per microbatch
-    # (fwd + bwd), already inside fwd_ms / bwd_ms. Empty: no stage is tensor-parallel.
+    # replicas each span tp[s] devices; tp_comm_fwd_ms[s] / tp_comm_bwd_ms[s] = the TP
+    # all-reduces of one microbatch's forward / backward, already inside fwd_ms / bwd_ms.
+    # Empty: no stage is tensor-parallel.
     tp: tuple[int, ...] = ()
-    tp_comm_ms: tuple[float, ...] = ()
+    tp_comm_fwd_ms: tuple[float, ...] = ()
+    tp_comm_bwd_ms: tuple[float, ...] = ()
+
+    @property
+    def tp_comm_ms(self) -> tuple[float, ...]:
+        """Per stage, TP all-reduce time of one microbatch, forward + backward."""
+        return tuple(f + b for f, b in zip(self.tp_comm_fwd_ms, self.tp_comm_bwd_ms, strict=True))
 
     @property
     def num_stages(self) -> int:
@@ -341,7 +348,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
     devices = devices if devices is not None else cluster.devices()
     scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
     bounds = [0] + [st.stop for st in candidate.stages]
-    fwd, bwd, ar, static, act, limit, tp_comm = [], [], [], [], [], [], []
+    fwd, bwd, ar, static, act, limit, tp_f, tp_b = [], [], [], [], [], [], [], []
     for i, st in enumerate(candidate.stages):
         speed = min(devices[d].speed for d in st.devices)
         t = getattr(st, "tp", 1)
@@ -350,7 +357,8 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
             bwd.append(stage_bwd_ms(table, st.start, st.stop, scale, speed))
             params = table.param_bytes(st.start, st.stop)
             act.append(scale * table.activation_bytes(st.start, st.stop))
-            tp_comm.append(0.0)
+            tp_f.append(0.0)
+            tp_b.append(0.0)
         else:  # the shard's measured time plus its TP all-reduces on the node's links
             tt = table.at_degree(t)
             for k in range(st.replicas):
@@ -369,7 +377,8 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
             bwd.append(scale * tt.span("bwd_prefix_ms", st.start, st.stop) / speed + comm_b)
             params = tt.span("param_prefix_bytes", st.start, st.stop)
             act.append(scale * tt.span("activation_prefix_bytes", st.start, st.stop))
-            tp_comm.append(comm_f + comm_b)
+            tp_f.append(comm_f)
+            tp_b.append(comm_b)
         kind = link_kind(devices, st.devices)
         ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
                                link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)
@@ -391,7 +400,8 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), allreduce_ms=tuple(ar),
         static_memory_bytes=tuple(static), activation_bytes_per_microbatch=tuple(act),
         memory_limit_bytes=tuple(limit), sends=sends,
-        **({"tp": tps, "tp_comm_ms": tuple(tp_comm)} if any(t > 1 for t in tps) else {}),
+        **({"tp": tps, "tp_comm_fwd_ms": tuple(tp_f), "tp_comm_bwd_ms": tuple(tp_b)}
+           if any(t > 1 for t in tps) else {}),
     )
 
 

@@ -296,7 +296,9 @@ class StagePredicted(_Open):
     memory_bytes: int  # peak per device
     memory_limit_bytes: int
     allreduce_ms: float = 0.0
-    tp_comm_ms: float = 0.0  # TP all-reduces per microbatch (fwd + bwd), inside fwd_ms/bwd_ms
+    # TP all-reduces of one microbatch's forward / backward (a TP stage; inside fwd_ms / bwd_ms)
+    tp_comm_fwd_ms: float = 0.0
+    tp_comm_bwd_ms: float = 0.0
 
 
 class PlanStage(_Open):

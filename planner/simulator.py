@@ -133,6 +133,12 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
         validate(schedule, num_stages=S, deps=costs.sends.keys())
         raise AssertionError("simulation stuck but the validator found no problem")  # pragma: no cover
 
+    tp_f, tp_b = getattr(costs, "tp_comm_fwd_ms", ()), getattr(costs, "tp_comm_bwd_ms", ())
+    if tp_f:  # a TP stage's all-reduces, at the end of each forward/backward (inside it)
+        for e in list(events):
+            c = tp_f[e.stage] if e.kind == "F" else tp_b[e.stage] if e.kind == "B" else 0.0
+            if c > 0:
+                events.append(Event(e.rank, f"TP {e.name}", "tp", e.stage, e.mb, e.end_ms - c, e.end_ms))
     comm = {r: 0.0 for r in schedule}
     for s, devs in enumerate(costs.stage_devices):
         ar = costs.allreduce_ms[s]
@@ -182,6 +188,10 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
             extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
         memory_limit_bytes=tuple(float(st.predicted.memory_limit_bytes) for st in stages),
         sends=sends,
+        **({"tp": tuple(getattr(st, "tp", 1) for st in stages),
+            "tp_comm_fwd_ms": tuple(extra(st.predicted, "tp_comm_fwd_ms") for st in stages),
+            "tp_comm_bwd_ms": tuple(extra(st.predicted, "tp_comm_bwd_ms") for st in stages)}
+           if any(getattr(st, "tp", 1) > 1 for st in stages) else {}),
     )
 
 

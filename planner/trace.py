@@ -71,6 +71,8 @@ def text_timeline(events: EventsLike, width: int = 100, max_ranks: int = 32) -> 
         for e in evs:
             if e.rank != r:
                 continue
+            if e.kind == "tp":  # inside its forward/backward: drawn there
+                continue
             ch = "=" if e.kind == "allreduce" else (
                 str(e.mb % 10) if e.kind == "F" else chr(ord("a") + e.mb % 26))
             a = min(int(e.start_ms * scale), width - 1)

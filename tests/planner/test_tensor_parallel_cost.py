@@ -65,6 +65,7 @@ def test_tp_stage_compute_and_memory_follow_the_formulas():
     assert plain.costs.static_memory_bytes[0] == pytest.approx(2 * 800 * MB)
     plan = build_plan(prof, cl, cand, opts, table, ev)
     assert plan.stages[0].tp == 2 and plan.stages[0].devices == [0, 1]
+    assert plan.stages[0].predicted.tp_comm_fwd_ms == pytest.approx(comm_f)
     assert set(plan.rank_actions or {}) == {"0", "1"}
     assert plan.rank_actions["0"] == plan.rank_actions["1"]  # type: ignore[index]
 
@@ -93,3 +94,11 @@ def test_manual_tp_cli(tmp_path, capsys):
     assert [s["tp"] for s in plan["stages"]] == [2, 2]
     assert [s["devices"] for s in plan["stages"]] == [[0, 1], [2, 3]]
     assert plan["predicted"]["fits_memory"]
+    assert "x tp 2" in capsys.readouterr().out
+    # the simulator re-simulates it from plan.json alone; the trace shows the TP all-reduces
+    trace = tmp_path / "t.json"
+    assert main(["simulate", str(tmp_path / "plan.json"), "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    tp = [e for e in events if e.get("cat") == "tp"]
+    assert len(tp) == 2 * 2 * 4  # 2 stages x (F + B) x 4 microbatches, on each replica's first rank
+    assert {e["tid"] for e in tp} == {0, 2}
