@@ -153,7 +153,7 @@ def profile_model_file(
 
 
 def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch_size: int,
-                   seed: int = 0, warmup: int = 2, repeats: int = 5) -> Profile:
+                   seed: int = 0, warmup: int = 2, repeats: int = 5, clock: str = "wall") -> Profile:
     """`profile` with every layer also measured on one of t tensor-parallel devices, for each t
     of `degrees` (`LayerProfile.tp`; see profiler.tensor_parallel). CPU only (a fake group)."""
     from profiler.tensor_parallel import measure_degree
@@ -171,7 +171,7 @@ def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch
     per_layer: list[list[Any]] = [list(layer.tp or []) for layer in profile.layers]
     for t in degrees:
         measured = measure_degree(build, inputs, granularity,
-                                  lambda m: model_tp_plan(m, mf.tp_plan), t, warmup, repeats)
+                                  lambda m: model_tp_plan(m, mf.tp_plan), t, warmup, repeats, clock)
         if len(measured) != len(profile.layers):
             raise PipeplanError(f"--tp {t}: the model traced into {len(measured)} layers, the "
                                 f"profile has {len(profile.layers)}")

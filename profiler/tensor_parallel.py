@@ -79,8 +79,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def measure_degree(build: Callable[[], torch.nn.Module], inputs: tuple[torch.Tensor, ...],
                    granularity: str, plan_of: Callable[[torch.nn.Module], dict[str, str]],
-                   degree: int, warmup: int = 2, repeats: int = 5) -> list[LayerTP]:
-    """Every layer sharded over `degree` ranks (see the module docstring)."""
+                   degree: int, warmup: int = 2, repeats: int = 5, clock: str = "wall"
+                   ) -> list[LayerTP]:
+    """Every layer sharded over `degree` ranks (see the module docstring); `clock` "thread"
+    times with this thread's CPU time (robust on a busy machine, with one torch thread)."""
+    now = time.thread_time if clock == "thread" else time.perf_counter
     from runtime.tensor_parallel import parallelize
 
     model = build().train()
@@ -100,17 +103,17 @@ def measure_degree(build: Callable[[], torch.nn.Module], inputs: tuple[torch.Ten
                             if isinstance(v, torch.Tensor) else v)
                         for k, v in ((k, values[k]) for k in stage.input_keys)}
                 cf, cb = _CommBytes(), _CommBytes()
-                t0 = time.perf_counter()
+                t0 = now()
                 with count_saved_bytes(state) as seen, cf:
                     res = stage(feed)
-                t1 = time.perf_counter()
+                t1 = now()
                 outs = [t for t in pytree.tree_leaves(res)
                         if isinstance(t, torch.Tensor) and t.requires_grad]
-                t2 = time.perf_counter()
+                t2 = now()
                 if outs:
                     with cb:
                         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                t3 = time.perf_counter()
+                t3 = now()
                 stage.zero_grad(set_to_none=True)
                 if i >= warmup:
                     fwd.append((t1 - t0) * 1e3)

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         if not degrees or min(degrees) < 2:
             raise PipeplanError(f"--tp {args.tp!r}: degrees must be at least 2")
         profile = add_tp_degrees(profile, args.model, degrees, args.batch_size, seed=args.seed,
-                                 warmup=args.warmup, repeats=args.repeats)
+                                 warmup=args.warmup, repeats=args.repeats, clock=args.clock)
     save_model(profile, args.output)
     if not args.quiet:
         print(format_profile(profile))
