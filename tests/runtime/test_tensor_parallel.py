@@ -112,3 +112,11 @@ def test_profile_plan_run_tp_memory_matches_the_prediction(run, tmp_path, gpt):
     assert len(tp_ranks) == 2
     for r in tp_ranks:
         assert abs(r["peak_memory_bytes"] / predicted - 1) < 0.05, (r["peak_memory_bytes"], predicted)
+
+
+def test_tp_stages_under_the_batched_nccl_protocol(run, tmp_path, gpt, monkeypatch):
+    # NCCL's protocol (an action's sends with the next action's receives, one batch), on gloo
+    monkeypatch.setenv("PIPEPLAN_P2P_BATCHED", "1")
+    plan = run.plan(gpt, [2, 2], [1, 1], tp=[2, 1])
+    got, _ = _train(run, gpt, plan, tmp_path)
+    assert max_abs_diff(reference_train(str(gpt), 3), got) < TOL
