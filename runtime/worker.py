@@ -163,12 +163,20 @@ class Worker:
                 g = comm.new_group(devs[u::t], self.device)
                 if st.index == self.stage and u == self.tp_rank:
                     self.stage_group = g
-        self.mesh = None
+        self.mesh = None  # this stage's (replica x tp) DeviceMesh, when it is tensor-parallel
         if tp_group is not None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self.mesh = DeviceMesh.from_group(tp_group, self.device.type, mesh_dim_names=("tp",))
-            sharded = tensor_parallel.parallelize(self.module, tp_plan, self.mesh)
+            st = plan.stages[self.stage]
+            if self.stage_group is not None:
+                self.mesh = DeviceMesh.from_group(
+                    [self.stage_group, tp_group], self.device.type,
+                    mesh=torch.tensor(st.devices).view(st.replicas, st.tp),
+                    mesh_dim_names=("dp", "tp"))
+            else:
+                self.mesh = DeviceMesh.from_group(tp_group, self.device.type,
+                                                  mesh_dim_names=("tp",))
+            sharded = tensor_parallel.parallelize(self.module, tp_plan, self.mesh["tp"])
             if not sharded:
                 raise PipeplanError(
                     f"stage {self.stage} has tensor-parallel degree {self.tp} but the model's TP "
