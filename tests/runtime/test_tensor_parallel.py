@@ -4,6 +4,7 @@ train exactly like single-process training."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,4 +120,37 @@ def test_tp_stages_under_the_batched_nccl_protocol(run, tmp_path, gpt, monkeypat
     monkeypatch.setenv("PIPEPLAN_P2P_BATCHED", "1")
     plan = run.plan(gpt, [2, 2], [1, 1], tp=[2, 1])
     got, _ = _train(run, gpt, plan, tmp_path)
+    assert max_abs_diff(reference_train(str(gpt), 3), got) < TOL
+
+
+def test_a_stage_too_big_for_one_device_fits_with_tp(run, tmp_path, gpt):
+    # device memory between what the stage needs sharded over 2 and what it needs whole:
+    # --tp 1 does not fit, --tp 2 plans and runs exactly
+    from planner.cli import main as planner_main
+
+    prof = tmp_path / "p.json"
+    assert planner_main(["profile", str(gpt), "--batch-size", "2", "--tp", "2", "--warmup", "0",
+                         "--repeats", "1", "-q", "-o", str(prof)]) == 0
+
+    def plan(tp: str, memory_gb: float, out: str, rc: int = 0) -> Path:
+        cluster = tmp_path / f"c{out}.json"
+        cluster.write_text(json.dumps({"nodes": 1, "devices_per_node": 2, "device_memory_gb": memory_gb,
+                                       "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1}))
+        argv = ["plan", str(prof), "--cluster", str(cluster), "--method", "manual", "--split", "4",
+                "--tp", tp, "--global-batch", "8", "--microbatch-size", "2", "--optimizer", "sgd",
+                "-o", str(tmp_path / out)]
+        assert planner_main(argv) == rc
+        return tmp_path / out
+
+    def need(path: Path) -> int:
+        return json.loads(path.read_text())["stages"][0]["predicted"]["memory_bytes"]
+
+    whole, sharded = need(plan("1", 1.0, "a.json")), need(plan("2", 1.0, "b.json"))
+    assert sharded < 0.8 * whole
+    limit_gb = (whole + sharded) / 2 / 1e9
+    run.capfd.readouterr()
+    plan("1", limit_gb, "c.json", rc=2)
+    assert "does not fit in device memory" in run.capfd.readouterr().err
+    fitting = plan("2", limit_gb, "d.json")
+    got, _ = _train(run, gpt, fitting, tmp_path)
     assert max_abs_diff(reference_train(str(gpt), 3), got) < TOL
