@@ -167,6 +167,10 @@ def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch
         torch.manual_seed(seed)
         return build_checked(mf)
 
+    if not model_tp_plan(build(), mf.tp_plan):
+        raise PipeplanError(f"--tp: {mf.path} has no tensor-parallel plan; define "
+                            "tp_plan(model) -> {module-name pattern: 'colwise' | 'rowwise' | ...} "
+                            "in the model file (see examples/gpt.py)")
     granularity = getattr(profile, "granularity", None) or "blocks"
     per_layer: list[list[Any]] = [list(layer.tp or []) for layer in profile.layers]
     for t in degrees:

@@ -45,3 +45,11 @@ def test_profile_tp_degrees(tmp_path, capsys, small_gpt):
         assert b.fwd_ms > 0 and b.bwd_ms > 0
     # degree 1 is the layer itself
     assert block.at_degree(1).param_bytes == block.param_bytes  # type: ignore[union-attr]
+
+
+def test_profile_tp_without_a_plan_is_a_clear_error(tmp_path, capsys):
+    mlp = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
+    rc = main(["profile", str(mlp), "--batch-size", "2", "--tp", "2", "--warmup", "0",
+               "--repeats", "1", "-q", "-o", str(tmp_path / "p.json")])
+    assert rc != 0
+    assert "no tensor-parallel plan" in capsys.readouterr().err
