@@ -5,6 +5,10 @@ layer (embeddings) and the last (norm + head) carry far more parameters than one
 Sizes from the environment: PIPEPLAN_GPT_BLOCKS (4), PIPEPLAN_GPT_DIM (64),
 PIPEPLAN_GPT_HEADS (4), PIPEPLAN_GPT_VOCAB (2048), PIPEPLAN_GPT_SEQ (32); PIPEPLAN_GPT_TIED=1
 ties the head's weight to the token embedding. No dropout: training is deterministic.
+
+Tensor-parallel ready (`tp_plan`): q/k/v are separate projections (column-parallel), the number
+of heads is read from the local shard's width, the token embedding and the head are split over
+the vocabulary. Tied weights and tensor parallelism do not go together here.
 """
 
 import os
@@ -25,18 +29,21 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         assert dim % heads == 0, "PIPEPLAN_GPT_DIM must be a multiple of PIPEPLAN_GPT_HEADS"
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.head_dim = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, H, T, C/H)
-        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        B, T, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)  # (B, T, C_local): this rank's heads
+        h = q.shape[-1] // self.head_dim  # heads of the local shard (all of them without TP)
+        q = q.view(B, T, h, self.head_dim).transpose(1, 2)  # (B, h, T, D)
+        k = k.view(B, T, h, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, h, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, D)
+        return self.proj(y.transpose(1, 2).reshape(B, T, h * self.head_dim))
 
 
 class Block(nn.Module):
@@ -73,6 +80,22 @@ class GPT(nn.Module):
 
 def build_model() -> nn.Module:
     return GPT()
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """Megatron's layout: q/k/v and the MLP's first linear split by output column, the attention
+    and MLP output projections by input row; the embedding and the head over the vocabulary
+    (the head's logits are gathered, so the loss sees them whole)."""
+    return {
+        "tok_emb": "embedding",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+        "head": "colwise_rep",
+    }
 
 
 def make_batch(batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:

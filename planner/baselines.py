@@ -211,16 +211,23 @@ def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Ca
     replicas = options.replicas or [1] * len(options.split)
     if len(replicas) != len(options.split):
         raise PipeplanError("--replicas: give one count per stage of --split")
-    if sum(replicas) > N:
-        raise PipeplanError(f"--replicas {','.join(map(str, replicas))} needs {sum(replicas)} "
-                            f"devices but the cluster has {N}")
+    tps = getattr(options, "tp", None) or [1] * len(options.split)
+    if len(tps) != len(options.split):
+        raise PipeplanError("--tp: give one degree per stage of --split")
+    need = sum(r * t for r, t in zip(replicas, tps, strict=True))
+    if need > N:
+        raise PipeplanError(f"--replicas {','.join(map(str, replicas))}"
+                            + (f" with --tp {','.join(map(str, tps))}" if any(t > 1 for t in tps) else "")
+                            + f" needs {need} devices but the cluster has {N}")
     b, m = resolve_microbatch(profile, options)
     bounds, devs, rank = [0], [], 0
-    for n_layers, r in zip(options.split, replicas, strict=True):
+    for n_layers, r, t in zip(options.split, replicas, tps, strict=True):
         bounds.append(bounds[-1] + n_layers)
-        devs.append(tuple(range(rank, rank + r)))
-        rank += r
+        devs.append(tuple(range(rank, rank + r * t)))
+        rank += r * t
     cand = _candidate(bounds, devs, b, m, {"name": "manual", "status": "GIVEN"})
+    if any(t > 1 for t in tps):  # replica-major ranks: replica k of stage s is t consecutive ranks
+        cand = replace(cand, stages=tuple(replace(st, tp=t) for st, t in zip(cand.stages, tps, strict=True)))
     return with_recompute(cand, options)
 
 

@@ -119,9 +119,10 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
     for s, st in enumerate(candidate.stages):
         sends = [{"to": t, "bytes": snd.nbytes, "ms": snd.ms}
                  for (src, t), snd in costs.sends.items() if src == s]
+        t = getattr(st, "tp", 1)
         stages.append(PlanStage(
             index=s, layers=list(table.names[st.start:st.stop]), replicas=st.replicas,
-            devices=list(st.devices),
+            devices=list(st.devices), **({"tp": t} if t > 1 else {}),
             predicted=StagePredicted(
                 fwd_ms=costs.fwd_ms[s], bwd_ms=costs.bwd_ms[s],
                 compute_ms=costs.fwd_ms[s] + costs.bwd_ms[s],
@@ -130,15 +131,19 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
                 allreduce_ms=costs.allreduce_ms[s],
                 static_memory_bytes=costs.static_memory_bytes[s],
                 activation_bytes_per_microbatch=costs.activation_bytes_per_microbatch[s],
-                peak_inflight=max(sim.peak_inflight[d] for d in st.devices),
+                peak_inflight=max(sim.peak_inflight[d] for d in st.devices[::t]),
                 sends=sends,
                 **stage_split_fields(costs, s),
+                **({"tp_comm_fwd_ms": costs.tp_comm_fwd_ms[s],
+                    "tp_comm_bwd_ms": costs.tp_comm_bwd_ms[s]} if t > 1 else {}),
             ),
             recompute=st.recompute,
         ))
     it = sim.iteration_ms
     solver = {"name": options.method, "status": "HEURISTIC", **candidate.solver}
-    rank_actions, generator = plan_schedule_fields(options.schedule, costs.stage_devices, m)
+    rank_actions, generator = plan_schedule_fields(
+        options.schedule, [st.devices for st in candidate.stages], m,
+        tps=[getattr(st, "tp", 1) for st in candidate.stages])
     return Plan(
         profile_sha256=digest(profile), model=profile.model, cluster=cluster,
         options=options.model_copy(update={"microbatch_size": b}), schedule=options.schedule,
@@ -149,7 +154,7 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
             throughput_samples_per_s=options.global_batch / (it / 1e3) if it > 0 else math.inf,
             lower_bound_ms=lb, bubble_fraction=sim.bubble_fraction,
             ratio_to_lower_bound=it / lb if lb > 0 else 1.0,
-            fits_memory=ev.fits, unused_devices=cluster.num_devices - sum(len(d) for d in costs.stage_devices),
+            fits_memory=ev.fits, unused_devices=cluster.num_devices - sum(len(st.devices) for st in candidate.stages),
         ),
         solver=SolverInfo.model_validate(solver),
         rank_actions=rank_actions, generator=generator,

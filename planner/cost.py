@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.errors import PipeplanError
 from planner.formats import GB, INPUT_NODE, Cluster, Device, Profile, crossing_bytes
 from planner.partition import Candidate
 
@@ -47,10 +48,20 @@ class LayerTable:
     tensors: tuple[Tensor, ...]
     # zero bubble: the weight-gradient part (W) of bwd; None: see `default_bwd_weight_ms`
     bwd_weight_prefix_ms: tuple[float, ...] | None = None
+    tp: tuple[TPTable, ...] = ()  # per profiled tensor-parallel degree > 1
 
     @property
     def num_layers(self) -> int:
         return len(self.names)
+
+    def at_degree(self, degree: int) -> TPTable:
+        """The layers on one of `degree` TP devices (a PipeplanError if not profiled)."""
+        for x in self.tp:
+            if x.degree == degree:
+                return x
+        have = ", ".join(str(x.degree) for x in self.tp) or "none"
+        raise PipeplanError(f"tensor-parallel degree {degree} was not profiled (profiled: {have}); "
+                            f"profile the model with --tp {degree}")
 
     def fwd_ms(self, start: int, stop: int) -> float:
         return self.fwd_prefix_ms[stop] - self.fwd_prefix_ms[start]
@@ -89,6 +100,48 @@ class LayerTable:
         after it (a chain cut between layers i and i+1; what PipeDream's DP uses), i < L-1."""
         spans = ((t.producer, t.consumers[-1], t.nbytes) for t in self.tensors if t.producer >= 0)
         return crossing_bytes(spans, self.num_layers)
+
+
+@dataclass(frozen=True)
+class TPTable:
+    """Prefix sums of the layers as they run on one of `degree` tensor-parallel devices."""
+
+    degree: int
+    fwd_prefix_ms: tuple[float, ...]
+    bwd_prefix_ms: tuple[float, ...]
+    param_prefix_bytes: tuple[int, ...]
+    activation_prefix_bytes: tuple[int, ...]
+    ar_fwd_prefix_bytes: tuple[int, ...]  # TP all-reduce bytes per profiled batch
+    ar_bwd_prefix_bytes: tuple[int, ...]
+    ar_fwd_prefix_count: tuple[int, ...]  # TP collectives per microbatch
+    ar_bwd_prefix_count: tuple[int, ...]
+
+    def span(self, name: str, start: int, stop: int) -> float:
+        p = getattr(self, name)
+        return p[stop] - p[start]
+
+
+def tp_tables(profile: Profile) -> tuple[TPTable, ...]:
+    """A table per degree every layer was profiled at (`LayerProfile.tp`)."""
+    layers = profile.layers
+    degrees = set.intersection(*[{x.degree for x in (layer.tp or [])} for layer in layers])
+    out = []
+    for t in sorted(degrees):
+        xs = [layer.at_degree(t) for layer in layers]
+        fwd = [x.fwd_ms for x in xs]  # type: ignore[union-attr]
+        fwd[-1] += loss_ms(profile)  # every TP rank computes the loss on the whole output
+        act = [x.activation_bytes for x in xs]  # type: ignore[union-attr]
+        act[-1] += loss_activation_bytes(profile)
+        out.append(TPTable(
+            degree=t, fwd_prefix_ms=_prefix(fwd), bwd_prefix_ms=_prefix([x.bwd_ms for x in xs]),  # type: ignore[union-attr]
+            param_prefix_bytes=_prefix([x.param_bytes for x in xs]),  # type: ignore[union-attr]
+            activation_prefix_bytes=_prefix(act),
+            ar_fwd_prefix_bytes=_prefix([x.allreduce_bytes_fwd for x in xs]),  # type: ignore[union-attr]
+            ar_bwd_prefix_bytes=_prefix([x.allreduce_bytes_bwd for x in xs]),  # type: ignore[union-attr]
+            ar_fwd_prefix_count=_prefix([x.allreduces_fwd for x in xs]),  # type: ignore[union-attr]
+            ar_bwd_prefix_count=_prefix([x.allreduces_bwd for x in xs]),  # type: ignore[union-attr]
+        ))
+    return tuple(out)
 
 
 def _prefix(values: Sequence[float]) -> tuple:
@@ -162,6 +215,7 @@ def layer_table(profile: Profile) -> LayerTable:
         activation_prefix_bytes=_prefix(activation),
         tensors=tuple(profile_tensors(profile)),
         bwd_weight_prefix_ms=_prefix([layer_bwd_weight_ms(x) for x in layers]),
+        tp=tp_tables(profile),
     )
 
 
@@ -211,6 +265,16 @@ def allreduce_ms(param_bytes: float, replicas: int, gb_per_s: float, latency_us:
         return 0.0
     r = replicas
     return 2 * (r - 1) / r * param_bytes / (gb_per_s * GB) * 1e3 + 2 * (r - 1) * latency_us / 1e3
+
+
+def tp_allreduce_ms(nbytes: float, count: float, degree: int, gb_per_s: float,
+                    latency_us: float = 0.0) -> float:
+    """TP collectives of one stage and microbatch: `count` ring all-reduces over `degree`
+    devices moving `nbytes` in all: `2 (t-1)/t * bytes / bw + count * 2 (t-1) * latency`."""
+    if degree <= 1 or count <= 0:
+        return 0.0
+    t = degree
+    return 2 * (t - 1) / t * nbytes / (gb_per_s * GB) * 1e3 + count * 2 * (t - 1) * latency_us / 1e3
 
 
 def static_memory_bytes(param_bytes: float, optimizer: str) -> float:
@@ -312,6 +376,18 @@ class PipelineCosts:
         w = self.bwd_weight_ms[s] if self.bwd_weight_ms is not None else 0.5 * self.bwd_ms[s]
         b = self.bwd_input_ms[s] if self.bwd_input_ms is not None else self.bwd_ms[s] - w
         return b, w
+    # tensor parallelism: stage_devices holds the first rank of each replica; a stage's
+    # replicas each span tp[s] devices; tp_comm_fwd_ms[s] / tp_comm_bwd_ms[s] = the TP
+    # all-reduces of one microbatch's forward / backward, already inside fwd_ms / bwd_ms.
+    # Empty: no stage is tensor-parallel.
+    tp: tuple[int, ...] = ()
+    tp_comm_fwd_ms: tuple[float, ...] = ()
+    tp_comm_bwd_ms: tuple[float, ...] = ()
+
+    @property
+    def tp_comm_ms(self) -> tuple[float, ...]:
+        """Per stage, TP all-reduce time of one microbatch, forward + backward."""
+        return tuple(f + b for f, b in zip(self.tp_comm_fwd_ms, self.tp_comm_bwd_ms, strict=True))
 
     @property
     def num_stages(self) -> int:
@@ -332,23 +408,53 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
     devices = devices if devices is not None else cluster.devices()
     scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
     bounds = [0] + [st.stop for st in candidate.stages]
-    fwd, bwd, ar, static, act, limit = [], [], [], [], [], []
+    fwd, bwd, ar, static, act, limit, tp_f, tp_b = [], [], [], [], [], [], [], []
     wgt, inp, hold, transient = [], [], [], []
-    for st in candidate.stages:
+    for i, st in enumerate(candidate.stages):
         speed = min(devices[d].speed for d in st.devices)
-        f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
+        t = getattr(st, "tp", 1)
+        w_share = table.bwd_weight_ms(st.start, st.stop) / max(table.bwd_ms(st.start, st.stop), 1e-300)
+        if t == 1:
+            f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
+            full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
+            params = table.param_bytes(st.start, st.stop)
+            full = scale * table.activation_bytes(st.start, st.stop)
+            tp_f.append(0.0)
+            tp_b.append(0.0)
+        else:  # the shard's measured time plus its TP all-reduces on the node's links
+            if st.recompute:
+                raise PipeplanError(f"stage {i}: recomputation of a tensor-parallel stage is not "
+                                    "supported yet; use --recompute 0 on it or --tp 1")
+            tt = table.at_degree(t)
+            for k in range(st.replicas):
+                if link_kind(devices, st.devices[k * t:(k + 1) * t]) != "intra":
+                    raise PipeplanError(f"stage {i}: the tensor-parallel group of replica {k} "
+                                        f"(devices {list(st.devices[k * t:(k + 1) * t])}) spans "
+                                        "nodes; a TP group must stay inside one node")
+            gbps, lat = link_gb_per_s(cluster, "intra"), link_latency_us(cluster, "intra")
+            comm_f = tp_allreduce_ms(scale * tt.span("ar_fwd_prefix_bytes", st.start, st.stop),
+                                     tt.span("ar_fwd_prefix_count", st.start, st.stop), t, gbps,
+                                     lat) / cluster.allreduce_efficiency
+            comm_b = tp_allreduce_ms(scale * tt.span("ar_bwd_prefix_bytes", st.start, st.stop),
+                                     tt.span("ar_bwd_prefix_count", st.start, st.stop), t, gbps,
+                                     lat) / cluster.allreduce_efficiency
+            f = scale * tt.span("fwd_prefix_ms", st.start, st.stop) / speed + comm_f
+            full_bwd = scale * tt.span("bwd_prefix_ms", st.start, st.stop) / speed + comm_b
+            params = tt.span("param_prefix_bytes", st.start, st.stop)
+            full = scale * tt.span("activation_prefix_bytes", st.start, st.stop)
+            tp_f.append(comm_f)
+            tp_b.append(comm_b)
         fwd.append(f)
-        # recomputation runs the forward once more, in the backward's B (before W)
-        full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
-        w = scale * table.bwd_weight_ms(st.start, st.stop) / speed
+        # zero bubble: B and W of the backward (a TP stage splits in the unsharded ratio)
+        w = full_bwd * min(w_share, 1.0)
         if stages_without_input_grad(candidate, st):
             w = full_bwd  # nothing to send back: the whole backward runs in W (runtime's choice)
+        # recomputation runs the forward once more, in the backward's B (before W)
         bwd.append(full_bwd + (f if st.recompute else 0.0))
         inp.append(full_bwd - w + (f if st.recompute else 0.0))
         # split and recomputed: W differentiates from the stage's outputs again (runtime's
         # split_backward `direct`), the backward and the recomputation once more
         wgt.append(full_bwd + f if st.recompute else w)
-        full = scale * table.activation_bytes(st.start, st.stop)
         hold.append(full)  # a retained graph keeps every saved tensor until W (recomputed too)
         if st.recompute:
             kept, peak = table.recompute_bytes(st.start, st.stop)
@@ -357,7 +463,6 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         else:
             act.append(full)
             transient.append(0.0)
-        params = table.param_bytes(st.start, st.stop)
         kind = link_kind(devices, st.devices)
         ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
                                link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)
@@ -372,14 +477,17 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         scaled = scale * nbytes
         sends[(s, t)] = Send(scaled, transfer_ms(scaled, link_gb_per_s(cluster, kind),
                                                  link_latency_us(cluster, kind) + cluster.p2p_overhead_us))
+    tps = tuple(getattr(st, "tp", 1) for st in candidate.stages)
     return PipelineCosts(
-        stage_devices=tuple(st.devices for st in candidate.stages),
+        stage_devices=tuple(st.devices[::t] for st, t in zip(candidate.stages, tps, strict=True)),
         num_microbatches=candidate.num_microbatches,
         fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), allreduce_ms=tuple(ar),
         static_memory_bytes=tuple(static), activation_bytes_per_microbatch=tuple(act),
         memory_limit_bytes=tuple(limit), sends=sends,
         bwd_weight_ms=tuple(wgt), bwd_input_ms=tuple(inp), weight_hold_bytes_per_microbatch=tuple(hold),
         transient_bytes=tuple(transient), recompute=tuple(st.recompute for st in candidate.stages),
+        **({"tp": tps, "tp_comm_fwd_ms": tuple(tp_f), "tp_comm_bwd_ms": tuple(tp_b)}
+           if any(t > 1 for t in tps) else {}),
     )
 
 

@@ -52,6 +52,20 @@ class DeviceInfo(_Open):
     name: str
 
 
+class LayerTP(_Open):
+    """A layer as it runs on one of `degree` tensor-parallel devices (profile --tp)."""
+
+    degree: PositiveInt
+    fwd_ms: NonNegativeFloat  # the shard's own work, measured
+    bwd_ms: NonNegativeFloat
+    param_bytes: NonNegativeInt  # the shard's parameters
+    activation_bytes: NonNegativeInt  # saved for backward on one device, per profiled batch
+    allreduce_bytes_fwd: NonNegativeInt = 0  # TP collectives per profiled batch (all-reduce
+    allreduce_bytes_bwd: NonNegativeInt = 0  # equivalents: an all-gather of n counts n/2)
+    allreduces_fwd: NonNegativeInt = 0  # how many collectives (each pays the link's latency)
+    allreduces_bwd: NonNegativeInt = 0
+
+
 class LayerProfile(_Open):
     name: str
     fwd_ms: NonNegativeFloat
@@ -65,6 +79,14 @@ class LayerProfile(_Open):
     # bwd_ms (a layer without parameters is all B; others half B, half W).
     bwd_input_ms: NonNegativeFloat | None = None
     bwd_weight_ms: NonNegativeFloat | None = None
+    tp: list[LayerTP] | None = None  # per tensor-parallel degree (profile --tp), if profiled
+
+    def at_degree(self, degree: int) -> LayerTP | None:
+        """The layer on one of `degree` TP devices (degree 1: the layer itself)."""
+        if degree == 1:
+            return LayerTP(degree=1, fwd_ms=self.fwd_ms, bwd_ms=self.bwd_ms,
+                           param_bytes=self.param_bytes, activation_bytes=self.activation_bytes)
+        return next((x for x in self.tp or [] if x.degree == degree), None)
 
 
 class Edge(_Open):
@@ -257,6 +279,7 @@ class PlanOptions(_Closed):
     replicas: list[PositiveInt] | None = None  # method "manual": replicas per stage
     recompute: list[bool] | None = None  # method "manual": activation recomputation per stage
     allow_recompute: bool = True  # False (--no-recompute): no stage may recompute
+    tp: list[PositiveInt] | None = None  # method "manual": tensor-parallel degree per stage
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:
@@ -272,6 +295,8 @@ class PlanOptions(_Closed):
             raise ValueError("recompute: give one flag (0 or 1) per stage of split")
         if self.recompute and any(self.recompute) and not self.allow_recompute:
             raise ValueError("recompute asks for recomputation but allow_recompute is false")
+        if self.tp is not None and self.split is not None and len(self.tp) != len(self.split):
+            raise ValueError("tp: give one degree per stage of split")
         return self
 
 
@@ -284,23 +309,34 @@ class StagePredicted(_Open):
     allreduce_ms: float = 0.0
     bwd_input_ms: float | None = None  # zb-h1: B (recomputation included) and W of bwd_ms
     bwd_weight_ms: float | None = None
+    # TP all-reduces of one microbatch's forward / backward (a TP stage; inside fwd_ms / bwd_ms)
+    tp_comm_fwd_ms: float = 0.0
+    tp_comm_bwd_ms: float = 0.0
 
 
 class PlanStage(_Open):
     index: NonNegativeInt
     layers: list[str] = Field(min_length=1)
     replicas: PositiveInt
+    # replicas x tp ranks, replica-major: replica k's tensor-parallel ranks are
+    # devices[k*tp:(k+1)*tp]
     devices: list[NonNegativeInt]
     predicted: StagePredicted
     recompute: bool = False  # activation recomputation (torch.utils.checkpoint per block)
+    tp: PositiveInt = 1  # tensor-parallel degree: each replica is sharded over tp devices
 
     @model_validator(mode="after")
     def _check(self) -> PlanStage:
-        if len(self.devices) != self.replicas:
+        if len(self.devices) != self.replicas * self.tp:
             raise ValueError(
-                f"stage {self.index}: {self.replicas} replicas but {len(self.devices)} devices"
+                f"stage {self.index}: {self.replicas} replicas x tp {self.tp} but "
+                f"{len(self.devices)} devices"
             )
         return self
+
+    def replica_ranks(self) -> list[int]:
+        """The first rank of each replica (the one the schedule and the simulator track)."""
+        return self.devices[::self.tp]
 
 
 class Predicted(_Open):
@@ -357,7 +393,7 @@ class Plan(_Open):
 
     @property
     def world_size(self) -> int:
-        return sum(s.replicas for s in self.stages)
+        return sum(len(s.devices) for s in self.stages)
 
 
 # ---------------------------------------------------------------- report.json (runtime)

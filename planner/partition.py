@@ -10,12 +10,18 @@ from dataclasses import dataclass, field
 class StageChoice:
     start: int  # first layer index (topological order)
     stop: int  # one past the last layer index
-    devices: tuple[int, ...]  # global ranks; replicas = len(devices)
+    devices: tuple[int, ...]  # global ranks, replicas x tp of them, replica-major
     recompute: bool = False  # keep only each block's inputs, recompute its forward in backward
+    tp: int = 1  # tensor-parallel degree: replica k is devices[k*tp:(k+1)*tp]
 
     @property
     def replicas(self) -> int:
-        return len(self.devices)
+        return len(self.devices) // self.tp
+
+    @property
+    def replica_ranks(self) -> tuple[int, ...]:
+        """The first rank of each replica (what the schedule and the simulator track)."""
+        return self.devices[::self.tp]
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class Candidate:
         for s in self.stages:
             if s.stop <= s.start or not s.devices:
                 raise ValueError("every stage needs at least one layer and one device")
+            if s.tp < 1 or len(s.devices) % s.tp:
+                raise ValueError(f"a stage with tp {s.tp} needs a multiple of {s.tp} devices")
         used = [d for s in self.stages for d in s.devices]
         if len(set(used)) != len(used) or any(not 0 <= d < num_devices for d in used):
             raise ValueError("devices must be distinct ranks of the cluster")

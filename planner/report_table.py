@@ -31,8 +31,13 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
     for st in plan.stages[:max_stages]:
         p = st.predicted
         rows.append([
-            str(st.index), _layers(st.layers), str(st.replicas), _devices(st.devices),
-            f"{p.compute_ms:.2f} ({p.fwd_ms:.2f}+{p.bwd_ms:.2f})", f"{p.allreduce_ms:.2f}",
+            str(st.index), _layers(st.layers),
+            str(st.replicas) + (f" x tp {t}" if (t := getattr(st, "tp", 1)) > 1 else ""),
+            _devices(st.devices),
+            f"{p.compute_ms:.2f} ({p.fwd_ms:.2f}+{p.bwd_ms:.2f})"
+            + (f", TP comm {c:.2f}" if (c := (getattr(p, "tp_comm_fwd_ms", 0.0) or 0.0)
+                                             + (getattr(p, "tp_comm_bwd_ms", 0.0) or 0.0)) > 0 else ""),
+            f"{p.allreduce_ms:.2f}",
             f"{format_bytes(p.memory_bytes)} / {format_bytes(p.memory_limit_bytes)}",
         ])
     text = format_table(["stage", "layers", "replicas", "devices", "compute ms (fwd+bwd)",

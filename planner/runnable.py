@@ -16,11 +16,12 @@ from __future__ import annotations
 from planner.actions import Action, parse_actions
 from planner.errors import PipeplanError
 from planner.formats import Plan
-from planner.schedules import generate
+from planner.schedules import generate, tp_leaders, with_tp_ranks
 from planner.validate import ScheduleError, format_grid, validate
 
 
 def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]) -> dict[int, list[Action]]:
+    tps = [st.tp for st in plan.stages]
     m = plan.num_microbatches
     if plan.rank_actions is None:
         assert plan.generator is not None  # Plan's validator requires one of the two
@@ -31,7 +32,8 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
         if gm != m:
             raise PipeplanError(f"plan: num_microbatches is {m} but the schedule generator's is "
                                 f"{gm}; make the plan again")
-        return generate(plan.generator.name, stage_devices, m)
+        return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), m),
+                             stage_devices, tps)
     try:
         keys = {int(k): k for k in plan.rank_actions}
     except ValueError:
@@ -64,15 +66,18 @@ def runnable_plan(plan: Plan) -> Plan:
     schedule = _actions(plan, rank_of, stage_devices)
 
     for s, ranks in enumerate(stage_devices):
-        r = len(ranks)
-        for k, rank in enumerate(ranks):
+        tp = plan.stages[s].tp
+        r = len(ranks) // tp
+        for i, rank in enumerate(ranks):
+            k = i // tp
             for step, a in enumerate(schedule[rank]):
                 if a.stage != s or a.mb % r != k:
                     raise ScheduleError(
                         f"invalid schedule: rank {rank} (device {used[rank]}) is replica {k} of "
                         f"stage {s}, which runs stage {s}'s microbatches j with j mod {r} == {k}, "
                         f"but its step {step} is {a}\n{format_grid(schedule, [(rank, step)])}")
-    validate(schedule, S, plan.num_microbatches)
+    leaders = {r for ranks, st in zip(stage_devices, plan.stages, strict=True) for r in ranks[::st.tp]}
+    validate({r: a for r, a in schedule.items() if r in leaders}, S, plan.num_microbatches)
 
     stages = [st.model_copy(update={"devices": devs}) for st, devs in zip(plan.stages, stage_devices, strict=True)]
     rank_actions = None if plan.rank_actions is None else {

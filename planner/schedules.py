@@ -96,6 +96,27 @@ def generate_rank(name: str, stage_devices: Sequence[Sequence[int]], num_microba
     raise PipeplanError(f"rank {rank} is not in the plan (it has {sum(map(len, stage_devices))} ranks)")
 
 
+def tp_leaders(stage_devices: Sequence[Sequence[int]], tps: Sequence[int] | None
+               ) -> list[list[int]]:
+    """Per stage, the first rank of each replica: a stage with tensor-parallel degree t lists
+    replicas x t ranks, replica-major, and the t ranks of a replica run the same actions."""
+    if not tps:
+        return [list(d) for d in stage_devices]
+    return [list(d)[::t] for d, t in zip(stage_devices, tps, strict=True)]
+
+
+def with_tp_ranks(lists: dict[int, list[Action]], stage_devices: Sequence[Sequence[int]],
+                  tps: Sequence[int] | None) -> dict[int, list[Action]]:
+    """Give every tensor-parallel rank its replica's actions (`lists` keyed by replica leaders)."""
+    if not tps or all(t == 1 for t in tps):
+        return lists
+    out = dict(lists)
+    for devs, t in zip(stage_devices, tps, strict=True):
+        for k, rank in enumerate(devs):
+            out[rank] = lists[devs[(k // t) * t]]
+    return out
+
+
 def total_actions(stage_devices: Sequence[Sequence[int]], num_microbatches: int) -> int:
     return 2 * num_microbatches * len(stage_devices)
 
@@ -105,14 +126,16 @@ def total_actions_for(name: str, stage_devices: Sequence[Sequence[int]], num_mic
 
 
 def plan_schedule_fields(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int,
-                         limit: int = EXPLICIT_LIMIT_ACTIONS
+                         limit: int = EXPLICIT_LIMIT_ACTIONS, tps: Sequence[int] | None = None
                          ) -> tuple[dict[str, list[str]] | None, ScheduleGenerator]:
     """What a plan stores: explicit per-rank action strings when small (else None) and always
-    the generator that reproduces them."""
+    the generator that reproduces them. `stage_devices` lists every rank of a stage; with
+    tensor-parallel degrees `tps` the ranks of one replica get the same list."""
     generator = ScheduleGenerator(name=name, params={"num_microbatches": num_microbatches})  # type: ignore[arg-type]
     if total_actions_for(name, stage_devices, num_microbatches) > limit:
         return None, generator
-    lists = generate(name, stage_devices, num_microbatches)
+    lists = with_tp_ranks(generate(name, tp_leaders(stage_devices, tps), num_microbatches),
+                          stage_devices, tps)
     return {str(r): [str(a) for a in lists[r]] for r in sorted(lists)}, generator
 
 
@@ -125,7 +148,10 @@ def actions_for_rank(plan: Plan, rank: int) -> list[Action]:
     assert plan.generator is not None
     m = plan.generator.params.get("num_microbatches", plan.num_microbatches)
     assert isinstance(m, int)
-    return generate_rank(plan.generator.name, [s.devices for s in plan.stages], m, rank)
+    for st in plan.stages:  # a tensor-parallel rank runs its replica's actions
+        if rank in st.devices:
+            rank = st.devices[(st.devices.index(rank) // st.tp) * st.tp]
+    return generate_rank(plan.generator.name, [s.replica_ranks() for s in plan.stages], m, rank)
 
 
 def plan_actions(plan: Plan) -> dict[int, list[Action]]:
@@ -135,4 +161,5 @@ def plan_actions(plan: Plan) -> dict[int, list[Action]]:
     assert plan.generator is not None
     m = plan.generator.params.get("num_microbatches", plan.num_microbatches)
     assert isinstance(m, int)
-    return generate(plan.generator.name, [s.devices for s in plan.stages], m)
+    return with_tp_ranks(generate(plan.generator.name, [s.replica_ranks() for s in plan.stages], m),
+                         [s.devices for s in plan.stages], [s.tp for s in plan.stages])

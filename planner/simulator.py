@@ -164,6 +164,12 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
         validate(schedule, num_stages=S, deps=costs.sends.keys())
         raise AssertionError("simulation stuck but the validator found no problem")  # pragma: no cover
 
+    tp_f, tp_b = getattr(costs, "tp_comm_fwd_ms", ()), getattr(costs, "tp_comm_bwd_ms", ())
+    if tp_f:  # a TP stage's all-reduces, at the end of each forward/backward (inside it)
+        for e in list(events):
+            c = tp_f[e.stage] if e.kind == "F" else tp_b[e.stage] if e.kind == "B" else 0.0
+            if c > 0:
+                events.append(Event(e.rank, f"TP {e.name}", "tp", e.stage, e.mb, e.end_ms - c, e.end_ms))
     comm = {r: 0.0 for r in schedule}
     for s, devs in enumerate(costs.stage_devices):
         ar = costs.allreduce_ms[s]
@@ -199,8 +205,8 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
     def extra(st: object, name: str) -> float:
         return float(getattr(st, name, None) or 0.0)
 
-    return PipelineCosts(
-        stage_devices=tuple(tuple(st.devices) for st in stages),
+    return PipelineCosts(  # a tensor-parallel replica is simulated as its first rank
+        stage_devices=tuple(tuple(st.devices[::getattr(st, "tp", 1)]) for st in stages),
         num_microbatches=plan.num_microbatches,
         fwd_ms=tuple(st.predicted.fwd_ms for st in stages),
         bwd_ms=tuple(st.predicted.bwd_ms for st in stages),
@@ -224,6 +230,10 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
             else extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
         transient_bytes=tuple(extra(st.predicted, "transient_bytes") for st in stages),
         recompute=tuple(bool(getattr(st, "recompute", False)) for st in stages),
+        **({"tp": tuple(getattr(st, "tp", 1) for st in stages),
+            "tp_comm_fwd_ms": tuple(extra(st.predicted, "tp_comm_fwd_ms") for st in stages),
+            "tp_comm_bwd_ms": tuple(extra(st.predicted, "tp_comm_bwd_ms") for st in stages)}
+           if any(getattr(st, "tp", 1) > 1 for st in stages) else {}),
     )
 
 
@@ -238,7 +248,10 @@ def simulate(plan_or_costs: Plan | PipelineCosts,
         from planner.schedules import plan_actions
 
         costs = costs_from_plan(plan_or_costs)
-        return simulate_costs(costs, schedule if schedule is not None else plan_actions(plan_or_costs))  # type: ignore[arg-type]
+        if schedule is None:
+            tracked = {r for devs in costs.stage_devices for r in devs}
+            schedule = {r: a for r, a in plan_actions(plan_or_costs).items() if r in tracked}
+        return simulate_costs(costs, schedule)  # type: ignore[arg-type]
     if schedule is None:
         raise ValueError("simulate(costs) needs a schedule (planner.schedules.generate)")
     return simulate_costs(plan_or_costs, schedule)  # type: ignore[arg-type]

@@ -78,6 +78,8 @@ def text_timeline(events: EventsLike, width: int = 100, max_ranks: int = 32) -> 
         for e in evs:
             if e.rank != r:
                 continue
+            if e.kind == "tp":  # inside its forward/backward: drawn there
+                continue
             ch = "=" if e.kind == "allreduce" else (
                 str(e.mb % 10) if e.kind == "F" else chr(ord("a") + e.mb % 26) if e.kind == "B"
                 else chr(ord("A") + e.mb % 26))

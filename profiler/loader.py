@@ -39,6 +39,8 @@ class ModelFile:
     build_model: Callable[[], Any]
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[Any, Any], Any]
+    # optional `tp_plan(model) -> {module-name pattern: style}` (see runtime.tensor_parallel)
+    tp_plan: Callable[[Any], Any] | None = None
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -105,6 +107,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         build_model=module.build_model,
         make_batch=module.make_batch,
         loss_fn=module.loss_fn,
+        tp_plan=tp if callable(tp := getattr(module, "tp_plan", None)) else None,
     )
 
 

@@ -63,6 +63,9 @@ def tensor_bytes(value: Any) -> int:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    local = getattr(t, "_local_tensor", None)  # a DTensor: this rank's shard is what it holds
+    if isinstance(local, torch.Tensor):
+        t = local
     try:
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()

@@ -151,3 +151,37 @@ def profile_model_file(
         torch_version=torch.__version__,
         profiler_wall_s=round(time.perf_counter() - started, 3),
     )
+
+
+def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch_size: int,
+                   seed: int = 0, warmup: int = 2, repeats: int = 5, clock: str = "wall") -> Profile:
+    """`profile` with every layer also measured on one of t tensor-parallel devices, for each t
+    of `degrees` (`LayerProfile.tp`; see profiler.tensor_parallel). CPU only (a fake group)."""
+    from profiler.tensor_parallel import measure_degree
+    from runtime.tensor_parallel import model_tp_plan
+
+    mf = load_model_file(path)
+    torch.manual_seed(seed)
+    inputs, _ = batch_checked(mf, batch_size)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return build_checked(mf)
+
+    if not model_tp_plan(build(), mf.tp_plan):
+        raise PipeplanError(f"--tp: {mf.path} has no tensor-parallel plan; define "
+                            "tp_plan(model) -> {module-name pattern: 'colwise' | 'rowwise' | ...} "
+                            "in the model file (see examples/gpt.py)")
+    granularity = getattr(profile, "granularity", None) or "blocks"
+    per_layer: list[list[Any]] = [list(layer.tp or []) for layer in profile.layers]
+    for t in degrees:
+        measured = measure_degree(build, inputs, granularity,
+                                  lambda m: model_tp_plan(m, mf.tp_plan), t, warmup, repeats, clock)
+        if len(measured) != len(profile.layers):
+            raise PipeplanError(f"--tp {t}: the model traced into {len(measured)} layers, the "
+                                f"profile has {len(profile.layers)}")
+        for i, x in enumerate(measured):
+            per_layer[i] = [y for y in per_layer[i] if y.degree != t] + [x]
+    layers = [layer.model_copy(update={"tp": sorted(xs, key=lambda x: x.degree)})
+              for layer, xs in zip(profile.layers, per_layer, strict=True)]
+    return profile.model_copy(update={"layers": layers})

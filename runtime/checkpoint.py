@@ -29,7 +29,9 @@ def optimizer_state_by_name(opt: torch.optim.Optimizer, params: dict[str, nn.Par
     out = {}
     for name, p in params.items():
         if p in opt.state:
-            out[name] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+            # a DTensor (state of a tensor-parallel parameter) is gathered whole: every rank of
+            # its TP group must call this
+            out[name] = {k: (_whole(v).detach().cpu().clone() if torch.is_tensor(v) else v)
                          for k, v in opt.state[p].items()}
     return out
 
@@ -38,8 +40,20 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: dict[str, nn.Parame
                          state: dict[str, dict[str, torch.Tensor]]) -> None:
     for name, p in params.items():
         if name in state:
-            opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step" else v)
+            opt.state[p] = {k: (_like(v.to(p.device), p) if torch.is_tensor(v) and k != "step" else v)
                             for k, v in state[name].items()}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    from runtime.tensor_parallel import full
+
+    return full(t)
+
+
+def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    from runtime.tensor_parallel import like
+
+    return like(value, param)
 
 
 def save(directory: str | Path, model_state: dict[str, torch.Tensor],

@@ -84,6 +84,10 @@ class StageExecutor:
         self.recompute = False  # the worker sets both for a recomputed stage (runtime.recompute)
         self.forward_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = module
         self._weights = [p for p in module.parameters() if p.requires_grad]
+        # tensor parallelism: stage s's replica k is ranks stage_devices[s][k*t:(k+1)*t]
+        # (t = stage_tp[s]); this rank is rank `tp_rank` of its replica's TP group
+        self.stage_tp: Sequence[int] = [1] * len(stage_devices)
+        self.tp_rank = 0
 
     def _sync(self) -> None:
         """On CUDA, wait for the kernels so compute times are measured, not just launched."""
@@ -91,8 +95,24 @@ class StageExecutor:
             torch.cuda.synchronize(self.device)
 
     def rank_of(self, stage: int, mb: int) -> int:
-        devs = self.stage_devices[stage]
-        return devs[mb % len(devs)]
+        return self.replica_ranks(stage, mb)[0]
+
+    def replica_ranks(self, stage: int, mb: int) -> Sequence[int]:
+        """The TP ranks of the replica of `stage` that runs microbatch `mb`."""
+        devs, t = self.stage_devices[stage], self.stage_tp[stage]
+        k = mb % (len(devs) // t)
+        return devs[k * t:(k + 1) * t]
+
+    def peer_in(self, stage: int, mb: int) -> int:
+        """The rank of `stage` this rank receives from (activations from a producer, gradients
+        from a consumer): TP rank u of a replica receives from TP rank u mod t there."""
+        ranks = self.replica_ranks(stage, mb)
+        return ranks[self.tp_rank % len(ranks)]
+
+    def peers_out(self, stage: int, mb: int) -> list[int]:
+        """The ranks of `stage` this rank sends to: those whose `peer_in` is this rank."""
+        ranks, mine = self.replica_ranks(stage, mb), self.stage_tp[self.stage]
+        return [r for u, r in enumerate(ranks) if u % mine == self.tp_rank]
 
     # ------------------------------------------------------------------ receives
     def _post(self, action: Action) -> None:
@@ -100,11 +120,11 @@ class StageExecutor:
         j = action.mb
         if action.kind == "F":
             for key, src in self._recvs:
-                self.p2p.post_recv(self.rank_of(src, j), j, key, grad=False)
+                self.p2p.post_recv(self.peer_in(src, j), j, key, grad=False)
         else:
             for key, dsts in self._sends:
                 for t in dsts:
-                    self.p2p.post_recv(self.rank_of(t, j), j, key, grad=True)
+                    self.p2p.post_recv(self.peer_in(t, j), j, key, grad=True)
 
     # ------------------------------------------------------------------ one step
     def run(self, actions: Sequence[Action], inputs: Sequence[Sequence[torch.Tensor]],
@@ -140,7 +160,7 @@ class StageExecutor:
             if key.startswith(INPUT_PREFIX):
                 feed[key] = inputs[int(key[len(INPUT_PREFIX):])].to(self.device)
         for key, src in self._recvs:
-            t = self.p2p.recv(self.rank_of(src, j), j, key, grad=False)
+            t = self.p2p.recv(self.peer_in(src, j), j, key, grad=False)
             if t.is_floating_point():
                 t.requires_grad_(True)
                 received[key] = t
@@ -160,7 +180,8 @@ class StageExecutor:
         self.events.append(TimedEvent(f"{self.stage}F{j}", "F", self.stage, j, t0, t1))
         for key, dsts in self._sends:
             for t in dsts:
-                self.p2p.send(out[key], self.rank_of(t, j), j, key, grad=False)
+                for r in self.peers_out(t, j):
+                    self.p2p.send(out[key], r, j, key, grad=False)
         saved = sum(seen.values())
         self._inflight[j] = _InFlight(received, out, loss, saved)
         self._saved_now += saved
@@ -182,7 +203,7 @@ class StageExecutor:
                 continue
             g = None
             for t in dsts:
-                gt = self.p2p.recv(self.rank_of(t, j), j, key, grad=True)
+                gt = self.p2p.recv(self.peer_in(t, j), j, key, grad=True)
                 g = gt if g is None else g + gt
             if out.requires_grad:
                 tensors.append(out)
@@ -208,8 +229,9 @@ class StageExecutor:
             if x is None:
                 continue
             g = input_grads.get(key) if self.split_backward else x.grad
-            self.p2p.send(g if g is not None else torch.zeros_like(x), self.rank_of(src, j), j,
-                          key, grad=True)
+            g = g if g is not None else torch.zeros_like(x)
+            for r in self.peers_out(src, j):
+                self.p2p.send(g, r, j, key, grad=True)
         if not self.split_backward:
             self._saved_now -= st.saved_bytes
 

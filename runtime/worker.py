@@ -24,7 +24,7 @@ from torch import nn
 from planner.errors import PipeplanError
 from planner.formats import Plan
 from profiler.tracing import TracingWarning
-from runtime import checkpoint, comm, rng, stages
+from runtime import checkpoint, comm, rng, stages, tensor_parallel
 from runtime.comm import P2P, PeerError
 from runtime.executor import StageExecutor, TimedEvent
 from runtime.options import RunOptions
@@ -105,7 +105,9 @@ class Worker:
         self.plan, self.opts, self.env = plan, opts, env
         self.rank = env.rank
         self.stage = next(s.index for s in plan.stages if self.rank in s.devices)
-        self.replica = plan.stages[self.stage].devices.index(self.rank)
+        self.tp = plan.stages[self.stage].tp
+        # replica-major: this rank is TP rank `tp_rank` of replica `replica`
+        self.replica, self.tp_rank = divmod(plan.stages[self.stage].devices.index(self.rank), self.tp)
         self.device, self.backend = _device(env)
         self.mf = load_model_file(opts.model)
         self.b, self.m = plan.microbatch_size, plan.num_microbatches
@@ -149,14 +151,43 @@ class Worker:
             blocks = [b.to(self.device).train() for b in
                       block_modules(graph, list(plan.stages[self.stage].layers))]
             self.forward_fn = recomputed_forward(self.module, blocks)
+        tp_plan = (tensor_parallel.model_tp_plan(model, self.mf.tp_plan)
+                   if any(st.tp > 1 for st in plan.stages) else {})
         del modules, graph, model  # keep only this rank's stage
 
-        # process groups: every rank creates every group, in the same order
-        self.stage_group = None
+        # process groups: every rank creates every group, in the same order. A stage's ranks
+        # form a (replicas x tp) mesh: TP groups along its rows, data-parallel groups (the
+        # gradient all-reduce) along its columns.
+        self.stage_group = None  # this rank's data-parallel group
+        tp_group = None
         for st in plan.stages:
-            g = comm.new_group(list(st.devices), self.device) if st.replicas > 1 else None
-            if st.index == self.stage:
-                self.stage_group = g
+            devs, t = list(st.devices), st.tp
+            for k in range(st.replicas) if t > 1 else ():
+                g = comm.new_group(devs[k * t:(k + 1) * t], self.device)
+                if st.index == self.stage and k == self.replica:
+                    tp_group = g
+            for u in range(t) if st.replicas > 1 else ():
+                g = comm.new_group(devs[u::t], self.device)
+                if st.index == self.stage and u == self.tp_rank:
+                    self.stage_group = g
+        self.mesh = None  # this stage's (replica x tp) DeviceMesh, when it is tensor-parallel
+        if tp_group is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            st = plan.stages[self.stage]
+            if self.stage_group is not None:
+                self.mesh = DeviceMesh.from_group(
+                    [self.stage_group, tp_group], self.device.type,
+                    mesh=torch.tensor(st.devices).view(st.replicas, st.tp),
+                    mesh_dim_names=("dp", "tp"))
+            else:
+                self.mesh = DeviceMesh.from_group(tp_group, self.device.type,
+                                                  mesh_dim_names=("tp",))
+            sharded = tensor_parallel.parallelize(self.module, tp_plan, self.mesh["tp"])
+            if not sharded:
+                raise PipeplanError(
+                    f"stage {self.stage} has tensor-parallel degree {self.tp} but the model's TP "
+                    "plan names none of its modules (define tp_plan(model) in the model file)")
         self.tie_groups = []
         for tie_names, holders in self.ties:
             ranks = sorted(d for s in holders for d in plan.stages[s].devices)
@@ -179,7 +210,8 @@ class Worker:
         describe = {d: f"rank {d} (stage {st.index})" for st in plan.stages for d in st.devices}
         self.p2p = P2P(self.rank, self.device, {k: i for i, k in enumerate(keys)}, opts.timeout,
                        describe, batched=comm.batched_protocol(self.backend))
-        if self.p2p.batched:  # NCCL matches by order: refuse a plan whose order could hang
+        if self.p2p.batched and all(st.tp == 1 for st in plan.stages):
+            # NCCL matches by order: refuse a plan whose order could hang
             from planner.p2p_order import check_plan
 
             check_plan(plan, {(s, t) for s in range(len(plan.stages))
@@ -191,11 +223,15 @@ class Worker:
         if self.forward_fn is not None:
             self.executor.forward_fn = self.forward_fn
             self.executor.recompute = True
+        self.executor.stage_tp = [st.tp for st in plan.stages]
+        self.executor.tp_rank = self.tp_rank
+        if self.mesh is not None:  # saved shards of the parameters are not activations
+            self.executor._state = [tensor_parallel.local(t.detach()) for t in self.executor._state]
         from planner.schedules import actions_for_rank
 
         self.actions = actions_for_rank(plan, self.rank)
         # (planner.runnable has checked that every action is this rank's stage and replica)
-        self.last_stage_ranks = list(plan.stages[-1].devices)
+        self.last_stage_ranks = plan.stages[-1].replica_ranks()  # one loss per replica
 
     # ------------------------------------------------------------------ gradients
     def sync_grads(self) -> list[TimedEvent]:
@@ -204,14 +240,19 @@ class Worker:
         if self.stage_group is not None:
             own = [p for p in self.unique_params if id(p) not in self.tied_ids]
             if own:
-                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in own])
+                # a sharded parameter's gradient: this rank's shard, summed with the same
+                # shard of the other replicas
+                grads = [tensor_parallel.local(p.grad) if p.grad is not None
+                         else torch.zeros_like(tensor_parallel.local(p.detach())) for p in own]
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 _wait(dist.all_reduce(flat, group=self.stage_group, async_op=True),
                       self.opts.timeout, f"gradient all-reduce of stage {self.stage}")
                 i = 0
-                for p in own:
-                    n = p.numel()
-                    p.grad = flat[i:i + n].view_as(p).clone()
+                for p, g in zip(own, grads, strict=True):
+                    n = g.numel()
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    tensor_parallel.local(p.grad).copy_(flat[i:i + n].view_as(g))
                     i += n
         for tie_names, g in self.tie_groups:
             p = next(self.params[n] for n in tie_names if n in self.params)
@@ -250,7 +291,7 @@ class Worker:
             self.optimizer.zero_grad(set_to_none=True)
             if self.stage_group is not None:
                 rng.sync_buffers(self.module, counters, plan.stages[self.stage].replicas,
-                                 self.stage_group, plan.stages[self.stage].devices[0])
+                                 self.stage_group, plan.stages[self.stage].devices[self.tp_rank])
             step_loss = self._gather_loss(loss)
             t1 = time.time()
             ms = (t1 - t0) * 1e3
@@ -269,9 +310,10 @@ class Worker:
         if self.device.type == "cuda":
             peak, measure = int(torch.cuda.max_memory_allocated(self.device)), "cuda_max_allocated"
         else:
-            state_bytes = sum(v.numel() * v.element_size() for stt in self.optimizer.state.values()
+            loc = tensor_parallel.local  # a sharded tensor holds only its shard on this rank
+            state_bytes = sum(loc(v).numel() * v.element_size() for stt in self.optimizer.state.values()
                               for v in stt.values() if torch.is_tensor(v))
-            pbytes = sum(p.numel() * p.element_size() for p in self.unique_params)
+            pbytes = sum(loc(p.detach()).numel() * p.element_size() for p in self.unique_params)
             peak = 2 * pbytes + state_bytes + st.peak_saved_bytes
             measure = "params+grads+optimizer_state+saved_activations"
         return RankRecord(
@@ -301,9 +343,12 @@ class Worker:
         dist.gather_object(record, records if self.rank == 0 else None, dst=0)
         if opts.save:
             mine = None
-            if self.replica == 0:
-                state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-                mine = (state, checkpoint.optimizer_state_by_name(self.optimizer, self.params))
+            if self.replica == 0:  # whole tensors: sharded ones gathered over the TP group
+                state = {k: tensor_parallel.full(v).detach().cpu().clone()
+                         for k, v in self.module.state_dict().items()}
+                opt = checkpoint.optimizer_state_by_name(self.optimizer, self.params)
+                if self.tp_rank == 0:
+                    mine = (state, opt)
             parts: list[object] = [None] * self.env.world_size
             dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
             if self.rank == 0:

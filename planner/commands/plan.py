@@ -49,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "one 0 or 1 per stage of --split, e.g. 1,0,0")
     p.add_argument("--no-recompute", action="store_true",
                    help="no stage may recompute its activations")
+    p.add_argument("--tp", type=_ints, help="manual: tensor-parallel degree per stage, e.g. 2,1 "
+                   "(each replica spans that many devices of one node; profile with --tp first)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (plan.json)")
     p.add_argument("--trace", help="also write the predicted timeline as a Chrome trace JSON")
     p.add_argument("--timeline", action="store_true", help="also print a text timeline")
@@ -67,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
     if args.replicas and not args.split:
         raise PipeplanError("--replicas needs --split (the layers per stage)")
+    if args.tp and not args.split:
+        raise PipeplanError("--tp needs --split (the layers per stage)")
     method = args.method or ("manual" if args.split else default_method())
     if args.recompute and not args.split:
         raise PipeplanError("--recompute needs --split (one 0 or 1 per stage of the manual plan)")
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         "objective": args.objective, "optimizer": args.optimizer, "time_limit_s": args.time_limit,
         "seed": args.seed, "powers_of_two": args.powers_of_two, "split": args.split,
         "replicas": args.replicas, "recompute": args.recompute,
-        "allow_recompute": not args.no_recompute,
+        "allow_recompute": not args.no_recompute, **({"tp": args.tp} if args.tp else {}),
     }, PlanOptions, "options")
     plan = make_plan(profile, cluster, options)
     save_model(plan, args.output)

@@ -44,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --layer-timing isolated: do not subtract the fixed cost of calling a "
                    "stage from each layer's times")
     p.add_argument("--seed", type=int, default=0, help="torch seed for build_model and make_batch")
+    p.add_argument("--tp", metavar="T,T,...",
+                   help="also measure every layer as it runs on one of T tensor-parallel devices "
+                   "(shard-sized modules from the model file's tp_plan(model), or a transformers "
+                   "model's own plan), and the bytes of its TP all-reduces, e.g. --tp 2,4")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no table")
     p.set_defaults(func=run)
 
@@ -88,7 +92,32 @@ def format_profile(profile: Any) -> str:
                        "processes) and more --repeats")
     if m is not None and m.peak_memory_bytes:
         out.append(f"whole-model peak memory: {_mb(m.peak_memory_bytes)} MB")
+    out.extend(format_tp(profile))
     return "\n".join(out)
+
+
+def format_tp(profile: Any) -> list[str]:
+    """Per profiled TP degree: each layer on one of t devices (profile --tp)."""
+    degrees = sorted({x.degree for layer in profile.layers for x in getattr(layer, "tp", None) or []})
+    out: list[str] = []
+    for t in degrees:
+        rows = [("layer", "fwd ms", "bwd ms", "params MB", "activ MB", "TP AR fwd MB", "TP AR bwd MB")]
+        for layer in profile.layers:
+            x = layer.at_degree(t)
+            if x is None:
+                rows.append((layer.name, "-", "-", "-", "-", "-", "-"))
+                continue
+            rows.append((layer.name, f"{x.fwd_ms:.3f}", f"{x.bwd_ms:.3f}", _mb(x.param_bytes),
+                         _mb(x.activation_bytes), _mb(x.allreduce_bytes_fwd), _mb(x.allreduce_bytes_bwd)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        out.append("")
+        out.append(f"tensor parallel: one of {t} devices (per profiled batch; TP AR = all-reduce bytes)")
+        for i, r in enumerate(rows):
+            out.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
+                                                             zip(r[1:], widths[1:], strict=True)]).rstrip())
+            if i == 0:
+                out.append("-" * len(out[-1]))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,6 +159,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar[0].close()
+    if args.tp:
+        from profiler.profile import add_tp_degrees
+
+        try:
+            degrees = sorted({int(x) for x in args.tp.split(",") if x.strip()})
+        except ValueError:
+            raise PipeplanError(f"--tp {args.tp!r}: give degrees separated by commas, e.g. 2,4") from None
+        if not degrees or min(degrees) < 2:
+            raise PipeplanError(f"--tp {args.tp!r}: degrees must be at least 2")
+        profile = add_tp_degrees(profile, args.model, degrees, args.batch_size, seed=args.seed,
+                                 warmup=args.warmup, repeats=args.repeats, clock=args.clock)
     save_model(profile, args.output)
     if not args.quiet:
         print(format_profile(profile))

@@ -134,7 +134,7 @@ def test_other_granularities_reproduce_the_model(small_env, granularity) -> None
     if granularity == "depth:1":
         assert names == ["tok_emb", "pos_emb", "blocks", "ln_f", "head"]
     if granularity == "modules":
-        assert "blocks.0.attn.qkv" in names and "blocks.0.mlp.0" in names
+        assert "blocks.0.attn.q" in names and "blocks.0.mlp.0" in names
     out, _, _ = run_pipeline(lg, [[n] for n in names], inputs, target, mf.loss_fn)
     assert torch.equal(out, ref(*inputs))
 

@@ -25,20 +25,23 @@ from runtime import stages as runtime_stages
 
 def make_plan(model_path: str | Path, layers: list[str], split: list[int], replicas: list[int],
               *, schedule: str = "1f1b", global_batch: int = 8, microbatch_size: int = 2,
-              recompute: list[bool] | None = None) -> Plan:
+              recompute: list[bool] | None = None, tp: list[int] | None = None) -> Plan:
     assert sum(split) == len(layers)
     stages, start, rank = [], 0, 0
-    for s, (n, r) in enumerate(zip(split, replicas, strict=True)):
+    tp = tp or [1] * len(split)
+    for s, (n, r, t) in enumerate(zip(split, replicas, tp, strict=True)):
         stages.append(PlanStage(
-            index=s, layers=layers[start:start + n], replicas=r, devices=list(range(rank, rank + r)),
+            index=s, layers=layers[start:start + n], replicas=r, tp=t,
+            devices=list(range(rank, rank + r * t)),
             predicted=StagePredicted(fwd_ms=1.0, bwd_ms=2.0, compute_ms=3.0, memory_bytes=0,
                                      memory_limit_bytes=10**9),
             recompute=bool(recompute[s]) if recompute else False,
         ))
         start += n
-        rank += r
+        rank += r * t
     m = global_batch // microbatch_size
-    rank_actions, generator = plan_schedule_fields(schedule, [s.devices for s in stages], m)
+    rank_actions, generator = plan_schedule_fields(schedule, [s.devices for s in stages], m,
+                                                   tps=[s.tp for s in stages])
     return Plan(
         profile_sha256="test", model=ModelRef(path=str(model_path), sha256=file_sha256(model_path)),
         cluster=Cluster(nodes=1, devices_per_node=rank, device_memory_gb=1, intra_node_gb_per_s=10,
