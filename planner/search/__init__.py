@@ -119,6 +119,8 @@ def _polish_placement(st: Structure, score: Score, cand: Candidate | None, ev: E
         if devs is not None:
             tried.append(devs)
     for devs in tried:
+        if ev.work > ev.work_limit:
+            break
         c = Candidate(tuple(StageChoice(a, z, d) for a, z, d in
                             zip(st.bounds, st.bounds[1:], devs, strict=False)), st.microbatch_size, m)
         s = ev.score_candidate(c)
@@ -156,6 +158,7 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
         if bp is not None:
             seeds.append(Structure(b, bp.bounds, bp.replicas, 0))
     budget = Budget(int(WORK_PER_SECOND * options.time_limit_s), deadline)
+    ev.work_limit = int(1.3 * budget.work)  # the placement passes may overrun the search a little
     placed: list[tuple[Score, Candidate]] = []  # local optima placed every way (small clusters)
     several = len(cluster.node_specs()) > 1
 

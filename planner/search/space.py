@@ -156,6 +156,7 @@ class Evaluator:
         self.every_placement = len(self.policies) > 1 and cluster.num_devices <= EVERY_PLACEMENT
         self.cache: dict[Structure, tuple[Score, Candidate | None]] = {}
         self.work = 0  # actions simulated
+        self.work_limit = 2**62  # set by the search: placement passes stop here
         self.evaluations = 0
 
     def __call__(self, st: Structure) -> Score:
@@ -182,8 +183,6 @@ class Evaluator:
             cand = Candidate(tuple(StageChoice(a, z, d) for a, z, d in
                                    zip(st.bounds, st.bounds[1:], devs, strict=False)),
                              st.microbatch_size, m)
-            self.work += 2 * m * st.num_stages + 4 * st.num_devices + 100
-            self.evaluations += 1
             s = self.score_candidate(cand)
             if s.better_than(best[0]):
                 best = (s, cand)
@@ -195,6 +194,8 @@ class Evaluator:
                             tuple(s.replicas for s in cand.stages)):
             return INFEASIBLE
         ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
+        self.work += 2 * cand.num_microbatches * len(cand.stages) + 4 * len(ev.costs.stage_devices) + 100
+        self.evaluations += 1
         obj = ev.iteration_ms if self.options.objective == "iteration" \
             else throughput_objective_ms(ev.costs)
         return Score(0.0 if ev.fits else ev.memory_overshoot(), obj,
@@ -235,6 +236,10 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int
     for d in devs:
         per_node.setdefault(d.node, []).append(d.rank)
     nodes = sorted(per_node)
+    specs = cluster.node_specs()
+    classes: dict[tuple, int] = {}
+    node_class = [classes.setdefault((specs[n].devices, specs[n].speed, specs[n].device_memory_gb),
+                                     len(classes)) for n in nodes]
     seen: set[tuple] = set()
     count = 0
 
@@ -253,7 +258,21 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int
             return
         if s == len(replicas):
             count += 1  # duplicates count too: the limit bounds the work, not the yield
-            key = tuple((tuple(n for n, v in enumerate(vec) if v), sum(vec)) for vec in acc)
+            # nodes of one class are interchangeable: name them in order of first use
+            names: dict[int, tuple[int, int]] = {}
+            per_class: dict[int, int] = {}
+            key_parts = []
+            for vec in acc:
+                part = []
+                for k, v in enumerate(vec):
+                    if v:
+                        if k not in names:
+                            c = node_class[k]
+                            names[k] = (c, per_class.get(c, 0))
+                            per_class[c] = per_class.get(c, 0) + 1
+                        part.append((names[k], v))
+                key_parts.append(tuple(sorted(part)))
+            key = tuple(key_parts)
             if key in seen:
                 return
             seen.add(key)
