@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from planner.build import evaluate
+from planner.build import Evaluation, evaluate
 from planner.cost import LayerTable, PipelineCosts
 from planner.formats import Cluster, Device, PlanOptions
 from planner.partition import Candidate, StageChoice
@@ -196,10 +196,12 @@ class Evaluator:
         ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
         self.work += 2 * cand.num_microbatches * len(cand.stages) + 4 * len(ev.costs.stage_devices) + 100
         self.evaluations += 1
+        return self._score(ev, sum(s.replicas for s in cand.stages), len(cand.stages))
+
+    def _score(self, ev: Evaluation, devices: int, stages: int) -> Score:
         obj = ev.iteration_ms if self.options.objective == "iteration" \
             else throughput_objective_ms(ev.costs)
-        return Score(0.0 if ev.fits else ev.memory_overshoot(), obj,
-                     sum(s.replicas for s in cand.stages), len(cand.stages))
+        return Score(0.0 if ev.fits else ev.memory_overshoot(), obj, devices, stages)
 
     def scored(self, st: Structure) -> tuple[Score, Candidate | None]:
         hit = self.cache.get(st)
@@ -217,10 +219,7 @@ class Evaluator:
             ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
             self.work += 2 * m * st.num_stages + 4 * st.num_devices + 100  # ~ its cost
             self.evaluations += 1
-            obj = ev.iteration_ms if self.options.objective == "iteration" \
-                else throughput_objective_ms(ev.costs)
-            over = 0.0 if ev.fits else ev.memory_overshoot()
-            out = (Score(over, obj, st.num_devices, st.num_stages), cand)
+            out = (self._score(ev, st.num_devices, st.num_stages), cand)
         self.cache[st] = out
         return out
 
