@@ -260,6 +260,8 @@ class Cluster(_Closed):
 # ---------------------------------------------------------------- plan options and plan.json
 
 ScheduleName = Literal["1f1b", "gpipe", "zb-h1"]
+# what a user may ask for: a schedule, or "auto" (the planner chooses one with the partition)
+ScheduleRequest = Literal["1f1b", "gpipe", "zb-h1", "auto"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 ObjectiveName = Literal["iteration", "throughput"]
 
@@ -268,7 +270,7 @@ class PlanOptions(_Closed):
     global_batch: PositiveInt = 64
     microbatch_size: PositiveInt | None = None  # None: the profile's batch size
     microbatch_sizes: list[PositiveInt] | None = None  # cpsat may choose among these
-    schedule: ScheduleName = "1f1b"
+    schedule: ScheduleRequest = "1f1b"
     method: str = "cpsat"
     objective: ObjectiveName = "iteration"
     optimizer: OptimizerName = "adam"
@@ -280,6 +282,9 @@ class PlanOptions(_Closed):
     recompute: list[bool] | None = None  # method "manual": activation recomputation per stage
     allow_recompute: bool = True  # False (--no-recompute): no stage may recompute
     tp: list[PositiveInt] | None = None  # method "manual": tensor-parallel degree per stage
+    # the largest tensor-parallel degree the search may give a stage (None: the largest
+    # profiled degree that fits in a node; 1: no tensor parallelism)
+    max_tp: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:

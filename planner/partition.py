@@ -31,6 +31,7 @@ class Candidate:
     num_microbatches: int
     # what the method says about its own answer (solver name, status, objective, bound, gap, wall_s)
     solver: dict[str, object] = field(default_factory=dict)
+    schedule: str | None = None  # the schedule the method chose (with --schedule auto)
 
     def check(self, num_layers: int, num_devices: int) -> None:
         """Parallel degrees are checked once, where the object is built (torchtitan's habit)."""

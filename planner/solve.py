@@ -13,12 +13,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from planner.baselines import solve_blocks, solve_manual, solve_params, solve_uniform
-from planner.build import build_plan, evaluate, memory_error, resolve_microbatch
+from planner.build import Evaluation, build_plan, evaluate, memory_error, resolve_microbatch
 from planner.cost import layer_table
 from planner.errors import PipeplanError
 from planner.formats import Cluster, Plan, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
+from planner.schedules import SCHEDULES
 
 Method = Callable[[Profile, Cluster, PlanOptions], Candidate]
 
@@ -66,15 +67,48 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     """Run `options.method`, then cost, schedule and simulate its candidate into a Plan.
     A plan that does not fit in device memory raises a PipeplanError saying what it needs."""
     t0 = time.perf_counter()
-    candidate = get_method(options.method)(profile, cluster, options)
     table = layer_table(profile)
-    ev = evaluate(table, cluster, candidate, options)
+    if options.schedule == "auto":
+        candidate, concrete, ev = _auto_schedule(profile, cluster, options, table)
+    else:
+        candidate = get_method(options.method)(profile, cluster, options)
+        concrete = options
+        ev = evaluate(table, cluster, candidate, options)
     if not ev.fits:
         raise memory_error(ev, options.method)
-    plan = build_plan(profile, cluster, candidate, options, table=table, evaluation=ev)
+    plan = build_plan(profile, cluster, candidate, concrete, table=table, evaluation=ev)
+    if options.schedule == "auto":  # the plan records what the user asked for, and what it got
+        plan.options = plan.options.model_copy(update={"schedule": "auto"})
     if "wall_s" not in candidate.solver:
         plan.solver.wall_s = time.perf_counter() - t0
     return plan
+
+
+def _auto_schedule(profile: Profile, cluster: Cluster, options: PlanOptions, table
+                   ) -> tuple[Candidate, PlanOptions, Evaluation]:
+    """`--schedule auto`: the search (cpsat) chooses the schedule with the partition and says
+    which in `candidate.schedule`; any other method is run once per schedule and the fastest
+    plan that fits is kept (1f1b first among equals)."""
+    if options.method == "cpsat":
+        candidate = get_method("cpsat")(profile, cluster, options)
+        concrete = options.model_copy(update={"schedule": candidate.schedule or "1f1b"})
+        return candidate, concrete, evaluate(table, cluster, candidate, concrete)
+    best: tuple[Candidate, PlanOptions, Evaluation] | None = None
+    errors = []
+    for name in SCHEDULES:
+        concrete = options.model_copy(update={"schedule": name})
+        try:
+            candidate = get_method(options.method)(profile, cluster, concrete)
+        except PipeplanError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        ev = evaluate(table, cluster, candidate, concrete)
+        if best is None or (ev.fits, -ev.iteration_ms) > (best[2].fits, -best[2].iteration_ms):
+            best = (candidate, concrete, ev)
+    if best is None:
+        raise PipeplanError(f"--schedule auto: method {options.method!r} found no plan under "
+                            f"any schedule ({'; '.join(errors)})")
+    return best
 
 
 @dataclass

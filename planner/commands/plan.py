@@ -34,8 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch-size", type=int, help="samples per microbatch (default: the "
                    "largest divisor of the global batch up to the profile's batch size)")
     p.add_argument("--microbatch-sizes", type=_ints, help="cpsat: sizes it may choose among, e.g. 4,8,16")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zb-h1"], default="1f1b",
-                   help="1f1b (default), gpipe, or zb-h1 (zero bubble: backward split into B and W)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zb-h1", "auto"], default="1f1b",
+                   help="1f1b (default), gpipe, zb-h1 (zero bubble: backward split into B and W), "
+                   "or auto (the planner chooses the schedule jointly with the partition)")
     p.add_argument("--method", help="cpsat (default when available), pipedream, blocks, params, "
                    "uniform, or manual (with --split)")
     p.add_argument("--objective", choices=["iteration", "throughput"], default="iteration")
@@ -51,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no stage may recompute its activations")
     p.add_argument("--tp", type=_ints, help="manual: tensor-parallel degree per stage, e.g. 2,1 "
                    "(each replica spans that many devices of one node; profile with --tp first)")
+    p.add_argument("--max-tp", type=int, help="cpsat: the largest tensor-parallel degree a stage "
+                   "may get (default: the largest profiled degree that fits a node; 1: none)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (plan.json)")
     p.add_argument("--trace", help="also write the predicted timeline as a Chrome trace JSON")
     p.add_argument("--timeline", action="store_true", help="also print a text timeline")
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed, "powers_of_two": args.powers_of_two, "split": args.split,
         "replicas": args.replicas, "recompute": args.recompute,
         "allow_recompute": not args.no_recompute, **({"tp": args.tp} if args.tp else {}),
+        **({"max_tp": args.max_tp} if args.max_tp is not None else {}),
     }, PlanOptions, "options")
     plan = make_plan(profile, cluster, options)
     save_model(plan, args.output)

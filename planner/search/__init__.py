@@ -24,17 +24,24 @@ import time
 
 from planner.baselines import solve_blocks, solve_params, solve_uniform
 from planner.build import evaluate, resolve_microbatch
-from planner.cost import LayerTable, layer_table, microbatch_scale
+from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, layer_table, microbatch_scale
 from planner.cpsat import place_stages
 from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
-from planner.partition import Candidate, StageChoice
+from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
 from planner.search.bound import BoundPlan, conditions, hop_bytes, lower_bound
 from planner.search.diagnose import check_transfers, infeasible_error
 from planner.search.large import dp_lower_bound
 from planner.search.local import Budget, iterated_search
-from planner.search.space import Evaluator, Score, Structure, node_placements
+from planner.search.space import (
+    Evaluator,
+    Score,
+    Structure,
+    candidate_of,
+    node_placements,
+    structure_of,
+)
 
 __all__ = ["solve", "solve_detailed"]
 
@@ -54,14 +61,10 @@ def microbatch_sizes(profile: Profile, options: PlanOptions) -> list[int]:
     return [resolve_microbatch(profile, options)[0]]
 
 
-def structure_of(c: Candidate) -> Structure:
-    return Structure(c.microbatch_size, (0, *(s.stop for s in c.stages)),
-                     tuple(s.replicas for s in c.stages), 0)
-
-
 def _baselines(profile: Profile, cluster: Cluster, options: PlanOptions, b: int,
                large: bool) -> list[Candidate]:
-    opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None})
+    opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None,
+                                      "schedule": "1f1b" if options.schedule == "auto" else options.schedule})
     out = []
     fns = [lambda: solve_pipedream(profile, cluster, opts, b), lambda: solve_uniform(profile, cluster, opts),
            lambda: solve_params(profile, cluster, opts)]
@@ -75,25 +78,52 @@ def _baselines(profile: Profile, cluster: Cluster, options: PlanOptions, b: int,
     return out
 
 
+def needs_recompute_variant(table: LayerTable, cluster: Cluster, options: PlanOptions,
+                            b: int) -> bool:
+    """Whether the bound must consider recomputed stages: allowed, and memory binds somewhere
+    (the whole model with every microbatch in flight does not fit one device)."""
+    if not options.allow_recompute:
+        return False
+    m = options.global_batch // b
+    scale = microbatch_scale(table.batch_size, b)
+    need = (table.param_bytes(0, table.num_layers) * (2 + OPTIMIZER_EXTRA_COPIES[options.optimizer])
+            + scale * table.activation_bytes(0, table.num_layers) * m)
+    return need > max(d.memory_bytes for d in cluster.devices())
+
+
 def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
-              hops, upper_ms: float) -> BoundPlan | None:
-    if options.objective != "iteration" or options.schedule not in ("1f1b", "gpipe"):
-        return None  # the DPs' conditions assume a full backward per B (not zb-h1's B and W)
+              hops, upper_ms: float, degrees: tuple[int, ...]) -> BoundPlan | None:
+    if options.objective != "iteration":
+        return None
+    rc = needs_recompute_variant(table, cluster, options, b)
     c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
-                   hops)
-    if table.num_layers ** 2 * cluster.num_devices * len(c.rs) > DP_CELLS:
+                   hops, degrees, rc)
+    if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS:
+        if len(c.variants) > 1 or options.schedule == "zb-h1":
+            return None  # the layer-only DP knows neither TP, recomputation nor B / W
         return dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)
     return lower_bound(c, upper_ms=upper_ms)
 
 
-def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int) -> float:
+def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
+                  degrees: tuple[int, ...]) -> float:
     """Every plan does the whole model's work on the cluster's devices, and one microbatch's
-    forward and backward through every layer on the fastest one."""
+    forward and backward through every layer on the fastest one (per layer, the cheapest of
+    its TP degrees: device time t x the shard's, and the shard's time)."""
     m = options.global_batch // b
     scale = microbatch_scale(table.batch_size, b)
     speeds = [d.speed for d in cluster.devices()]
-    total = scale * table.compute_ms(0, table.num_layers)
-    return max(m * total / sum(speeds), total / max(speeds))
+    L = table.num_layers
+    per_layer = [table.compute_ms(i, i + 1) for i in range(L)]
+    work, latency = list(per_layer), list(per_layer)
+    for t in degrees:
+        if t > 1:
+            tt = table.at_degree(t)
+            for i in range(L):
+                shard = tt.span("fwd_prefix_ms", i, i + 1) + tt.span("bwd_prefix_ms", i, i + 1)
+                work[i] = min(work[i], t * shard)
+                latency[i] = min(latency[i], shard)
+    return max(m * scale * sum(work) / sum(speeds), scale * sum(latency) / max(speeds))
 
 
 PLACEMENTS = 2000  # node placements of the best structure tried at the end
@@ -111,9 +141,10 @@ def _polish_placement(st: Structure, score: Score, cand: Candidate | None, ev: E
     if len(cluster.node_specs()) < 2 or cand is None:
         return score, cand
     m = cand.num_microbatches
-    tried = list(node_placements(st.replicas, cluster, limit)) if cluster.num_devices <= 64 else []
-    if use_cpsat and score.fits:
-        ev_cand = evaluate(ev.table, cluster, cand, ev.options, ev.devices)
+    tried = list(node_placements(st.replicas, cluster, limit, st.degrees)) \
+        if cluster.num_devices <= 64 else []
+    if use_cpsat and score.fits and not st.tp:
+        ev_cand = evaluate(ev.table, cluster, cand, ev.options_for(st.schedule), ev.devices)
         params = [ev.table.param_bytes(a, z) for a, z in zip(st.bounds, st.bounds[1:], strict=False)]
         devs = place_stages(st.replicas, ev_cand.costs, params, cluster, ev.options.seed)
         if devs is not None:
@@ -121,12 +152,21 @@ def _polish_placement(st: Structure, score: Score, cand: Candidate | None, ev: E
     for devs in tried:
         if ev.work > ev.work_limit:
             break
-        c = Candidate(tuple(StageChoice(a, z, d) for a, z, d in
-                            zip(st.bounds, st.bounds[1:], devs, strict=False)), st.microbatch_size, m)
-        s = ev.score_candidate(c)
+        s, c = ev.score_candidate(candidate_of(st, devs, m), st)
         if s.better_than(score):
             score, cand = s, c
     return score, cand
+
+
+def _seeds_at(b: int, ev: Evaluator, L: int, D: int) -> list[Structure]:
+    """One stage on every device and on one device (one replica group) per TP degree."""
+    out = []
+    for name in ev.schedules:
+        for t in ev.degrees:
+            base = Structure(b, (0, L), (1,), 0, schedule=name)
+            out.append(base.with_stages((0, L), (max(1, D // t),), (t,)))
+            out.append(base.with_stages((0, L), (1,), (t,)))
+    return out
 
 
 def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
@@ -144,19 +184,28 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
     fallbacks: list[tuple[Score, Candidate]] = []  # baselines exactly as they place themselves
     bounds: dict[int, float] = {}
     for b in sizes:
-        seeds.append(Structure(b, (0, table.num_layers), (D,), 0))
-        seeds.append(Structure(b, (0, table.num_layers), (1,), 0))
-        upper = min((ev(s).objective_ms for s in seeds[-2:] if ev(s).fits), default=math.inf)
+        here = _seeds_at(b, ev, table.num_layers, D)
+        seeds += here
+        upper = min((ev(s).objective_ms for s in here if ev(s).fits), default=math.inf)
         for cand in _baselines(profile, cluster, options, b, large):
-            seeds.append(structure_of(cand))
-            score = ev.score_candidate(cand)
-            fallbacks.append((score, cand))
-            if score.fits:
-                upper = min(upper, score.objective_ms)
-        bp = _dp_bound(table, cluster, options, b, hops, upper)
-        bounds[b] = max(bp.bound_ms if bp else 0.0, _simple_bound(table, cluster, options, b))
-        if bp is not None:
-            seeds.append(Structure(b, bp.bounds, bp.replicas, 0))
+            for name in ev.schedules:
+                st = structure_of(cand, name)
+                seeds.append(st)
+                placed = Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches,
+                                   schedule=name)
+                score, placed = ev.score_candidate(placed, st)
+                fallbacks.append((score, placed))
+                if score.fits:
+                    upper = min(upper, score.objective_ms)
+        per_schedule = []
+        for name in ev.schedules:
+            bp = _dp_bound(table, cluster, ev.options_for(name), b, hops, upper, ev.degrees)
+            per_schedule.append(max(bp.bound_ms if bp else 0.0,
+                                    _simple_bound(table, cluster, options, b, ev.degrees)))
+            if bp is not None:
+                seeds.append(Structure(b, bp.bounds, bp.replicas, 0, schedule=name).with_stages(
+                    bp.bounds, bp.replicas, bp.tp))
+        bounds[b] = min(per_schedule)
     budget = Budget(int(WORK_PER_SECOND * options.time_limit_s), deadline)
     ev.work_limit = int(1.3 * budget.work)  # the placement passes may overrun the search a little
     placed: list[tuple[Score, Candidate]] = []  # local optima placed every way (small clusters)
@@ -192,8 +241,10 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
         "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
         "evaluations": ev.evaluations, "work": ev.work,
         "bound_by_microbatch": {str(k): v for k, v in bounds.items()},
+        "schedule": cand.schedule,
     }
-    return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info), info
+    return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,
+                     cand.schedule), info
 
 
 def solve(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:

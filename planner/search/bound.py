@@ -74,6 +74,19 @@ def hop_bytes(table: LayerTable) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One way to run a stage (internal): its tensor-parallel degree, whether it recomputes,
+    and prefix arrays of its per-microbatch costs at the microbatch size and fastest speed."""
+
+    tp: int
+    recompute: bool
+    Fp: np.ndarray  # forward ms (TP all-reduces included)
+    Bp: np.ndarray  # whole backward ms (TP all-reduces included; recomputation not)
+    Pp: np.ndarray  # parameter bytes (of one TP shard)
+    Ap: np.ndarray  # activation bytes kept per microbatch in flight (scaled); recompute: see `kept`
+
+
+@dataclass(frozen=True)
 class Conditions:
     """The per-stage quantities of the bound for one microbatch size (internal)."""
 
@@ -84,10 +97,15 @@ class Conditions:
     rs: np.ndarray  # replica choices (R,)
     n: np.ndarray  # ceil(m / r) (R,)
     r_max_same_n: np.ndarray  # the largest r with the same n (R,): fewest in flight
-    Fp: np.ndarray  # forward prefix ms at the microbatch size and the fastest speed (L+1,)
-    Bp: np.ndarray
-    Pp: np.ndarray  # parameter prefix bytes
-    Ap: np.ndarray  # activation prefix bytes (scaled)
+    variants: tuple[Variant, ...]
+    Cp: np.ndarray  # unsharded forward + backward prefix (a 0-ms stage has no devices)
+    Wshare_num: np.ndarray  # unsharded W prefix and B prefix: a stage's W is its share of B
+    Wshare_den: np.ndarray
+    HF: np.ndarray  # per layer the smallest forward of any variant, prefix (L+1,)
+    HB: np.ndarray  # per layer the smallest critical backward of any variant, prefix
+    kept_lo: np.ndarray  # recomputation: bytes of tensors first read by layer i, prefix (scaled)
+    layer_act: np.ndarray  # activation bytes of each layer (scaled) (L,)
+    first_bwd_lo: float  # zb-h1: the smallest whole backward of layer 0 (the first stage's W)
     hop_ms: np.ndarray  # (2, L+1, L+1): [fast link?, i, j] transfer of hop_bytes at that link
     into_ms: np.ndarray  # (2, L+1): smallest transfer into layer i (from layer i-1 alone)
     per_node: int
@@ -97,10 +115,56 @@ class Conditions:
     inter_gbps: float
     latency_us: float
 
+    @property
+    def Fp(self) -> np.ndarray:  # the lower-bound prefixes `lower_bound` starts from
+        return self.HF
+
+    @property
+    def Bp(self) -> np.ndarray:
+        return self.HB
+
+    @property
+    def tmax(self) -> int:
+        return max(v.tp for v in self.variants)
+
+
+def _variants(table: LayerTable, cluster: Cluster, scale: float, vmax: float,
+              degrees: tuple[int, ...], recompute: bool) -> list[Variant]:
+    out = [Variant(1, False, np.array(table.fwd_prefix_ms) * scale / vmax,
+                   np.array(table.bwd_prefix_ms) * scale / vmax,
+                   np.array(table.param_prefix_bytes, dtype=float),
+                   np.array(table.activation_prefix_bytes, dtype=float) * scale)]
+    if recompute:
+        out.append(Variant(1, True, out[0].Fp, out[0].Bp, out[0].Pp, out[0].Ap))
+    gbps = cluster.intra_node_gb_per_s
+    lat = cluster.latency_us
+    for t in degrees:
+        if t <= 1:
+            continue
+        tt = table.at_degree(t)
+        k = 2 * (t - 1) / t / (gbps * 1e9) * 1e3 * scale
+        cf = (np.array(tt.ar_fwd_prefix_bytes, dtype=float) * k
+              + np.array(tt.ar_fwd_prefix_count, dtype=float) * 2 * (t - 1) * lat / 1e3)
+        cb = (np.array(tt.ar_bwd_prefix_bytes, dtype=float) * k
+              + np.array(tt.ar_bwd_prefix_count, dtype=float) * 2 * (t - 1) * lat / 1e3)
+        eff = cluster.allreduce_efficiency
+        out.append(Variant(t, False, np.array(tt.fwd_prefix_ms) * scale / vmax + cf / eff,
+                           np.array(tt.bwd_prefix_ms) * scale / vmax + cb / eff,
+                           np.array(tt.param_prefix_bytes, dtype=float),
+                           np.array(tt.activation_prefix_bytes, dtype=float) * scale))
+    return out
+
+
+def _min_prefix(prefixes: list[np.ndarray]) -> np.ndarray:
+    per_layer = np.min(np.stack([np.diff(p) for p in prefixes]), axis=0)
+    return np.concatenate([[0.0], np.cumsum(per_layer)])
+
 
 def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: str,
                global_batch: int, microbatch_size: int,
-               hops: np.ndarray | None = None) -> Conditions:
+               hops: np.ndarray | None = None, degrees: tuple[int, ...] = (1,),
+               recompute: bool = False) -> Conditions:
+    """`degrees`: the TP degrees a stage may have; `recompute`: whether it may recompute."""
     L, D = table.num_layers, cluster.num_devices
     m = global_batch // microbatch_size
     scale = microbatch_scale(table.batch_size, microbatch_size)
@@ -122,13 +186,24 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
     into = np.zeros((2, L + 1))
     for i in range(1, L):
         into[:, i] = hop_ms[:, i - 1, i]
+    variants = _variants(table, cluster, scale, vmax, degrees, recompute)
+    Wp = np.array(table.bwd_weight_prefix_ms if table.bwd_weight_prefix_ms is not None
+                  else [0.5 * x for x in table.bwd_prefix_ms], dtype=float)
+    Bu = np.array(table.bwd_prefix_ms, dtype=float)
+    HF = _min_prefix([v.Fp for v in variants])
+    # the backward after a stage's last B: zb-h1 defers W's, so only the first stage's W (a
+    # whole backward of layer 0, `first_bwd_lo`) is sure to follow it; else every backward
+    HB = np.zeros(L + 1) if schedule == "zb-h1" else _min_prefix([v.Bp for v in variants])
+    kept = np.zeros(L + 1)
+    for t in table.tensors:
+        kept[min(t.consumers) + 1] += t.nbytes * scale  # a kept tensor counted at its first reader
+    layer_act = np.diff(np.array(table.activation_prefix_bytes, dtype=float)) * scale
     return Conditions(
         L=L, D=D, m=m, schedule=schedule, rs=np.array(rs, dtype=float), n=np.array(n, dtype=float),
-        r_max_same_n=np.array(r_hi, dtype=float),
-        Fp=np.array(table.fwd_prefix_ms) * scale / vmax,
-        Bp=np.array(table.bwd_prefix_ms) * scale / vmax,
-        Pp=np.array(table.param_prefix_bytes, dtype=float),
-        Ap=np.array(table.activation_prefix_bytes, dtype=float) * scale,
+        r_max_same_n=np.array(r_hi, dtype=float), variants=tuple(variants),
+        Cp=np.array(table.fwd_prefix_ms) + Bu, Wshare_num=Wp, Wshare_den=Bu, HF=HF, HB=HB,
+        kept_lo=np.cumsum(kept), layer_act=layer_act,
+        first_bwd_lo=min(float(v.Bp[1] - v.Bp[0]) for v in variants) if L else 0.0,
         hop_ms=hop_ms, into_ms=into, per_node=per_node,
         static_coef=2 + OPTIMIZER_EXTRA_COPIES[optimizer],
         memory_bytes=max(d.memory_bytes for d in devices),
@@ -143,6 +218,8 @@ class BoundPlan:
     bound_ms: float
     bounds: tuple[int, ...]  # stage boundaries [0, ..., L]
     replicas: tuple[int, ...]
+    tp: tuple[int, ...] = ()
+    recompute: tuple[bool, ...] = ()
 
 
 def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
@@ -153,56 +230,81 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     g[L, 0] = 0.0
     choice = {} if want_plan else None
     dvec = np.arange(D + 1, dtype=float)
+    zb = c.schedule == "zb-h1"
+    tmax = c.tmax
     for i in range(L - 1, -1, -1):
         j = np.arange(i + 1, L + 1)
-        fwd = (c.Fp[j] - c.Fp[i])[:, None]  # (J, 1)
-        bwd = (c.Bp[j] - c.Bp[i])[:, None]
-        comp = fwd[:, 0] + bwd[:, 0]  # (J,)
-        params = c.Pp[j] - c.Pp[i]
-        act = c.Ap[j] - c.Ap[i]
+        nonzero = ((c.Cp[j] - c.Cp[i]) > 0) | (c.Cp[L] <= 0)  # no 0-ms stage
+        share = np.clip((c.Wshare_num[j] - c.Wshare_num[i])
+                        / np.where(c.Wshare_den[j] > c.Wshare_den[i], c.Wshare_den[j] - c.Wshare_den[i], 1.0),
+                        0.0, 1.0)
+        if i == 0:
+            share = np.ones_like(share)  # the first stage sends no gradient: all of it is W
+        H = c.HF[i] + c.into_ms[:, i]  # (2,): [inter, fast]
+        if zb:
+            Tl = np.where(i > 0, c.first_bwd_lo, 0.0) + c.into_ms[:, i]
+        else:
+            Tl = c.HB[i] + c.into_ms[:, i]
+        peak = np.maximum.accumulate(c.layer_act[i:]) if L > i else np.zeros(0)  # (J,)
         best = np.full(D + 1, np.inf)
-        for ri in range(len(c.rs)):
-            r, n = int(c.rs[ri]), c.n[ri]
-            if r > D:
-                break
-            fast = r + 1 <= c.per_node
-            link = 1 if fast else 0
-            hop = c.hop_ms[link, i, j]  # (J,)
-            H = c.Fp[i] + c.into_ms[link, i]
-            Tl = c.Bp[i] + c.into_ms[link, i]
-            ar_gbps = c.intra_gbps if r <= c.per_node else c.inter_gbps
-            ar = np.array([allreduce_ms(p, r, ar_gbps, c.latency_us) for p in params]) \
-                if r > 1 else np.zeros_like(params)
-            d = np.arange(r, D + 1)  # devices of the suffix including this stage
-            nxt = g[j][:, d - r]  # (J, Dd)
-            rt = comp[:, None] + np.where(j < L, 2 * hop, 0.0)[:, None] + nxt
-            if c.schedule == "gpipe":
-                w = np.full(d.shape, n)
-                inflight_lo = np.full(d.shape, n)
+        for v in c.variants:
+            fwd = v.Fp[j] - v.Fp[i]  # (J,)
+            full = v.Bp[j] - v.Bp[i]
+            if zb:
+                wgt = full + fwd if v.recompute else full * share
+                crit = full - full * share + (fwd if v.recompute else 0.0)
             else:
-                w = np.minimum(n, np.ceil(dvec[d] / r))
-                # memory: the largest r with this n holds the fewest microbatches
-                inflight_lo = np.minimum(np.ceil(m_of(c) / c.r_max_same_n[ri]),
-                                         np.ceil(dvec[d] / c.r_max_same_n[ri]))
-            # the busiest replica's n microbatches, with its round trips (module docstring)
-            w = w[None, :]
-            busy = np.maximum(n * comp[:, None], rt + (n - 1) * bwd + (n - w) * fwd)
-            busy = np.maximum(busy, (n - 1) * fwd + (n - w) * bwd + rt)
-            rounds = np.floor((n - 1) / w)  # groups of w before the last forward: (q mod w) F after
-            busy = np.maximum(busy, np.where(rounds > 0, rounds * (rt - w * fwd), 0.0)
-                              + (n - 1) * fwd + rt)
-            t_stage = H + busy + np.maximum(Tl, ar)[:, None]
-            mem = (params * c.static_coef)[:, None] + act[:, None] * np.maximum(inflight_lo, 1)[None, :]
-            ok = (t_stage <= T) & (mem <= c.memory_bytes) & np.isfinite(nxt) \
-                & ((comp > 0) | (c.Fp[L] + c.Bp[L] <= 0))[:, None]  # no 0-ms stage
-            val = np.where(ok, rt, np.inf)
-            jbest = np.argmin(val, axis=0)  # (Dd,)
-            vbest = val[jbest, np.arange(len(d))]
-            better = vbest < best[d]
-            if want_plan:
-                for k in np.nonzero(better)[0]:
-                    choice[(i, int(d[k]))] = (int(j[jbest[k]]), r)
-            best[d] = np.where(better, vbest, best[d])
+                wgt = np.zeros_like(full)
+                crit = full + (fwd if v.recompute else 0.0)
+            comp = fwd + crit + wgt
+            params = v.Pp[j] - v.Pp[i]
+            act = (c.kept_lo[j] - c.kept_lo[i]) if v.recompute else (v.Ap[j] - v.Ap[i])
+            transient = peak if v.recompute else 0.0
+            for ri in range(len(c.rs)):
+                r, n = int(c.rs[ri]), c.n[ri]
+                dd = r * v.tp
+                if dd > D:
+                    break
+                link = 1 if dd + 1 <= c.per_node else 0
+                hop = c.hop_ms[link, i, j]  # (J,)
+                ar_gbps = c.intra_gbps if dd <= c.per_node else c.inter_gbps
+                ar = np.array([allreduce_ms(p, r, ar_gbps, c.latency_us) for p in params]) \
+                    if r > 1 else np.zeros_like(params)
+                d = np.arange(dd, D + 1)  # devices of the suffix including this stage
+                nxt = g[j][:, d - dd]  # (J, Dd)
+                rt = (fwd + crit)[:, None] + np.where(j < L, 2 * hop, 0.0)[:, None] + nxt
+                if c.schedule == "gpipe":
+                    w = np.full(d.shape, n)
+                    inflight_lo = np.full(d.shape, n)
+                else:
+                    w = np.minimum(n, np.ceil(dvec[d] / r))
+                    # memory: the largest r with this n holds the fewest microbatches; the
+                    # stages after it have at least (devices left) / (largest degree) replicas
+                    rh = c.r_max_same_n[ri]
+                    inflight_lo = np.minimum(np.ceil(m_of(c) / rh),
+                                             np.ceil(1 + (dvec[d] - dd) / tmax / rh - 1e-9))
+                # the busiest replica's n microbatches, with its round trips (module docstring);
+                # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
+                w = w[None, :]
+                f2, c2, w2 = fwd[:, None], crit[:, None], wgt[:, None]
+                rounds = np.floor((n - 1) / w)  # groups of w before the last forward
+                last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
+                                  np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
+                first = rt + (n - 1) * c2 + (n - w) * f2
+                crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
+                full_busy = np.maximum(np.maximum(n * comp[:, None], first + n * w2), last + w2)
+                t_stage = H[link] + np.maximum(crit_busy + Tl[link], full_busy + ar[:, None])
+                mem = (params * c.static_coef + transient)[:, None] \
+                    + act[:, None] * np.maximum(inflight_lo, 1)[None, :]
+                ok = (t_stage <= T) & (mem <= c.memory_bytes) & np.isfinite(nxt) & nonzero[:, None]
+                val = np.where(ok, rt, np.inf)
+                jbest = np.argmin(val, axis=0)  # (Dd,)
+                vbest = val[jbest, np.arange(len(d))]
+                better = vbest < best[d]
+                if want_plan:
+                    for k in np.nonzero(better)[0]:
+                        choice[(i, int(d[k]))] = (int(j[jbest[k]]), r, v.tp, v.recompute)
+                best[d] = np.where(better, vbest, best[d])
         g[i] = best
     return g, choice
 
@@ -211,20 +313,22 @@ def m_of(c: Conditions) -> int:
     return c.m
 
 
-def _plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
     with np.errstate(invalid="ignore"):
         g, choice = _suffix_dp(c, T, want_plan=True)
     finite = np.nonzero(np.isfinite(g[0]))[0]
     if len(finite) == 0:
         return None
     d = int(finite[0])  # the fewest devices
-    bounds, reps, i = [0], [], 0
+    bounds, reps, tps, rcs, i = [0], [], [], [], 0
     while i < c.L:
-        j, r = choice[(i, d)]
+        j, r, t, rc = choice[(i, d)]
         bounds.append(j)
         reps.append(r)
-        i, d = j, d - r
-    return tuple(bounds), tuple(reps)
+        tps.append(t)
+        rcs.append(rc)
+        i, d = j, d - r * t
+    return tuple(bounds), tuple(reps), tuple(tps), tuple(rcs)
 
 
 def feasible(c: Conditions, T: float) -> bool:
@@ -262,6 +366,6 @@ def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4,
     return BoundPlan(lo, *plan)
 
 
-__all__ = ["BoundPlan", "Conditions", "conditions", "feasible", "hop_bytes", "lower_bound",
+__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "feasible", "hop_bytes", "lower_bound",
            "replica_choices", "transfer_ms"]
 

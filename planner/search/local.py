@@ -2,7 +2,8 @@
 
 Moves: shift a stage boundary by 1, 2, 4, ... layers; merge two adjacent stages; split a stage
 at its balanced point (and one layer either side); move a replica from one stage to another;
-add or drop a replica; change the placement policy. Steepest descent to a local optimum, then
+add or drop a replica; a stage's tensor-parallel degree one step up or down; another schedule
+(with `--schedule auto`); change the placement policy. Steepest descent to a local optimum, then
 iterated kicks (a few random moves from a seeded generator) and descent again, for as long as
 the budget of simulated actions lasts. The budget, not the clock, ends the search, so the same
 input gives the same plan on an idle or a loaded machine; the wall-clock deadline is only a
@@ -19,10 +20,6 @@ from planner.cost import LayerTable
 from planner.search.space import Evaluator, Score, Structure
 
 
-def _with(st: Structure, bounds: list[int], reps: list[int]) -> Structure:
-    return Structure(st.microbatch_size, tuple(bounds), tuple(reps), st.policy)
-
-
 def _balanced_split(table: LayerTable, a: int, z: int) -> int:
     """The layer index in (a, z) that halves the stage's compute most evenly."""
     total = table.compute_ms(a, z)
@@ -34,11 +31,16 @@ def _balanced_split(table: LayerTable, a: int, z: int) -> int:
     return best
 
 
-def neighbours(st: Structure, table: LayerTable, num_devices: int, num_policies: int
-               ) -> Iterator[Structure]:
-    b, r = list(st.bounds), list(st.replicas)
-    S, used = len(r), sum(r)
-    free = num_devices - used
+def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Structure]:
+    """Every move from `st` (recomputation is not a move: `Evaluator` gives every structure
+    the best recomputation for it)."""
+    b, r, t = list(st.bounds), list(st.replicas), list(st.degrees)
+    S = len(r)
+    free = ev.cluster.num_devices - st.num_devices
+
+    def w(bounds, reps, tps=None):
+        return st.with_stages(bounds, reps, t if tps is None else tps)
+
     # boundary shifts
     for k in range(1, S):
         for step in (1, 2, 4, 8, 16, 32):
@@ -47,44 +49,59 @@ def neighbours(st: Structure, table: LayerTable, num_devices: int, num_policies:
                 if b[k - 1] < p < b[k + 1]:
                     nb = b.copy()
                     nb[k] = p
-                    yield _with(st, nb, r)
-    # merges (replicas: the larger of the two, or both)
+                    yield w(nb, r)
+    # merges (replicas: the larger of the two, or both; degree: either)
     for k in range(S - 1):
         nb = b[: k + 1] + b[k + 2:]
-        for rep in sorted({max(r[k], r[k + 1]), r[k] + r[k + 1]}):
-            yield _with(st, nb, r[:k] + [rep] + r[k + 2:])
+        for deg in sorted({t[k], t[k + 1]}):
+            for rep in sorted({max(r[k], r[k + 1]), r[k] + r[k + 1]}):
+                yield w(nb, r[:k] + [rep] + r[k + 2:], t[:k] + [deg] + t[k + 2:])
     # splits
     for k in range(S):
         a, z = b[k], b[k + 1]
         if z - a < 2:
             continue
         mid = _balanced_split(table, a, z)
+        tps = t[:k] + [t[k], t[k]] + t[k + 1:]
         for p in sorted({mid - 1, mid, mid + 1}):
             if not a < p < z:
                 continue
             nb = b[: k + 1] + [p] + b[k + 1:]
             if r[k] >= 2:
                 h = r[k] // 2
-                yield _with(st, nb, r[:k] + [r[k] - h, h] + r[k + 1:])
-            if free >= r[k]:
-                yield _with(st, nb, r[:k] + [r[k], r[k]] + r[k + 1:])
-            elif free >= 1:
-                yield _with(st, nb, r[:k] + [r[k], 1] + r[k + 1:])
+                yield w(nb, r[:k] + [r[k] - h, h] + r[k + 1:], tps)
+            if free >= r[k] * t[k]:
+                yield w(nb, r[:k] + [r[k], r[k]] + r[k + 1:], tps)
+            elif free >= t[k]:
+                yield w(nb, r[:k] + [r[k], 1] + r[k + 1:], tps)
     # replicas
     for k in range(S):
-        if free >= 1:
-            yield _with(st, b, r[:k] + [r[k] + 1] + r[k + 1:])
+        if free >= t[k]:
+            yield w(b, r[:k] + [r[k] + 1] + r[k + 1:])
         if r[k] >= 2:
-            yield _with(st, b, r[:k] + [r[k] - 1] + r[k + 1:])
-            for t in range(S):
-                if t != k:
+            yield w(b, r[:k] + [r[k] - 1] + r[k + 1:])
+            for j in range(S):
+                if j != k:
                     nr = r.copy()
                     nr[k] -= 1
-                    nr[t] += 1
-                    yield _with(st, b, nr)
-    for p in range(num_policies):
+                    nr[j] += 1
+                    yield w(b, nr)
+    # tensor-parallel degree: the next one up or down, on as many devices or on more / fewer
+    if len(ev.degrees) > 1:
+        for k in range(S):
+            i = ev.degrees.index(t[k]) if t[k] in ev.degrees else 0
+            for j in (i - 1, i + 1):
+                if not 0 <= j < len(ev.degrees):
+                    continue
+                d = ev.degrees[j]
+                for rep in sorted({r[k], max(1, r[k] * t[k] // d)}):
+                    yield w(b, r[:k] + [rep] + r[k + 1:], t[:k] + [d] + t[k + 1:])
+    for name in ev.schedules:
+        if name != st.schedule:
+            yield st.with_stages(st.bounds, st.replicas, schedule=name)
+    for p in range(len(ev.policies)):
         if p != st.policy:
-            yield Structure(st.microbatch_size, st.bounds, st.replicas, p)
+            yield st.with_stages(st.bounds, st.replicas, policy=p)
 
 
 class Budget:
@@ -103,7 +120,7 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
     cur, cur_s = start, ev(start)
     while not budget.spent(ev):
         best, best_s = None, cur_s
-        for nb in neighbours(cur, table, num_devices, len(ev.policies)):
+        for nb in neighbours(cur, table, ev):
             s = ev(nb)
             if s.better_than(best_s):
                 best, best_s = nb, s
@@ -115,10 +132,10 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
     return cur, cur_s
 
 
-def kick(st: Structure, rng: random.Random, table: LayerTable, num_devices: int,
-         num_policies: int, moves: int = 3) -> Structure:
+def kick(st: Structure, rng: random.Random, table: LayerTable, ev: Evaluator,
+         moves: int = 3) -> Structure:
     for _ in range(moves):
-        options = list(neighbours(st, table, num_devices, num_policies))
+        options = list(neighbours(st, table, ev))
         if not options:
             break
         st = options[rng.randrange(len(options))]
@@ -143,7 +160,7 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
             best, best_s = got, s
     stall = 0
     while best is not None and not budget.spent(ev) and stall < 200:
-        got, s = descend(kick(best, rng, table, num_devices, len(ev.policies)), ev, table,
+        got, s = descend(kick(best, rng, table, ev), ev, table,
                          num_devices, budget)
         if visit is not None:
             visit(got)

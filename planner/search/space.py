@@ -11,7 +11,7 @@ a device that does no work is a device the user pays for.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.build import Evaluation, evaluate
 from planner.cost import LayerTable, PipelineCosts
@@ -30,14 +30,28 @@ class Structure:
     bounds: tuple[int, ...]  # [0, stop_0, ..., L]
     replicas: tuple[int, ...]
     policy: int = 0  # index into `placement_policies(cluster)`
+    tp: tuple[int, ...] = ()  # tensor-parallel degree per stage; () = 1 everywhere
+    schedule: str = "1f1b"
 
     @property
     def num_stages(self) -> int:
         return len(self.replicas)
 
     @property
+    def degrees(self) -> tuple[int, ...]:
+        return self.tp or (1,) * len(self.replicas)
+
+    @property
     def num_devices(self) -> int:
-        return sum(self.replicas)
+        return sum(r * t for r, t in zip(self.replicas, self.degrees, strict=True))
+
+    def with_stages(self, bounds, replicas, tp=None, policy: int | None = None,
+                    schedule: str | None = None) -> Structure:
+        """A structure like this one with other stages (degrees all 1 are stored as ())."""
+        tp = tuple(tp) if tp is not None else (self.tp if len(replicas) == len(self.replicas) else ())
+        return Structure(self.microbatch_size, tuple(bounds), tuple(replicas),
+                         self.policy if policy is None else policy,
+                         () if all(t == 1 for t in tp) else tp, schedule or self.schedule)
 
 
 Policy = tuple[tuple[tuple[Device, ...], ...], str]  # nodes in the order stages take them, style
@@ -61,7 +75,8 @@ def placement_policies(cluster: Cluster) -> list[Policy]:
 
 
 def place(st: Structure, policy: Policy) -> tuple[tuple[int, ...], ...] | None:
-    """Ranks of every stage's replicas, or None if the policy cannot place the structure.
+    """Ranks of every stage (replica-major, each replica's `tp` ranks on one node), or None if
+    the policy cannot place the structure.
 
     packed: consecutive devices, node after node in the policy's order;
     aligned: like packed, but a stage that would straddle two nodes and fits in one starts on
@@ -72,24 +87,24 @@ def place(st: Structure, policy: Policy) -> tuple[tuple[int, ...], ...] | None:
     remaining = st.num_devices
     out: list[tuple[int, ...]] = []
     k = 0  # current node
-    for r in st.replicas:
+    for r, t in zip(st.replicas, st.degrees, strict=True):
         while k < len(free) and not free[k]:
             k += 1
         if k >= len(free):
             return None
-        if style == "aligned" and r <= max(per_node):
+        if style == "aligned" and r * t <= max(per_node):
             left_here = len(free[k])
             spare = sum(len(f) for f in free) - remaining
-            if r > left_here and spare >= left_here and k + 1 < len(free):
+            if r * t > left_here and spare >= left_here and k + 1 < len(free):
                 k += 1
         ranks: list[int] = []
-        while len(ranks) < r:
-            while k < len(free) and not free[k]:
+        for _ in range(r):
+            while k < len(free) and len(free[k]) < t:  # a TP group stays inside one node
                 k += 1
             if k >= len(free):
                 return None
-            ranks.append(free[k].pop(0).rank)
-        remaining -= r
+            ranks += [free[k].pop(0).rank for _ in range(t)]
+        remaining -= r * t
         out.append(tuple(ranks))
     return tuple(out)
 
@@ -102,9 +117,21 @@ def to_candidate(st: Structure, policies: list[Policy], num_microbatches: int
     devs = place(st, policies[st.policy])
     if devs is None:
         return None
-    stages = tuple(StageChoice(a, z, d) for a, z, d in zip(st.bounds, st.bounds[1:], devs,
-                                                            strict=False))
-    return Candidate(stages, st.microbatch_size, num_microbatches)
+    return candidate_of(st, devs, num_microbatches)
+
+
+def candidate_of(st: Structure, devs: tuple[tuple[int, ...], ...], num_microbatches: int
+                 ) -> Candidate:
+    stages = tuple(StageChoice(a, z, d, False, t) for a, z, d, t in
+                   zip(st.bounds, st.bounds[1:], devs, st.degrees, strict=False))
+    return Candidate(stages, st.microbatch_size, num_microbatches, schedule=st.schedule)
+
+
+def structure_of(c: Candidate, schedule: str) -> Structure:
+    """The structure of a candidate placed by someone else (policy 0)."""
+    bounds, reps = (0, *(s.stop for s in c.stages)), tuple(s.replicas for s in c.stages)
+    return Structure(c.microbatch_size, bounds, reps, 0, schedule=schedule).with_stages(
+        bounds, reps, tuple(s.tp for s in c.stages))
 
 
 def throughput_objective_ms(costs: PipelineCosts) -> float:
@@ -144,6 +171,19 @@ class Score:
 INFEASIBLE = Score(float("inf"), float("inf"), 0, 0)
 
 
+def tp_degrees(table: LayerTable, cluster: Cluster, options: PlanOptions) -> tuple[int, ...]:
+    """The tensor-parallel degrees the search may give a stage: 1 and every profiled degree
+    that fits in a node, up to `--max-tp` (default: all of those)."""
+    per_node = max(s.devices for s in cluster.node_specs())
+    cap = options.max_tp if options.max_tp is not None else per_node
+    return (1, *sorted(x.degree for x in table.tp if x.degree <= min(cap, per_node)))
+
+
+def schedules_of(options: PlanOptions) -> tuple[str, ...]:
+    """The schedules the search may choose: the one asked for, or all with `auto`."""
+    return ("1f1b", "zb-h1", "gpipe") if options.schedule == "auto" else (options.schedule,)
+
+
 class Evaluator:
     """`evaluate()` with a cache and a count of the work done (simulated actions), which is
     the search's deterministic budget."""
@@ -152,6 +192,10 @@ class Evaluator:
         self.table, self.cluster, self.options = table, cluster, options
         self.devices = cluster.devices()
         self.policies = placement_policies(cluster)
+        self.degrees = tp_degrees(table, cluster, options)
+        self.schedules = schedules_of(options)
+        self._options = {name: options.model_copy(update={"schedule": name})
+                         for name in self.schedules}
         # small clusters of several nodes: a structure is scored at its best placement of all
         self.every_placement = len(self.policies) > 1 and cluster.num_devices <= EVERY_PLACEMENT
         self.cache: dict[Structure, tuple[Score, Candidate | None]] = {}
@@ -162,12 +206,19 @@ class Evaluator:
     def __call__(self, st: Structure) -> Score:
         return self.scored(st)[0]
 
-    def allowed(self, bounds: tuple[int, ...], replicas: tuple[int, ...]) -> bool:
-        """No stage that computes nothing (0 ms: its devices would do no work); with
-        `powers_of_two`, replica counts that are powers of two."""
-        if self.options.powers_of_two and any(r & (r - 1) for r in replicas):
+    def options_for(self, schedule: str) -> PlanOptions:
+        return self._options.get(schedule) or self.options.model_copy(update={"schedule": schedule})
+
+    def allowed(self, st: Structure) -> bool:
+        """No stage that computes nothing (0 ms: its devices would do no work); replica counts
+        that are powers of two with `powers_of_two`; TP degrees the search may use."""
+        if self.options.powers_of_two and any(r & (r - 1) for r in st.replicas):
             return False
-        return not self.idle_stage(bounds)
+        if st.schedule not in self.schedules or st.num_devices > self.cluster.num_devices:
+            return False
+        if st.tp and any(t not in self.degrees for t in st.tp):
+            return False
+        return not self.idle_stage(st.bounds)
 
     def idle_stage(self, bounds: tuple[int, ...]) -> bool:
         """True if a stage computes nothing (0 ms): it would hold devices that do no work."""
@@ -176,27 +227,52 @@ class Evaluator:
         return any(self.table.compute_ms(a, z) <= 0 for a, z in zip(bounds, bounds[1:], strict=False))
 
     def _best_placement(self, st: Structure, m: int) -> tuple[Score, Candidate | None]:
-        if st.policy != 0 or not self.allowed(st.bounds, st.replicas):
+        if st.policy != 0 or not self.allowed(st):
             return INFEASIBLE, None
         best: tuple[Score, Candidate | None] = (INFEASIBLE, None)
-        for devs in node_placements(st.replicas, self.cluster, PLACEMENTS_PER_STRUCTURE):
-            cand = Candidate(tuple(StageChoice(a, z, d) for a, z, d in
-                                   zip(st.bounds, st.bounds[1:], devs, strict=False)),
-                             st.microbatch_size, m)
-            s = self.score_candidate(cand)
+        for devs in node_placements(st.replicas, self.cluster, PLACEMENTS_PER_STRUCTURE, st.degrees):
+            s, cand = self.evaluate_placed(candidate_of(st, devs, m), st)
             if s.better_than(best[0]):
                 best = (s, cand)
         return best
 
-    def score_candidate(self, cand: Candidate) -> Score:
-        """A candidate placed by someone else (a baseline), scored the same way."""
-        if not self.allowed((0, *(s.stop for s in cand.stages)),
-                            tuple(s.replicas for s in cand.stages)):
-            return INFEASIBLE
-        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
-        self.work += 2 * cand.num_microbatches * len(cand.stages) + 4 * len(ev.costs.stage_devices) + 100
+    def score_candidate(self, cand: Candidate, st: Structure | None = None
+                        ) -> tuple[Score, Candidate]:
+        """A candidate placed by someone else (a baseline), scored the same way; with the
+        recomputation `evaluate_placed` gives it."""
+        st = st or structure_of(cand, cand.schedule or self.schedules[0])
+        if not self.allowed(st):
+            return INFEASIBLE, cand
+        return self.evaluate_placed(cand, st)
+
+    def evaluate_placed(self, cand: Candidate, st: Structure) -> tuple[Score, Candidate]:
+        """The candidate's score; where it does not fit memory and recomputation is allowed,
+        the same candidate with recomputation on exactly the stages that overflow, if that
+        scores better. That is the best choice of recomputation for these stages and devices:
+        recomputing adds time and never makes the simulated iteration shorter, and a stage's
+        memory does not depend on whether another stage recomputes."""
+        opts = self.options_for(st.schedule)
+        ev = evaluate(self.table, self.cluster, cand, opts, self.devices)
+        self._count(cand)
+        score = self._score(ev, st.num_devices, st.num_stages)
+        if score.fits or not self.options.allow_recompute:
+            return score, cand
+        over = {s for s, (need, lim) in enumerate(zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes,
+                                                      strict=True))
+                if need > lim and cand.stages[s].tp == 1 and not cand.stages[s].recompute}
+        if not over:
+            return score, cand
+        rc = Candidate(tuple(replace(x, recompute=x.recompute or s in over)
+                             for s, x in enumerate(cand.stages)),
+                       cand.microbatch_size, cand.num_microbatches, schedule=cand.schedule)
+        ev2 = evaluate(self.table, self.cluster, rc, opts, self.devices)
+        self._count(rc)
+        score2 = self._score(ev2, st.num_devices, st.num_stages)
+        return (score2, rc) if score2.better_than(score) else (score, cand)
+
+    def _count(self, cand: Candidate) -> None:
+        self.work += 2 * cand.num_microbatches * len(cand.stages) + 4 * len(cand.stages) + 100
         self.evaluations += 1
-        return self._score(ev, sum(s.replicas for s in cand.stages), len(cand.stages))
 
     def _score(self, ev: Evaluation, devices: int, stages: int) -> Score:
         obj = ev.iteration_ms if self.options.objective == "iteration" \
@@ -212,22 +288,19 @@ class Evaluator:
             out = self._best_placement(st, m)
             self.cache[st] = out
             return out
-        cand = to_candidate(st, self.policies, m) if self.allowed(st.bounds, st.replicas) else None
-        if cand is None:
-            out: tuple[Score, Candidate | None] = (INFEASIBLE, None)
-        else:
-            ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
-            self.work += 2 * m * st.num_stages + 4 * st.num_devices + 100  # ~ its cost
-            self.evaluations += 1
-            out = (self._score(ev, st.num_devices, st.num_stages), cand)
+        cand = to_candidate(st, self.policies, m) if self.allowed(st) else None
+        out: tuple[Score, Candidate | None] = \
+            (INFEASIBLE, None) if cand is None else self.evaluate_placed(cand, st)
         self.cache[st] = out
         return out
 
 
-def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int
+def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int,
+                    degrees: tuple[int, ...] | None = None
                     ) -> Iterator[tuple[tuple[int, ...], ...]]:
     """Every way to take each stage's replicas from the nodes (a device count per node per
-    stage; which devices of a node does not matter), up to `limit` of them, in a fixed order.
+    stage, a multiple of the stage's TP degree: a TP group stays in one node; which devices of
+    a node does not matter), up to `limit` of them, in a fixed order.
     Placements that give every stage the same set of nodes as one already yielded are skipped
     (the cost model sees only those sets)."""
     devs = cluster.devices()
@@ -242,14 +315,17 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int
     seen: set[tuple] = set()
     count = 0
 
-    def vectors(r: int, free: list[int], k: int):
+    degrees = degrees or (1,) * len(replicas)
+
+    def vectors(r: int, free: list[int], k: int, t: int):
+        """Device counts per node from node k on: r replicas of t devices each."""
         if k == len(free):
             if r == 0:
                 yield ()
             return
-        for v in range(min(r, free[k]), -1, -1):
-            for rest in vectors(r - v, free, k + 1):
-                yield (v, *rest)
+        for v in range(min(r, free[k] // t), -1, -1):
+            for rest in vectors(r - v, free, k + 1, t):
+                yield (v * t, *rest)
 
     def rec(s: int, free: list[int], acc: list[tuple[int, ...]]):
         nonlocal count
@@ -285,7 +361,7 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int
                 out.append(tuple(ranks))
             yield tuple(out)
             return
-        for vec in vectors(replicas[s], free, 0):
+        for vec in vectors(replicas[s], free, 0, degrees[s]):
             yield from rec(s + 1, [f - v for f, v in zip(free, vec, strict=True)], acc + [vec])
 
     yield from rec(0, [len(per_node[n]) for n in nodes], [])

@@ -35,67 +35,99 @@ def splits(num_layers: int):
             yield [0, *cuts, num_layers]
 
 
-def _stage_options(free: list[int]):
-    """Every per-node device-count vector a stage can take from the free counts (>= 1 device)."""
-    ranges = [range(f + 1) for f in free]
+def _stage_options(free: list[int], t: int = 1):
+    """Every per-node device-count vector a stage can take from the free counts (>= 1 device);
+    with TP degree t, multiples of t on every node (a TP group stays in one node)."""
+    ranges = [range(0, f + 1, t) for f in free]
     for vec in itertools.product(*ranges):
         if sum(vec) >= 1:
             yield vec
 
 
-def _placements(num_stages: int, free: list[int]):
-    if num_stages == 0:
+def _placements(degrees: list[int], free: list[int]):
+    if not degrees:
         yield []
         return
-    for vec in _stage_options(free):
+    for vec in _stage_options(free, degrees[0]):
         rest = [f - v for f, v in zip(free, vec, strict=True)]
-        for tail in _placements(num_stages - 1, rest):
+        for tail in _placements(degrees[1:], rest):
             yield [vec, *tail]
+
+
+def tp_degrees(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[int]:
+    """1 and every degree every layer was profiled at that fits a node and `max_tp`."""
+    per_node = max(s.devices for s in cluster.node_specs())
+    cap = min(per_node, options.max_tp if options.max_tp is not None else per_node)
+    common = set.intersection(*[{x.degree for x in (layer.tp or [])} for layer in profile.layers])
+    return [1, *sorted(t for t in common if t <= cap)]
 
 
 def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
                 microbatch_sizes: list[int]) -> Best:
-    """The smallest simulated iteration time over every plan that fits memory."""
+    """The smallest simulated iteration time over every plan that fits memory: every split,
+    TP degree per stage, placement, schedule (all three with `auto`) and, where a plan does
+    not fit without it, recomputation on the stages that overflow."""
     table = layer_table(profile)
     specs = cluster.node_specs()
     devices = cluster.devices()
     ranks_of_node: list[list[int]] = [[] for _ in specs]
     for d in devices:
         ranks_of_node[d.node].append(d.rank)
+    schedules = ["1f1b", "gpipe", "zb-h1"] if options.schedule == "auto" else [options.schedule]
+    degrees = tp_degrees(profile, cluster, options)
     best_ms, best_c, simulated = float("inf"), None, 0
     for b in microbatch_sizes:
         m = options.global_batch // b
         scale = b / profile.batch_size
         for bounds in splits(table.num_layers):
             S = len(bounds) - 1
-            seen: set[tuple] = set()
-            for placement in _placements(S, [s.devices for s in specs]):
-                key = tuple((tuple(n for n, v in enumerate(vec) if v), sum(vec)) for vec in placement)
-                if key in seen:
-                    continue
-                seen.add(key)
-                busy = 0.0
-                for s, vec in enumerate(placement):
-                    speed = min(specs[n].speed for n, v in enumerate(vec) if v)
-                    r = sum(vec)
-                    busy = max(busy, -(-m // r) * scale
-                               * table.compute_ms(bounds[s], bounds[s + 1]) / speed)
-                if busy >= best_ms:
-                    continue
-                used = [0] * len(specs)
-                stages = []
-                for s, vec in enumerate(placement):
-                    ranks: list[int] = []
-                    for n, v in enumerate(vec):
-                        ranks += ranks_of_node[n][used[n]:used[n] + v]
-                        used[n] += v
-                    stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(ranks)))
-                cand = Candidate(tuple(stages), b, m)
-                opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None})
-                ev = evaluate(table, cluster, cand, opts)
-                simulated += 1
-                if ev.fits and ev.iteration_ms < best_ms:
-                    best_ms, best_c = ev.iteration_ms, cand
+            for tps in itertools.product(degrees, repeat=S):
+                seen: set[tuple] = set()
+                for placement in _placements(list(tps), [s.devices for s in specs]):
+                    key = tuple((tuple(n for n, v in enumerate(vec) if v), sum(vec)) for vec in placement)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    busy = 0.0
+                    for s, vec in enumerate(placement):
+                        speed = min(specs[n].speed for n, v in enumerate(vec) if v)
+                        r = sum(vec) // tps[s]
+                        a, z = bounds[s], bounds[s + 1]
+                        ms = table.compute_ms(a, z) if tps[s] == 1 else \
+                            table.at_degree(tps[s]).span("fwd_prefix_ms", a, z) \
+                            + table.at_degree(tps[s]).span("bwd_prefix_ms", a, z)
+                        busy = max(busy, -(-m // r) * scale * ms / speed)
+                    if busy >= best_ms:
+                        continue
+                    used = [0] * len(specs)
+                    stages = []
+                    for s, vec in enumerate(placement):
+                        ranks: list[int] = []
+                        for n, v in enumerate(vec):
+                            ranks += ranks_of_node[n][used[n]:used[n] + v]
+                            used[n] += v
+                        stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(ranks), tp=tps[s]))
+                    for name in schedules:
+                        opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None,
+                                                          "schedule": name})
+                        cand = Candidate(tuple(stages), b, m, schedule=name)
+                        ev = evaluate(table, cluster, cand, opts)
+                        simulated += 1
+                        tries = [(ev, cand)]
+                        if not ev.fits and options.allow_recompute:
+                            # the stages that overflow must recompute (a stage's memory is its
+                            # own); recomputing any other only adds time (both properties are
+                            # tested in test_search_joint.py), so that one set is the best
+                            over = {s for s in range(S)
+                                    if ev.stage_memory_bytes[s] > ev.costs.memory_limit_bytes[s]}
+                            if all(tps[s] == 1 for s in over):
+                                rc = Candidate(tuple(StageChoice(x.start, x.stop, x.devices, s in over, x.tp)
+                                                     for s, x in enumerate(stages)), b, m, schedule=name)
+                                tries.append((evaluate(table, cluster, rc, opts), rc))
+                                simulated += 1
+                        for e, c in tries:
+                            if e.fits and e.iteration_ms < best_ms:
+                                best_ms, best_c = e.iteration_ms, c
     return Best(best_ms, best_c, simulated)
 
 

@@ -1,0 +1,196 @@
+"""The search's joint choices against brute force (`cpsat_reference.py`, judged by the core's
+`evaluate()`): the schedule (`--schedule auto`), recomputation where memory binds, and the
+tensor-parallel degree of every stage (`--max-tp`). On small instances the plan equals the
+exhaustive optimum and the bound never exceeds it; a larger space never gives a worse plan."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.build import evaluate
+from planner.cost import layer_table
+from planner.errors import PipeplanError
+from planner.formats import Cluster, PlanOptions, Profile
+from planner.search import solve
+from planner.solve import make_plan
+from tests.planner.cpsat_reference import brute_force
+from tests.planner.test_search import random_cluster, random_profile
+
+REL = 1e-9
+
+
+def with_tp(profile: Profile, rng: random.Random, degrees: tuple[int, ...]) -> Profile:
+    """Every layer also profiled on one of t devices: the shard's time between 1/t and 0.9 of
+    the layer's (sharding is never free), 1/t of its parameters, activations between 1/t and
+    all of them, and 1-2 all-reduces of the layer's output each way."""
+    data = profile.model_dump()
+    for layer in data["layers"]:
+        shards = []
+        for t in degrees:
+            f = rng.uniform(1 / t, 0.9)
+            shards.append(dict(
+                degree=t, fwd_ms=layer["fwd_ms"] * f, bwd_ms=layer["bwd_ms"] * f,
+                param_bytes=layer["param_bytes"] // t,
+                activation_bytes=int(layer["activation_bytes"] * rng.uniform(1 / t, 1.0)),
+                allreduce_bytes_fwd=layer["output_bytes"], allreduce_bytes_bwd=layer["output_bytes"],
+                allreduces_fwd=rng.randint(1, 2), allreduces_bwd=rng.randint(1, 2)))
+        layer["tp"] = shards
+    return Profile.model_validate(data)
+
+
+def instance(seed: int, schedule: str, tp: bool) -> tuple[Profile, Cluster, PlanOptions]:
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(2, 5 if tp else 6), dag=rng.random() < 0.5)
+    if tp:
+        profile = with_tp(profile, rng, (2,))
+        cluster = Cluster(nodes=rng.randint(1, 2), devices_per_node=rng.choice([2, 3]),
+                          device_memory_gb=rng.choice([1, 2, 4, 40]),
+                          intra_node_gb_per_s=rng.choice([5, 50, 300]),
+                          inter_node_gb_per_s=rng.choice([0.5, 5]), latency_us=rng.choice([0, 5]))
+    else:
+        cluster = random_cluster(rng, mixed=False)
+    options = PlanOptions(global_batch=rng.choice([8, 16]), microbatch_size=rng.choice([2, 4]),
+                          optimizer=rng.choice(["sgd", "adam"]), time_limit_s=2, schedule=schedule)
+    return profile, cluster, options
+
+
+def check(profile: Profile, cluster: Cluster, options: PlanOptions, seed: int) -> bool:
+    """The plan equals the exhaustive optimum (True) or both find nothing (False)."""
+    ref = brute_force(profile, cluster, options, [options.microbatch_size])
+    try:
+        cand = solve(profile, cluster, options)
+    except PipeplanError:
+        assert ref.candidate is None, f"seed {seed}: no plan, but {ref.iteration_ms} fits"
+        return False
+    assert ref.candidate is not None, f"seed {seed}: a plan that does not fit"
+    concrete = options.model_copy(update={"schedule": cand.schedule})
+    ev = evaluate(layer_table(profile), cluster, cand, concrete)
+    assert ev.fits and cand.solver["objective"] == pytest.approx(ev.iteration_ms, rel=REL)
+    bound = float(cand.solver["bound"])  # type: ignore[arg-type]
+    assert bound <= ref.iteration_ms * (1 + REL), f"seed {seed}: bound {bound} above {ref.iteration_ms}"
+    assert ev.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL), \
+        f"seed {seed}: {ev.iteration_ms} vs optimum {ref.iteration_ms} ({ref.candidate})"
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zb-h1", "auto"])
+def test_zero_bubble_and_auto_equal_brute_force(schedule: str) -> None:
+    """ZB-H1 (the bound's B / W conditions) and the schedule chosen among all three, with
+    recomputation wherever memory binds: the optimum, and a bound below it."""
+    found = 0
+    for seed in range(12):
+        found += check(*instance(seed, schedule, tp=False), seed)
+    assert found >= 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_tensor_parallel_degrees_equal_brute_force(schedule: str) -> None:
+    """Every stage's TP degree (1 or 2) chosen with the split, replicas and placement."""
+    found = 0
+    for seed in range(100, 110):
+        found += check(*instance(seed, schedule, tp=True), seed)
+    assert found >= 5
+
+
+def test_recomputation_is_chosen_where_memory_binds_and_only_there() -> None:
+    """A model that fits no device without recomputation: the plan recomputes, and only on
+    stages that would not fit otherwise; with --no-recompute it does not fit (clear error)."""
+    layers = [dict(name=f"l{i}", fwd_ms=1.0, bwd_ms=2.0, param_bytes=10**8,
+                   activation_bytes=2 * 10**9, output_bytes=10**6) for i in range(4)]
+    profile = Profile(model=dict(path="m", sha256="0"), device=dict(type="cpu", name="x"),
+                      batch_size=8, layers=layers)
+    cluster = Cluster(nodes=1, devices_per_node=2, device_memory_gb=6, intra_node_gb_per_s=50,
+                      inter_node_gb_per_s=5)
+    options = PlanOptions(global_batch=32, microbatch_size=8, optimizer="sgd", time_limit_s=2)
+    plan = make_plan(profile, cluster, options)
+    assert any(s.recompute for s in plan.stages) and plan.predicted.fits_memory
+    ref = brute_force(profile, cluster, options, [8])
+    assert plan.predicted.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL)
+    table = layer_table(profile)
+    S = len(plan.stages)
+    for s in plan.stages:  # without recomputation this stage alone would overflow (1F1B)
+        if s.recompute:
+            inflight = min(32 // 8, S - s.index)
+            need = s.predicted.static_memory_bytes + table.activation_bytes(0, 1) * len(s.layers) * inflight
+            assert need > s.predicted.memory_limit_bytes
+    with pytest.raises(PipeplanError, match="fit"):
+        make_plan(profile, cluster, options.model_copy(update={"allow_recompute": False}))
+
+
+def test_recomputing_a_stage_only_adds_time_and_changes_only_its_own_memory() -> None:
+    """What the search (and the brute force) rely on to choose recomputation without
+    enumerating it: on random plans, recomputing one more stage never shortens the simulated
+    iteration, and leaves every other stage's peak memory as it was."""
+    from planner.partition import Candidate, StageChoice
+
+    rng = random.Random(3)
+    for seed in range(40):
+        profile, cluster, options = instance(300 + seed, rng.choice(["1f1b", "gpipe", "zb-h1"]), tp=False)
+        table = layer_table(profile)
+        L, D = table.num_layers, cluster.num_devices
+        S = rng.randint(1, min(L, D))
+        cuts = sorted(rng.sample(range(1, L), S - 1))
+        bounds = [0, *cuts, L]
+        reps = [1] * S
+        for _ in range(D - S):
+            if rng.random() < 0.5:
+                reps[rng.randrange(S)] += 1
+        ranks = iter(range(D))
+        m = options.global_batch // options.microbatch_size
+        flags = [rng.random() < 0.3 for _ in range(S)]
+        base = [StageChoice(bounds[s], bounds[s + 1], tuple(next(ranks) for _ in range(reps[s])), flags[s])
+                for s in range(S)]
+        k = rng.randrange(S)
+        if flags[k]:
+            continue
+        more = [StageChoice(x.start, x.stop, x.devices, x.recompute or s == k) for s, x in enumerate(base)]
+        a = evaluate(table, cluster, Candidate(tuple(base), options.microbatch_size, m), options)
+        b = evaluate(table, cluster, Candidate(tuple(more), options.microbatch_size, m), options)
+        assert b.iteration_ms >= a.iteration_ms * (1 - 1e-12), f"seed {seed}"
+        for s in range(S):
+            if s != k:
+                assert b.stage_memory_bytes[s] == pytest.approx(a.stage_memory_bytes[s], rel=1e-12)
+
+
+def test_auto_is_never_worse_than_a_fixed_schedule() -> None:
+    for seed in range(6):
+        profile, cluster, options = instance(200 + seed, "auto", tp=False)
+        options = options.model_copy(update={"global_batch": 32})
+        try:
+            auto = make_plan(profile, cluster, options)
+        except PipeplanError:
+            continue
+        assert auto.options.schedule == "auto" and auto.schedule in ("1f1b", "gpipe", "zb-h1")
+        for name in ("1f1b", "gpipe", "zb-h1"):
+            try:
+                fixed = make_plan(profile, cluster, options.model_copy(update={"schedule": name}))
+            except PipeplanError:
+                continue
+            assert auto.predicted.iteration_ms <= fixed.predicted.iteration_ms * (1 + 1e-9), \
+                f"seed {seed}: auto {auto.predicted.iteration_ms} > {name} {fixed.predicted.iteration_ms}"
+
+
+def test_a_layer_too_big_for_one_device_gets_a_tp_plan() -> None:
+    """Memory below what the largest layer needs unsharded: --max-tp 1 says it does not fit,
+    the default (and --max-tp 4) returns a plan whose stages are sharded; a larger space never
+    gives a worse plan."""
+    rng = random.Random(7)
+    layers = [dict(name=f"l{i}", fwd_ms=2.0, bwd_ms=4.0, param_bytes=5 * 10**9,
+                   activation_bytes=10**8, output_bytes=10**7) for i in range(3)]
+    profile = with_tp(Profile(model=dict(path="m", sha256="0"), device=dict(type="cpu", name="x"),
+                              batch_size=8, layers=layers), rng, (2, 4))
+    cluster = Cluster(nodes=2, devices_per_node=4, device_memory_gb=8, intra_node_gb_per_s=300,
+                      inter_node_gb_per_s=25)
+    options = PlanOptions(global_batch=32, microbatch_size=8, optimizer="sgd", time_limit_s=3)
+    with pytest.raises(PipeplanError, match="fit"):
+        make_plan(profile, cluster, options.model_copy(update={"max_tp": 1}))
+    plan4 = make_plan(profile, cluster, options.model_copy(update={"max_tp": 4}))
+    assert plan4.predicted.fits_memory and all(s.tp > 1 for s in plan4.stages)
+    plan = make_plan(profile, cluster, options)
+    assert plan.predicted.iteration_ms <= plan4.predicted.iteration_ms * (1 + 1e-9)
+    plan2 = make_plan(profile, cluster, options.model_copy(update={"max_tp": 2}))
+    assert plan4.predicted.iteration_ms <= plan2.predicted.iteration_ms * (1 + 1e-9)
