@@ -12,7 +12,11 @@ pipedream. Prints a table and writes benchmarks/results/plan_quality.json.
 
     .venv/bin/python benchmarks/plan_quality.py [--rs-seconds 60] [--only gnmt,chain100]
         [--clusters slow16,hier4x4,fast2x8,fast16x8] [--memory generous,tight]
-        [--microbatch fixed,chosen] [--loaded-rerun]
+        [--microbatch fixed,chosen] [--loaded-rerun] [--schedules zb-h1,gpipe,auto]
+
+With `--schedules`, each instance is also planned with those schedules (the planner only):
+`auto` must never predict worse than the best fixed schedule, and the summary counts which
+schedule it picks.
 """
 
 from __future__ import annotations
@@ -179,6 +183,23 @@ def plan_key(plan) -> list:
         [plan.microbatch_size]
 
 
+def schedule_rows(profile: Profile, cluster: Cluster, options: PlanOptions,
+                  schedules: list[str]) -> dict:
+    """The planner's plan under each schedule: predicted ms, bound, and auto's pick."""
+    out: dict = {}
+    for name in schedules:
+        t0 = time.perf_counter()
+        try:
+            plan = make_plan(profile, cluster, options.model_copy(update={"schedule": name}))
+        except PipeplanError:
+            out[name] = None
+            continue
+        out[name] = {"ms": plan.predicted.iteration_ms, "bound_ms": plan.solver.bound,
+                     "picked": plan.schedule, "wall_s": time.perf_counter() - t0,
+                     "recomputed_stages": sum(s.recompute for s in plan.stages)}
+    return out
+
+
 def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOptions,
                  sizes: list[int], rs_seconds: float, loaded_rerun: bool) -> dict:
     table = layer_table(profile)
@@ -239,6 +260,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--loaded-rerun", action="store_true",
                     help="rerun each plan while two busy processes load both cores")
+    ap.add_argument("--schedules", default="",
+                    help="also plan with these schedules (e.g. zb-h1,gpipe,auto)")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/plan_quality.json"))
     args = ap.parse_args()
     only = [x for x in args.only.split(",") if x]
@@ -270,6 +293,12 @@ def main() -> None:
                                        args.loaded_rerun)
                     row.update(profile=pname, cluster=cname, memory=mem, microbatch=mb,
                                device_memory_gb=gbytes)
+                    if args.schedules:
+                        row["schedules"] = schedule_rows(profile, cluster, base,
+                                                         [x for x in args.schedules.split(",") if x])
+                        row["schedules"]["1f1b"] = row["schedules"].get("1f1b") or (
+                            {"ms": row["planner_ms"], "bound_ms": row["bound_ms"]}
+                            if row.get("planner_ms") is not None else None)
                     rows.append(row)
                     out.write_text(json.dumps(rows, indent=1))
 
@@ -301,6 +330,20 @@ def summarize(rows: list[dict]) -> None:
           f"method found one: {len(missing)}")
     for r in beaten:
         print(f"  beaten: {r['instance']}: planner {r['planner_ms']:.2f} vs {r['best_other']:.2f}")
+    with_auto = [r for r in rows if (r.get("schedules") or {}).get("auto")]
+    if with_auto:
+        picks: dict[str, int] = {}
+        worse = []
+        for r in with_auto:
+            sch = r["schedules"]
+            picks[sch["auto"]["picked"]] = picks.get(sch["auto"]["picked"], 0) + 1
+            fixed = [v["ms"] for k, v in sch.items() if k != "auto" and v]
+            if fixed and sch["auto"]["ms"] > min(fixed) * (1 + 1e-9):
+                worse.append((r["instance"], sch["auto"]["ms"], min(fixed)))
+        print(f"--schedule auto on {len(with_auto)} instances: picks {picks}; worse than the best "
+              f"fixed schedule on {len(worse)}")
+        for name, a, f in worse:
+            print(f"  auto worse: {name}: {a:.2f} vs {f:.2f}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,15 @@ several widths with `--tp 2,4,8` (each layer measured as it runs on one of t dev
 machine's CPU), then, on 2 x 8 and 16 x 8 devices at 300 GB/s inside a node and 25 GB/s
 between nodes, every uniform layout (S stages of consecutive layers, r replicas, TP degree t,
 replicas on consecutive ranks so a TP group stays in a node) scored by
-`planner.build.evaluate`: the best PP+DP layout (t = 1) against the best with t <= 8.
-(The solver does not search TP degrees yet: this brute force over uniform layouts stands in.)
+`planner.build.evaluate`: the best PP+DP layout (t = 1) against the best with t <= 8; and
+the planner itself (`plan`, method cpsat, default 10 s) with `--max-tp` 1, 2, 4 and 8: which
+degrees it gives each stage, its predicted time, bound and gap. A larger space must never give
+a worse plan (`--max-tp 8` <= `--max-tp 1`), and the planner must be no worse than the best
+uniform layout. Each cluster also runs with 8 GB devices ("small"), where the widest models'
+stages only fit sharded (or recomputed).
 
     .venv/bin/python benchmarks/tensor_parallel.py [--widths 64,256,512] [--repeats 3]
+        [--profiles DIR]   # reuse (or write) the profiles there: gpt_w<width>.json
 
 Prints a table and writes benchmarks/results/tensor_parallel.json.
 """
@@ -73,37 +78,77 @@ def best(table, cluster, options, b, m, max_tp):
     return top
 
 
+def solver_row(profile, cluster, b: int, gb: int, max_tp: int, time_limit: float) -> dict:
+    from planner.errors import PipeplanError
+    from planner.formats import PlanOptions
+    from planner.solve import make_plan
+
+    options = PlanOptions(global_batch=gb, microbatch_size=b, optimizer="adam",
+                          time_limit_s=time_limit, max_tp=max_tp)
+    t0 = time.perf_counter()
+    try:
+        plan = make_plan(profile, cluster, options)
+    except PipeplanError as exc:
+        return {"max_tp": max_tp, "error": str(exc).split(";")[0], "wall_s": time.perf_counter() - t0}
+    return {"max_tp": max_tp, "ms": plan.predicted.iteration_ms, "bound_ms": plan.solver.bound,
+            "gap": plan.solver.gap, "wall_s": time.perf_counter() - t0,
+            "stages": [[len(s.layers), s.replicas, s.tp, int(s.recompute)] for s in plan.stages]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--widths", default="64,256,512")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--profiles", help="directory of gpt_w<width>.json: read if there, else written")
     args = ap.parse_args()
     from planner.cost import layer_table
-    from planner.formats import Cluster, PlanOptions
+    from planner.formats import Cluster, PlanOptions, Profile
 
-    clusters = {
-        "2x8": Cluster(nodes=2, devices_per_node=8, device_memory_gb=80, intra_node_gb_per_s=300,
-                       inter_node_gb_per_s=25, latency_us=5),
-        "16x8": Cluster(nodes=16, devices_per_node=8, device_memory_gb=80, intra_node_gb_per_s=300,
-                        inter_node_gb_per_s=25, latency_us=5),
-    }
+    clusters = {}
+    for mem in (80, 8):
+        clusters[f"2x8/{mem}GB"] = Cluster(nodes=2, devices_per_node=8, device_memory_gb=mem,
+                                           intra_node_gb_per_s=300, inter_node_gb_per_s=25, latency_us=5)
+        clusters[f"16x8/{mem}GB"] = Cluster(nodes=16, devices_per_node=8, device_memory_gb=mem,
+                                            intra_node_gb_per_s=300, inter_node_gb_per_s=25, latency_us=5)
     b, gb = 4, 256
     options = PlanOptions(global_batch=gb, microbatch_size=b, optimizer="adam", method="manual")
     rows = []
+    print(f"{'width':>5} {'cluster':>11} {'uniform PP+DP':>14} {'uniform TP<=8':>14} "
+          + " ".join(f"{'max-tp ' + str(t):>10}" for t in (1, 2, 4, 8)) + "  gap(8)  stages(8): layers,r,t,rc")
     for width in (int(w) for w in args.widths.split(",")):
         t0 = time.time()
-        table = layer_table(profile_gpt(width, b, args.repeats))
+        cached = Path(args.profiles) / f"gpt_w{width}.json" if args.profiles else None
+        if cached is not None and cached.exists():
+            profile = Profile.model_validate_json(cached.read_text())
+        else:
+            profile = profile_gpt(width, b, args.repeats)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(profile.model_dump_json())
+        table = layer_table(profile)
         prof_s = time.time() - t0
         for name, cl in clusters.items():
             pp = best(table, cl, options, b, gb // b, 1)
             tp = best(table, cl, options, b, gb // b, 8)
-            rows.append({"width": width, "cluster": name, "profile_s": round(prof_s, 1),
-                         "ppdp_ms": pp[0], "ppdp_layout": pp[1:], "tp_ms": tp[0],
-                         "tp_layout": tp[1:], "tp_over_ppdp": tp[0] / pp[0]})
-    print(f"{'width':>5}  {'cluster':>7}  {'PP+DP best (S,r,t)':>26}  {'with TP<=8 best (S,r,t)':>28}  ratio")
-    for r in rows:
-        print(f"{r['width']:>5}  {r['cluster']:>7}  {r['ppdp_ms']:>12.3f} ms {str(r['ppdp_layout']):>10}"
-              f"  {r['tp_ms']:>14.3f} ms {str(r['tp_layout']):>10}  {r['tp_over_ppdp']:.3f}")
+            solved = [solver_row(profile, cl, b, gb, t, args.time_limit) for t in (1, 2, 4, 8)]
+            row = {"width": width, "cluster": name, "profile_s": round(prof_s, 1),
+                   "ppdp_ms": pp[0] if pp else None, "ppdp_layout": pp[1:] if pp else None,
+                   "tp_ms": tp[0] if tp else None, "tp_layout": tp[1:] if tp else None,
+                   "solver": solved}
+            # a larger --max-tp never loses a plan and never predicts slower
+            row["larger_space_never_worse"] = all(
+                "ms" not in a or ("ms" in c and c["ms"] <= a["ms"] * (1 + 1e-9))
+                for a, c in zip(solved, solved[1:], strict=False))
+            row["solver_vs_uniform"] = (solved[-1]["ms"] / tp[0]) if tp and "ms" in solved[-1] else None
+            rows.append(row)
+
+            def cell(x: dict) -> str:
+                return f"{x['ms']:10.2f}" if "ms" in x else f"{'no fit':>10}"
+            last = solved[-1]
+            print(f"{width:>5} {name:>11} {pp[0] if pp else float('nan'):14.2f} "
+                  f"{tp[0] if tp else float('nan'):14.2f} " + " ".join(cell(x) for x in solved)
+                  + (f"  {100 * last['gap']:5.1f}%  {last['stages']}" if "ms" in last else ""), flush=True)
     out = ROOT / "benchmarks" / "results" / "tensor_parallel.json"
     out.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                "rows": rows}, indent=2) + "\n")

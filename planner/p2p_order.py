@@ -20,7 +20,10 @@ its outputs to each consuming stage, `B(s, j)` receives the output gradients fro
 and sends the input gradients to the producers, and any other action (`W`: weight gradient)
 communicates nothing. Microbatch j of stage t lives on replica `j % r_t`. One message stands
 for every tensor a stage pair exchanges for one microbatch in one direction (both sides walk
-the tensors in the same order).
+the tensors in the same order). A tensor-parallel stage (degree t, replica k on ranks
+`devices[k*t:(k+1)*t]`) runs the same actions on each of its TP ranks: TP rank u receives
+from TP rank `u mod t'` of the other stage's replica (degree t') and sends to every rank there
+whose `u' mod t` is u, as the runtime does (`runtime.executor`).
 
 Then it simulates the most conservative NCCL model: each rank executes its issued batches in
 order, one at a time (one stream); an operation completes when its partner is in the partner
@@ -77,40 +80,58 @@ class Step:
     action: str = ""  # the action it belongs to, for messages
 
 
-def _rank_of(stage_devices: Sequence[Sequence[int]], stage: int, mb: int) -> int:
-    devs = stage_devices[stage]
-    return devs[mb % len(devs)]
+def _replica(stage_devices: Sequence[Sequence[int]], tps: Sequence[int], stage: int, mb: int
+             ) -> Sequence[int]:
+    devs, t = stage_devices[stage], tps[stage]
+    k = mb % (len(devs) // t)
+    return devs[k * t:(k + 1) * t]
 
 
 def action_ops(a: Action, stage_devices: Sequence[Sequence[int]],
-               pairs: Iterable[tuple[int, int]], grad_pairs: Iterable[tuple[int, int]] | None = None
-               ) -> tuple[list[Op], list[Op]]:
-    """(receives, sends) of one action. `pairs`: stage pairs (s, t) whose tensors flow forward;
-    `grad_pairs`: those whose gradients flow back (default: all of them)."""
+               pairs: Iterable[tuple[int, int]], grad_pairs: Iterable[tuple[int, int]] | None = None,
+               tps: Sequence[int] | None = None, tp_rank: int = 0) -> tuple[list[Op], list[Op]]:
+    """(receives, sends) of one action on TP rank `tp_rank` of its replica. `pairs`: stage
+    pairs (s, t) whose tensors flow forward; `grad_pairs`: those whose gradients flow back
+    (default: all of them); `tps`: each stage's TP degree (default 1)."""
     fwd = sorted(set(pairs))
     bwd = sorted(set(grad_pairs)) if grad_pairs is not None else fwd
-    s, j = a.stage, a.mb
+    tps = tps or [1] * len(stage_devices)
+    s, j, u = a.stage, a.mb, tp_rank
+
+    def src(stage: int) -> int:  # the one rank of `stage` this rank receives from
+        ranks = _replica(stage_devices, tps, stage, j)
+        return ranks[u % len(ranks)]
+
+    def dsts(stage: int) -> list[int]:  # the ranks of `stage` that receive from this rank
+        return [r for v, r in enumerate(_replica(stage_devices, tps, stage, j)) if v % tps[s] == u]
+
     recvs: list[Op] = []
     sends: list[Op] = []
     if a.kind == "F":
-        recvs = [Op(False, _rank_of(stage_devices, p, j), Message("act", p, s, j)) for p, t in fwd if t == s]
-        sends = [Op(True, _rank_of(stage_devices, t, j), Message("act", s, t, j)) for p, t in fwd if p == s]
+        recvs = [Op(False, src(p), Message("act", p, s, j)) for p, t in fwd if t == s]
+        sends = [Op(True, r, Message("act", s, t, j)) for p, t in fwd if p == s for r in dsts(t)]
     elif a.kind == "B":
-        recvs = [Op(False, _rank_of(stage_devices, t, j), Message("grad", t, s, j)) for p, t in bwd if p == s]
-        sends = [Op(True, _rank_of(stage_devices, p, j), Message("grad", s, p, j)) for p, t in bwd if t == s]
+        recvs = [Op(False, src(t), Message("grad", t, s, j)) for p, t in bwd if p == s]
+        sends = [Op(True, r, Message("grad", s, p, j)) for p, t in bwd if t == s for r in dsts(p)]
     return recvs, sends
 
 
 def rank_programs(schedule: Mapping[int, Sequence[Action]], stage_devices: Sequence[Sequence[int]],
                   pairs: Iterable[tuple[int, int]], grad_pairs: Iterable[tuple[int, int]] | None = None,
-                  loss_to_rank0: bool = True) -> dict[int, list[Step]]:
-    """Per rank, the issue/wait steps of the runtime's batched protocol (module docstring)."""
+                  loss_to_rank0: bool = True, tps: Sequence[int] | None = None) -> dict[int, list[Step]]:
+    """Per rank, the issue/wait steps of the runtime's batched protocol (module docstring).
+    `tps`: each stage's TP degree (default 1); the loss goes from each last-stage replica's
+    first rank."""
     pairs = list(pairs)
     grad_pairs = list(grad_pairs) if grad_pairs is not None else None
+    tps = list(tps) if tps is not None else [1] * len(stage_devices)
     last = len(stage_devices) - 1
+    leaders = list(stage_devices[last][::tps[last]])
+    tp_rank = {d: i % tps[s] for s, devs in enumerate(stage_devices) for i, d in enumerate(devs)}
     out: dict[int, list[Step]] = {}
     for rank, actions in schedule.items():
-        ops = [action_ops(a, stage_devices, pairs, grad_pairs) for a in actions]
+        ops = [action_ops(a, stage_devices, pairs, grad_pairs, tps, tp_rank.get(rank, 0))
+               for a in actions]
         steps: list[Step] = []
         if ops and ops[0][0]:
             steps.append(Step("issue", tuple(ops[0][0]), str(actions[0])))
@@ -125,11 +146,11 @@ def rank_programs(schedule: Mapping[int, Sequence[Action]], stage_devices: Seque
         if all_sends:
             steps.append(Step("wait", tuple(all_sends), "flush"))
         if loss_to_rank0:
-            if rank != 0 and rank in stage_devices[last]:
+            if rank != 0 and rank in leaders:
                 op = Op(True, 0, Message("loss", last, -1, rank))
                 steps += [Step("issue", (op,), "loss"), Step("wait", (op,), "loss")]
             if rank == 0:  # one receive at a time, in replica order
-                for r in stage_devices[last]:
+                for r in leaders:
                     if r != 0:
                         op = Op(False, r, Message("loss", last, -1, r))
                         steps += [Step("issue", (op,), "loss"), Step("wait", (op,), "loss")]
@@ -250,4 +271,5 @@ def check_plan(plan: object, pairs: Iterable[tuple[int, int]] | None = None) -> 
 
     stage_devices = [list(st.devices) for st in plan.stages]  # type: ignore[attr-defined]
     pairs = plan_pairs(plan) if pairs is None else pairs
-    check_programs(rank_programs(plan_actions(plan), stage_devices, pairs))  # type: ignore[arg-type]
+    tps = [getattr(st, "tp", 1) for st in plan.stages]  # type: ignore[attr-defined]
+    check_programs(rank_programs(plan_actions(plan), stage_devices, pairs, tps=tps))  # type: ignore[arg-type]

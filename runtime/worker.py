@@ -210,7 +210,7 @@ class Worker:
         describe = {d: f"rank {d} (stage {st.index})" for st in plan.stages for d in st.devices}
         self.p2p = P2P(self.rank, self.device, {k: i for i, k in enumerate(keys)}, opts.timeout,
                        describe, batched=comm.batched_protocol(self.backend))
-        if self.p2p.batched and all(st.tp == 1 for st in plan.stages):
+        if self.p2p.batched:
             # NCCL matches by order: refuse a plan whose order could hang
             from planner.p2p_order import check_plan
 

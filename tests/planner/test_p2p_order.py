@@ -8,7 +8,7 @@ from helpers import chain_profile, cluster
 
 from planner.actions import Action
 from planner.formats import PlanOptions
-from planner.p2p_order import P2PError, check_plan, check_schedule, rank_programs
+from planner.p2p_order import P2PError, check_plan, check_programs, check_schedule, rank_programs
 from planner.schedules import generate
 from planner.solve import make_plan
 from planner.validate import validate
@@ -138,3 +138,40 @@ def test_weight_gradient_actions_communicate_nothing(S):
     plain = rank_programs(generate("1f1b", devs, 2 * S), devs, [(s - 1, s) for s in range(1, S)])
     ops = lambda p: [op for st in p if st.what == "issue" for op in st.ops]  # noqa: E731
     assert all(ops(progs[r]) == ops(plain[r]) for r in progs)
+
+
+def _with_tp(profile, degrees):
+    """Every layer also profiled at each TP degree (shard: half the time, 1/t of the bytes)."""
+    data = profile.model_dump()
+    for layer in data["layers"]:
+        layer["tp"] = [dict(degree=t, fwd_ms=layer["fwd_ms"] / 2, bwd_ms=layer["bwd_ms"] / 2,
+                            param_bytes=layer["param_bytes"] // t,
+                            activation_bytes=layer["activation_bytes"] // t,
+                            allreduce_bytes_fwd=1000, allreduce_bytes_bwd=1000,
+                            allreduces_fwd=1, allreduces_bwd=1) for t in degrees]
+    return type(profile).model_validate(data)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_tensor_parallel_plans_pass(schedule):
+    """TP stages next to TP stages of another degree and plain ones, with replicas (and with
+    GPipe a skip over a stage; 1F1B's long skips need buffered sends, see above): every TP
+    rank's sends meet their receives (runtime.executor's routing)."""
+    profile = _with_tp(chain_profile([1.0] * 6, skips=[(0, 5)] if schedule == "gpipe" else []), [2, 4])
+    for split, replicas, tp in [([3, 3], [1, 1], [2, 1]), ([3, 3], [1, 1], [1, 2]),
+                                ([2, 2, 2], [1, 2, 1], [2, 1, 4]), ([2, 2, 2], [2, 1, 1], [2, 4, 2]),
+                                ([6], [2], [2])]:
+        options = PlanOptions(global_batch=16, microbatch_size=2, schedule=schedule, method="manual",
+                              split=split, replicas=replicas, tp=tp, optimizer="sgd")
+        check_plan(make_plan(profile, cluster(per_node=4, nodes=4), options))
+
+
+def test_a_tp_rank_receiving_from_the_wrong_peer_fails():
+    # stage 0 TP 2 -> stage 1 TP 1: only TP rank 0 of stage 0 sends to stage 1; if rank 1 of
+    # stage 0 also expected a gradient, nothing would ever send it
+    devs = [[0, 1], [2]]
+    sched = generate("1f1b", [[0], [2]], 2)
+    sched = {0: sched[0], 1: sched[0], 2: sched[2]}
+    check_programs(rank_programs(sched, devs, [(0, 1)], tps=[2, 1]))
+    with pytest.raises(P2PError):
+        check_programs(rank_programs(sched, devs, [(0, 1)], tps=[1, 1]))

@@ -100,9 +100,10 @@ def _runtime_batches(path, stage_of, last):
     return out
 
 
-@pytest.mark.parametrize("case", ["1f1b-replicas", "gpipe-dag"])
+@pytest.mark.parametrize("case", ["1f1b-replicas", "gpipe-dag", "1f1b-tp"])
 def test_runtime_issues_exactly_what_the_static_check_models(run, tmp_path, batched, monkeypatch, case):
-    """The order planner.p2p_order proves safe is the order the runtime really issues."""
+    """The order planner.p2p_order proves safe is the order the runtime really issues (also
+    from and to every TP rank of a tensor-parallel stage)."""
     from planner.p2p_order import rank_programs
     from planner.runnable import runnable_plan
     from planner.schedules import plan_actions
@@ -111,6 +112,12 @@ def test_runtime_issues_exactly_what_the_static_check_models(run, tmp_path, batc
     if case == "1f1b-replicas":
         model = MODELS / "seq_mlp.py"
         path = run.plan(model, 3, [1, 2, 1], global_batch=12, microbatch_size=2)
+    elif case == "1f1b-tp":
+        for k, v in {"PIPEPLAN_GPT_BLOCKS": "2", "PIPEPLAN_GPT_DIM": "32", "PIPEPLAN_GPT_HEADS": "4",
+                     "PIPEPLAN_GPT_VOCAB": "128", "PIPEPLAN_GPT_SEQ": "8", "PIPEPLAN_GPT_TIED": "0"}.items():
+            monkeypatch.setenv(k, v)
+        model = EXAMPLES / "gpt.py"
+        path = run.plan(model, [2, 2], [1, 1], tp=[1, 2], global_batch=8, microbatch_size=2)
     else:
         model = EXAMPLES / "unet.py"
         path = run.plan(model, 3, schedule="gpipe", global_batch=4, microbatch_size=1)
@@ -126,7 +133,8 @@ def test_runtime_issues_exactly_what_the_static_check_models(run, tmp_path, batc
     pairs = {(op.msg.src_stage, op.msg.dst_stage) for op in logged if op.msg.kind == "act"}
     if case == "gpipe-dag":
         assert (0, 2) in pairs  # the U-Net's skip crosses stage 1
-    programs = rank_programs(plan_actions(plan), stage_devices, pairs)
+    programs = rank_programs(plan_actions(plan), stage_devices, pairs,
+                             tps=[s.tp for s in plan.stages])
     for rank, prog in programs.items():
         model_batches = [set(st.ops) for st in prog if st.what == "issue"]
         got = _runtime_batches(tmp_path / f"rank{rank}.json", stage_of, len(stage_devices) - 1)
