@@ -7,11 +7,12 @@ replicas on consecutive ranks so a TP group stays in a node) scored by
 the planner itself (`plan`, method cpsat, default 10 s) with `--max-tp` 1, 2, 4 and 8: which
 degrees it gives each stage, its predicted time, bound and gap. A larger space must never give
 a worse plan (`--max-tp 8` <= `--max-tp 1`), and the planner must be no worse than the best
-uniform layout. Each cluster also runs with 8 GB devices ("small"), where the widest models'
-stages only fit sharded (or recomputed).
+uniform layout. Each cluster also runs with "small" devices, 10 % short of what the largest
+layer's parameters, gradients and Adam state unsharded: `--max-tp 1` must then say "does not
+fit" and TP plans must fit.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--widths 64,256,512] [--repeats 3]
-        [--profiles DIR]   # reuse (or write) the profiles there: gpt_w<width>.json
+        [--profiles benchmarks/results/tp_profiles]  # reuse (or write) gpt_w<width>.json there
 
 Prints a table and writes benchmarks/results/tensor_parallel.json.
 """
@@ -100,17 +101,26 @@ def main() -> None:
     ap.add_argument("--widths", default="64,256,512")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--memory", default="80GB,small", help="80GB and/or small (see clusters_for)")
     ap.add_argument("--profiles", help="directory of gpt_w<width>.json: read if there, else written")
     args = ap.parse_args()
     from planner.cost import layer_table
     from planner.formats import Cluster, PlanOptions, Profile
 
-    clusters = {}
-    for mem in (80, 8):
-        clusters[f"2x8/{mem}GB"] = Cluster(nodes=2, devices_per_node=8, device_memory_gb=mem,
-                                           intra_node_gb_per_s=300, inter_node_gb_per_s=25, latency_us=5)
-        clusters[f"16x8/{mem}GB"] = Cluster(nodes=16, devices_per_node=8, device_memory_gb=mem,
-                                            intra_node_gb_per_s=300, inter_node_gb_per_s=25, latency_us=5)
+    def clusters_for(table, b: int) -> dict:
+        """80 GB devices, and devices 10 % short of the largest layer's parameters, gradients
+        and Adam state unsharded: only sharded stages fit those (recomputation cannot help)."""
+        need = max(4 * table.param_bytes(i, i + 1) for i in range(table.num_layers))
+        out = {}
+        for mem, gbytes in (("80GB", 80.0), ("small", 0.9 * need / 1e9)):
+            if mem not in args.memory.split(","):
+                continue
+            for nodes in (2, 16):
+                out[f"{nodes}x8/{mem}"] = Cluster(nodes=nodes, devices_per_node=8, device_memory_gb=gbytes,
+                                                  intra_node_gb_per_s=300, inter_node_gb_per_s=25,
+                                                  latency_us=5)
+        return out
+
     b, gb = 4, 256
     options = PlanOptions(global_batch=gb, microbatch_size=b, optimizer="adam", method="manual")
     rows = []
@@ -128,11 +138,12 @@ def main() -> None:
                 cached.write_text(profile.model_dump_json())
         table = layer_table(profile)
         prof_s = time.time() - t0
-        for name, cl in clusters.items():
+        for name, cl in clusters_for(table, b).items():
             pp = best(table, cl, options, b, gb // b, 1)
             tp = best(table, cl, options, b, gb // b, 8)
             solved = [solver_row(profile, cl, b, gb, t, args.time_limit) for t in (1, 2, 4, 8)]
             row = {"width": width, "cluster": name, "profile_s": round(prof_s, 1),
+                   "device_memory_gb": cl.node_specs()[0].device_memory_gb,
                    "ppdp_ms": pp[0] if pp else None, "ppdp_layout": pp[1:] if pp else None,
                    "tp_ms": tp[0] if tp else None, "tp_layout": tp[1:] if tp else None,
                    "solver": solved}

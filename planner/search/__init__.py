@@ -30,7 +30,7 @@ from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
-from planner.search.bound import BoundPlan, conditions, hop_bytes, lower_bound
+from planner.search.bound import BoundPlan, conditions, hop_bytes, lower_bound, safe_conditions
 from planner.search.diagnose import check_transfers, infeasible_error
 from planner.search.large import dp_lower_bound
 from planner.search.local import Budget, iterated_search
@@ -92,17 +92,22 @@ def needs_recompute_variant(table: LayerTable, cluster: Cluster, options: PlanOp
 
 
 def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
-              hops, upper_ms: float, degrees: tuple[int, ...]) -> BoundPlan | None:
+              hops, upper_ms: float, degrees: tuple[int, ...]) -> list[BoundPlan | None]:
+    """[the bound and its plan, and where memory binds a plan that fits memory as the
+    simulator counts it (a seed, not a bound)]; [] where the DP is not run."""
     if options.objective != "iteration":
-        return None
+        return []
     rc = needs_recompute_variant(table, cluster, options, b)
     c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
                    hops, degrees, rc)
     if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS:
         if len(c.variants) > 1 or options.schedule == "zb-h1":
-            return None  # the layer-only DP knows neither TP, recomputation nor B / W
-        return dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)
-    return lower_bound(c, upper_ms=upper_ms)
+            return []  # the layer-only DP knows neither TP, recomputation nor B / W
+        return [dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)]
+    out = [lower_bound(c, upper_ms=upper_ms)]
+    if rc or len(degrees) > 1:  # memory binds somewhere, or TP stages cannot recompute
+        out.append(lower_bound(safe_conditions(c), upper_ms=upper_ms, rel_tol=1e-3))
+    return out
 
 
 def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
@@ -199,12 +204,14 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
                     upper = min(upper, score.objective_ms)
         per_schedule = []
         for name in ev.schedules:
-            bp = _dp_bound(table, cluster, ev.options_for(name), b, hops, upper, ev.degrees)
+            found = _dp_bound(table, cluster, ev.options_for(name), b, hops, upper, ev.degrees)
+            bp = found[0] if found else None
             per_schedule.append(max(bp.bound_ms if bp else 0.0,
                                     _simple_bound(table, cluster, options, b, ev.degrees)))
-            if bp is not None:
-                seeds.append(Structure(b, bp.bounds, bp.replicas, 0, schedule=name).with_stages(
-                    bp.bounds, bp.replicas, bp.tp))
+            for x in found:
+                if x is not None:
+                    seeds.append(Structure(b, x.bounds, x.replicas, 0, schedule=name).with_stages(
+                        x.bounds, x.replicas, x.tp))
         bounds[b] = min(per_schedule)
     budget = Budget(int(WORK_PER_SECOND * options.time_limit_s), deadline)
     ev.work_limit = int(1.3 * budget.work)  # the placement passes may overrun the search a little

@@ -114,6 +114,9 @@ class Conditions:
     intra_gbps: float
     inter_gbps: float
     latency_us: float
+    # memory priced with the most microbatches a stage can hold (1F1B's warm-up is at most
+    # ceil(devices of the suffix / replicas)): not a bound, but plans that fit (a seed)
+    pessimistic: bool = False
 
     @property
     def Fp(self) -> np.ndarray:  # the lower-bound prefixes `lower_bound` starts from
@@ -283,6 +286,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                     rh = c.r_max_same_n[ri]
                     inflight_lo = np.minimum(np.ceil(m_of(c) / rh),
                                              np.ceil(1 + (dvec[d] - dd) / tmax / rh - 1e-9))
+                    if c.pessimistic:
+                        inflight_lo = w.copy()
                 # the busiest replica's n microbatches, with its round trips (module docstring);
                 # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
                 w = w[None, :]
@@ -307,6 +312,14 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                 best[d] = np.where(better, vbest, best[d])
         g[i] = best
     return g, choice
+
+
+def safe_conditions(c: Conditions) -> Conditions:
+    """`c` with memory priced pessimistically and no recomputed variants (the search adds
+    recomputation itself): the DP's plan then fits memory as the simulator counts it."""
+    from dataclasses import replace
+
+    return replace(c, pessimistic=True, variants=tuple(v for v in c.variants if not v.recompute))
 
 
 def m_of(c: Conditions) -> int:
@@ -366,6 +379,6 @@ def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4,
     return BoundPlan(lo, *plan)
 
 
-__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "feasible", "hop_bytes", "lower_bound",
+__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "safe_conditions", "feasible", "hop_bytes", "lower_bound",
            "replica_choices", "transfer_ms"]
 

@@ -38,17 +38,33 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
     b = min(sizes)
     scale = b / table.batch_size
     L = table.num_layers
-    # a single layer that fits nowhere, even alone with one microbatch in flight
-    need1 = [stage_memory_bytes(table.param_bytes(i, i + 1), table.activation_bytes(i, i + 1),
-                                scale, 1, options.optimizer) for i in range(L)]
+    degrees = getattr(ev, "degrees", (1,))
+
+    def alone(i: int, t: int) -> float:  # layer i on one of t TP devices, one microbatch
+        if t == 1:
+            return stage_memory_bytes(table.param_bytes(i, i + 1), table.activation_bytes(i, i + 1),
+                                      scale, 1, options.optimizer)
+        tt = table.at_degree(t)
+        return stage_memory_bytes(tt.span("param_prefix_bytes", i, i + 1),
+                                  tt.span("activation_prefix_bytes", i, i + 1), scale, 1, options.optimizer)
+
+    # a single layer that fits nowhere, even alone with one microbatch in flight (and sharded
+    # over the largest TP degree allowed; recomputing one layer saves nothing)
+    need1 = [min(alone(i, t) for t in degrees) for i in range(L)]
     worst = max(range(L), key=lambda i: need1[i])
+    sharded = f", even sharded over up to {max(degrees)} TP devices" if max(degrees) > 1 else ""
+    more_tp = ", profile more TP degrees (--tp)" if table.tp else ""
     if need1[worst] > biggest:
         return PipeplanError(
             f"layer {table.names[worst]!r} alone needs {format_bytes(need1[worst])} per device "
-            f"(microbatch size {b}, optimizer {options.optimizer}, one microbatch in flight) but "
-            f"the largest device has {format_bytes(biggest)}: no plan can fit. Give devices with "
-            "more memory, a smaller microbatch size or an optimizer with less state (sgd)")
-    total_static = stage_memory_bytes(table.param_bytes(0, L), 0, 0, 0, options.optimizer)
+            f"(microbatch size {b}, optimizer {options.optimizer}, one microbatch in flight"
+            f"{sharded}) but the largest device has {format_bytes(biggest)}: no plan can fit. "
+            f"Give devices with more memory, a smaller microbatch size{more_tp} or an optimizer "
+            "with less state (sgd)")
+    params = sum(min([table.param_bytes(i, i + 1)]
+                     + [t * table.at_degree(t).span("param_prefix_bytes", i, i + 1)
+                        for t in degrees if t > 1]) for i in range(L))
+    total_static = stage_memory_bytes(params, 0, 0, 0, options.optimizer)
     if total_static > biggest * len(devices):
         return PipeplanError(
             f"the model's parameters, gradients and {options.optimizer} state take "
@@ -58,9 +74,9 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
     closest = min((s for s, c in ev.cache.values() if c is not None),
                   key=lambda s: s.overshoot, default=None)
     detail = ""
-    if closest is not None and math.isfinite(closest.overshoot):
+    if closest is not None and math.isfinite(closest.worst):
         detail = (f"; the closest plan found ({closest.stages} stages on {closest.devices} "
-                  f"devices) needs {closest.overshoot:.2f}x the memory of its smallest device")
+                  f"devices) needs {closest.worst:.2f}x the memory of its smallest device")
     return PipeplanError(
         f"no plan found that fits in device memory ({format_bytes(biggest)} per device, "
         f"{len(devices)} devices, microbatch sizes {','.join(map(str, sizes))}){detail}. Try a "

@@ -2,7 +2,7 @@
 
 Moves: shift a stage boundary by 1, 2, 4, ... layers; merge two adjacent stages; split a stage
 at its balanced point (and one layer either side); move a replica from one stage to another;
-add or drop a replica; a stage's tensor-parallel degree one step up or down; another schedule
+add or drop a replica; double or halve every stage's replicas; a stage's tensor-parallel degree one step up or down; another schedule
 (with `--schedule auto`); change the placement policy. Steepest descent to a local optimum, then
 iterated kicks (a few random moves from a seeded generator) and descent again, for as long as
 the budget of simulated actions lasts. The budget, not the clock, ends the search, so the same
@@ -86,6 +86,12 @@ def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Stru
                     nr[k] -= 1
                     nr[j] += 1
                     yield w(b, nr)
+    # the pipeline twice as wide or half as wide: every stage's replicas doubled or halved
+    # (microbatches in flight per replica stay as they are, so a plan that fits still does)
+    if free >= st.num_devices:
+        yield w(b, [2 * x for x in r])
+    if all(x % 2 == 0 for x in r):
+        yield w(b, [x // 2 for x in r])
     # tensor-parallel degree: the next one up or down, on as many devices or on more / fewer
     if len(ev.degrees) > 1:
         for k in range(S):
@@ -119,6 +125,10 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
     """Steepest descent from `start` until no move improves or the budget is spent."""
     cur, cur_s = start, ev(start)
     while not budget.spent(ev):
+        wider = _doubled(cur, ev)  # idle devices: a wider pipeline first, without a full scan
+        if wider is not None and ev(wider).better_than(cur_s):
+            cur, cur_s = wider, ev(wider)
+            continue
         best, best_s = None, cur_s
         for nb in neighbours(cur, table, ev):
             s = ev(nb)
@@ -130,6 +140,13 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
             break
         cur, cur_s = best, best_s
     return cur, cur_s
+
+
+def _doubled(st: Structure, ev: Evaluator) -> Structure | None:
+    """Every stage's replicas doubled, if the cluster has the devices."""
+    if 2 * st.num_devices > ev.cluster.num_devices:
+        return None
+    return st.with_stages(st.bounds, [2 * x for x in st.replicas])
 
 
 def kick(st: Structure, rng: random.Random, table: LayerTable, ev: Evaluator,

@@ -99,11 +99,14 @@ def place(st: Structure, policy: Policy) -> tuple[tuple[int, ...], ...] | None:
                 k += 1
         ranks: list[int] = []
         for _ in range(r):
-            while k < len(free) and len(free[k]) < t:  # a TP group stays inside one node
-                k += 1
-            if k >= len(free):
+            # a TP group stays inside one node: the first node from k on with t free devices
+            # (devices a TP group left on a node remain for later stages of smaller degree)
+            n = next((n for n in range(k, len(free)) if len(free[n]) >= t), None)
+            if n is None:
                 return None
-            ranks += [free[k].pop(0).rank for _ in range(t)]
+            ranks += [free[n].pop(0).rank for _ in range(t)]
+            while k < len(free) and not free[k]:
+                k += 1
         remaining -= r * t
         out.append(tuple(ranks))
     return tuple(out)
@@ -148,10 +151,13 @@ def throughput_objective_ms(costs: PipelineCosts) -> float:
 
 @dataclass(frozen=True)
 class Score:
-    overshoot: float  # 0 when the plan fits memory, else the largest need / limit ratio
+    # 0 when the plan fits memory, else the sum over stages of need / limit - 1 where above
+    # (a sum, not the largest: fixing one of several overflowing stages is progress)
+    overshoot: float
     objective_ms: float
     devices: int
     stages: int
+    worst: float = 0.0  # the largest need / limit ratio (for messages)
 
     def better_than(self, other: Score | None) -> bool:
         if other is None:
@@ -168,7 +174,7 @@ class Score:
         return self.overshoot == 0.0
 
 
-INFEASIBLE = Score(float("inf"), float("inf"), 0, 0)
+INFEASIBLE = Score(float("inf"), float("inf"), 0, 0, float("inf"))
 
 
 def tp_degrees(table: LayerTable, cluster: Cluster, options: PlanOptions) -> tuple[int, ...]:
@@ -277,7 +283,11 @@ class Evaluator:
     def _score(self, ev: Evaluation, devices: int, stages: int) -> Score:
         obj = ev.iteration_ms if self.options.objective == "iteration" \
             else throughput_objective_ms(ev.costs)
-        return Score(0.0 if ev.fits else ev.memory_overshoot(), obj, devices, stages)
+        if ev.fits:
+            return Score(0.0, obj, devices, stages, ev.memory_overshoot())
+        excess = sum(max(0.0, need / lim - 1) for need, lim in
+                     zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes, strict=True))
+        return Score(excess, obj, devices, stages, ev.memory_overshoot())
 
     def scored(self, st: Structure) -> tuple[Score, Candidate | None]:
         hit = self.cache.get(st)
