@@ -106,7 +106,10 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
         return [dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)]
     out = [lower_bound(c, upper_ms=upper_ms)]
     if rc or len(degrees) > 1:  # memory binds somewhere, or TP stages cannot recompute
-        out.append(lower_bound(safe_conditions(c), upper_ms=upper_ms, rel_tol=1e-3))
+        for t in (None, *degrees) if len(degrees) > 1 else (None,):
+            safe = safe_conditions(c, t)
+            if safe is not None:
+                out.append(lower_bound(safe, upper_ms=upper_ms, rel_tol=1e-3))
     return out
 
 

@@ -286,8 +286,9 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                     rh = c.r_max_same_n[ri]
                     inflight_lo = np.minimum(np.ceil(m_of(c) / rh),
                                              np.ceil(1 + (dvec[d] - dd) / tmax / rh - 1e-9))
-                    if c.pessimistic:
-                        inflight_lo = w.copy()
+                    if c.pessimistic:  # the most replicas the suffix can have: its devices
+                        tmin = min(x.tp for x in c.variants)  # over the smallest degree
+                        inflight_lo = np.minimum(n, np.ceil((r + (dvec[d] - dd) / tmin) / r - 1e-9))
                 # the busiest replica's n microbatches, with its round trips (module docstring);
                 # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
                 w = w[None, :]
@@ -314,12 +315,14 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     return g, choice
 
 
-def safe_conditions(c: Conditions) -> Conditions:
-    """`c` with memory priced pessimistically and no recomputed variants (the search adds
-    recomputation itself): the DP's plan then fits memory as the simulator counts it."""
+def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | None:
+    """`c` with memory priced pessimistically, no recomputed variants (the search adds
+    recomputation itself) and, with `degree`, every stage at that TP degree: the DP's plan
+    then fits memory as the simulator counts it. None if no variant is left."""
     from dataclasses import replace
 
-    return replace(c, pessimistic=True, variants=tuple(v for v in c.variants if not v.recompute))
+    vs = tuple(v for v in c.variants if not v.recompute and (degree is None or v.tp == degree))
+    return replace(c, pessimistic=True, variants=vs) if vs else None
 
 
 def m_of(c: Conditions) -> int:
