@@ -84,6 +84,11 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     return plan
 
 
+def solve_seconds(options: PlanOptions) -> float:
+    """The longest a plan may take: `time_limit_s`, once per schedule with `auto`."""
+    return options.time_limit_s * (len(SCHEDULES) if options.schedule == "auto" else 1)
+
+
 def _auto_schedule(profile: Profile, cluster: Cluster, options: PlanOptions, table
                    ) -> tuple[Candidate, PlanOptions, Evaluation]:
     """`--schedule auto`: the search (cpsat) chooses the schedule with the partition and says

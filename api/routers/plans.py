@@ -35,7 +35,7 @@ from api.schemas import (
 )
 from api.settings import Settings
 from api.storage import PlanRow, Storage
-from planner.solve import METHODS
+from planner.solve import METHODS, solve_seconds
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], route_class=StrictJSONRoute)
 IMMUTABLE = "private, max-age=31536000, immutable"
@@ -111,7 +111,7 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
     task = await _submit(
         jobs, settings, kind="plan", key=prep.key, profile_id=prep.profile_row.id,
         request=service.job_request(prep), payload=service.task_payload(prep, "plan"),
-        deadline_s=prep.options.time_limit_s + settings.solve_grace_s,
+        deadline_s=solve_seconds(prep.options) + settings.solve_grace_s,
         on_result=service.plan_handler(storage, prep, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)
@@ -154,7 +154,7 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
     task = await _submit(
         jobs, settings, kind="compare", key=key, profile_id=base.profile_row.id,
         request=service.job_request(base, methods), payload=service.task_payload(base, "compare", missing),
-        deadline_s=base.options.time_limit_s + settings.solve_grace_s,
+        deadline_s=solve_seconds(base.options) + settings.solve_grace_s,
         on_result=service.compare_handler(storage, base, methods, done, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)

@@ -177,8 +177,47 @@ def _seeds_at(b: int, ev: Evaluator, L: int, D: int) -> list[Structure]:
     return out
 
 
+AUTO_SCHEDULES = ("1f1b", "zb-h1", "gpipe")  # tried in this order; the first wins ties
+
+
 def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
                    ) -> tuple[Candidate, dict[str, object]]:
+    """The search; with `--schedule auto`, the whole search once per schedule (each with the
+    full budget, so up to 3x `--time-limit`), and the best plan of the three: it is never
+    worse than the plan of any fixed schedule, and its bound (the smallest of the three)
+    holds for every schedule."""
+    if options.schedule != "auto":
+        return _solve_one(profile, cluster, options)
+    t0 = time.perf_counter()
+    best: tuple[Candidate, dict[str, object]] | None = None
+    infos: dict[str, object] = {}
+    errors: list[PipeplanError] = []
+    for name in AUTO_SCHEDULES:
+        try:
+            cand, info = _solve_one(profile, cluster, options.model_copy(update={"schedule": name}))
+        except PipeplanError as exc:
+            errors.append(exc)
+            infos[name] = {"objective": None, "bound": getattr(exc, "bound_ms", 0.0)}
+            continue
+        infos[name] = {"objective": info["objective"], "bound": info["bound"]}
+        score = (float(info["objective"]), sum(len(s.devices) for s in cand.stages), len(cand.stages))
+        if best is None or score < (float(best[1]["objective"]),
+                                    sum(len(s.devices) for s in best[0].stages), len(best[0].stages)):
+            best = (cand, info)
+    if best is None:
+        raise errors[0]
+    cand, info = best
+    bound = min(float(v["bound"]) for v in infos.values())  # type: ignore[index]
+    obj = float(info["objective"])
+    bound = min(bound, obj)
+    gap = (obj - bound) / obj if obj > 0 else 0.0
+    info = {**info, "bound": bound, "gap": gap, "status": "OPTIMAL" if gap <= OPTIMAL_GAP else "FEASIBLE",
+            "wall_s": time.perf_counter() - t0, "by_schedule": infos}
+    return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info, cand.schedule), info
+
+
+def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
+               ) -> tuple[Candidate, dict[str, object]]:
     t0 = time.perf_counter()
     deadline = t0 + options.time_limit_s
     table = layer_table(profile)
@@ -239,7 +278,9 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
         if s.better_than(best_s):
             best_s, cand = s, c
     if cand is None or best_s is None or not best_s.fits:
-        raise infeasible_error(table, cluster, options, sizes, ev)
+        err = infeasible_error(table, cluster, options, sizes, ev)
+        err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound
+        raise err
     bound = min(bounds.values())
     obj = best_s.objective_ms
     if options.objective != "iteration":

@@ -2,8 +2,7 @@
 
 Moves: shift a stage boundary by 1, 2, 4, ... layers; merge two adjacent stages; split a stage
 at its balanced point (and one layer either side); move a replica from one stage to another;
-add or drop a replica; double or halve every stage's replicas; a stage's tensor-parallel degree one step up or down; another schedule
-(with `--schedule auto`); change the placement policy. Steepest descent to a local optimum, then
+add or drop a replica; double or halve every stage's replicas; a stage's tensor-parallel degree one step up or down; change the placement policy. Steepest descent to a local optimum, then
 iterated kicks (a few random moves from a seeded generator) and descent again, for as long as
 the budget of simulated actions lasts. The budget, not the clock, ends the search, so the same
 input gives the same plan on an idle or a loaded machine; the wall-clock deadline is only a
@@ -102,9 +101,6 @@ def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Stru
                 d = ev.degrees[j]
                 for rep in sorted({r[k], max(1, r[k] * t[k] // d)}):
                     yield w(b, r[:k] + [rep] + r[k + 1:], t[:k] + [d] + t[k + 1:])
-    for name in ev.schedules:
-        if name != st.schedule:
-            yield st.with_stages(st.bounds, st.replicas, schedule=name)
     for p in range(len(ev.policies)):
         if p != st.policy:
             yield st.with_stages(st.bounds, st.replicas, policy=p)

@@ -186,8 +186,11 @@ def tp_degrees(table: LayerTable, cluster: Cluster, options: PlanOptions) -> tup
 
 
 def schedules_of(options: PlanOptions) -> tuple[str, ...]:
-    """The schedules the search may choose: the one asked for, or all with `auto`."""
-    return ("1f1b", "zb-h1", "gpipe") if options.schedule == "auto" else (options.schedule,)
+    """The schedule every structure is scored under (`auto` is resolved by `solve_detailed`,
+    one search per schedule)."""
+    if options.schedule == "auto":
+        raise ValueError("the search runs one schedule at a time; solve_detailed resolves auto")
+    return (options.schedule,)
 
 
 class Evaluator:

@@ -220,3 +220,19 @@ def test_plans_and_jobs_survive_restart(tmp_path) -> None:
         job = c.get(f"/v1/jobs/{lost.id}").json()
         assert job["status"] == "failed" and job["error_kind"] == "lost"
         assert "send the request again" in job["error"]
+
+
+def test_schedule_auto_and_max_tp_over_http(client: TestClient) -> None:
+    """The service plans through the same search: `schedule: auto` returns the schedule it
+    chose (the request's options keep `auto`), `max_tp` is accepted, a bad schedule is a 422."""
+    body = plan_body("cpsat")
+    body["options"].update(schedule="auto", max_tp=1)
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 201, r.text
+    plan = r.json()["plan"]
+    assert plan["schedule"] in ("1f1b", "gpipe", "zb-h1") and plan["options"]["schedule"] == "auto"
+    assert plan["options"]["max_tp"] == 1 and all(s.get("tp", 1) == 1 for s in plan["stages"])
+    assert plan["solver"]["name"] == "cpsat" and plan["predicted"]["fits_memory"]
+    body["options"]["schedule"] = "zero-bubble-please"
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 422 and "schedule" in r.text
