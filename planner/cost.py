@@ -48,7 +48,10 @@ class LayerTable:
     tensors: tuple[Tensor, ...]
     # zero bubble: the weight-gradient part (W) of bwd; None: see `default_bwd_weight_ms`
     bwd_weight_prefix_ms: tuple[float, ...] | None = None
-    tp: tuple[TPTable, ...] = ()  # per profiled tensor-parallel degree > 1
+    # zero bubble: gradients a split B keeps for W (`LayerProfile.weight_grad_bytes`, 0 if absent)
+    weight_grad_prefix_bytes: tuple[int, ...] | None = None
+    tp: tuple[TPTable, ...] = ()
+    loss_activation_bytes: int = 0  # the loss's saved bytes, inside the last layer's activations  # per profiled tensor-parallel degree > 1
 
     @property
     def num_layers(self) -> int:
@@ -75,16 +78,30 @@ class LayerTable:
             return 0.5 * self.bwd_ms(start, stop)
         return self.bwd_weight_prefix_ms[stop] - self.bwd_weight_prefix_ms[start]
 
+    def weight_grad_bytes(self, start: int, stop: int) -> int:
+        """Gradients layers start..stop-1 keep from their B until their W (split backward)."""
+        if self.weight_grad_prefix_bytes is None:
+            return 0
+        return self.weight_grad_prefix_bytes[stop] - self.weight_grad_prefix_bytes[start]
+
+    def output_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the tensors layers start..stop-1 produce for later layers, each once: what a
+        stage ending there sends on, and the gradients it receives back."""
+        return sum(t.nbytes for t in self.tensors if start <= t.producer < stop and t.consumers[-1] >= stop)
+
     def layer_activation_bytes(self, i: int) -> int:
         return self.activation_prefix_bytes[i + 1] - self.activation_prefix_bytes[i]
 
     def recompute_bytes(self, start: int, stop: int) -> tuple[int, int]:
         """Recomputation of layers start..stop-1, each its own checkpointed block: (bytes kept
-        per microbatch = every tensor the blocks read, each once; bytes one block's recomputed
-        forward holds during the backward = the largest layer's activations)."""
+        per microbatch = every tensor the blocks read, each once, plus on the last stage what
+        the loss saves, since the loss runs outside the blocks; bytes one block's recomputed
+        forward holds during the backward = the largest layer's activations, the loss's not)."""
         kept = sum(t.nbytes for t in self.tensors if any(start <= c < stop for c in t.consumers))
-        peak = max((self.layer_activation_bytes(i) for i in range(start, stop)), default=0)
-        return kept, peak
+        loss = self.loss_activation_bytes if stop == self.num_layers else 0
+        peak = max((self.layer_activation_bytes(i) - (loss if i == self.num_layers - 1 else 0)
+                    for i in range(start, stop)), default=0)
+        return kept + loss, peak
 
     def compute_ms(self, start: int, stop: int) -> float:
         return self.fwd_ms(start, stop) + self.bwd_ms(start, stop)
@@ -215,7 +232,9 @@ def layer_table(profile: Profile) -> LayerTable:
         activation_prefix_bytes=_prefix(activation),
         tensors=tuple(profile_tensors(profile)),
         bwd_weight_prefix_ms=_prefix([layer_bwd_weight_ms(x) for x in layers]),
+        weight_grad_prefix_bytes=_prefix([int(getattr(x, "weight_grad_bytes", 0) or 0) for x in layers]),
         tp=tp_tables(profile),
+        loss_activation_bytes=loss_activation_bytes(profile),
     )
 
 
@@ -455,14 +474,23 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         # split and recomputed: W differentiates from the stage's outputs again (runtime's
         # split_backward `direct`), the backward and the recomputation once more
         wgt.append(full_bwd + f if st.recompute else w)
-        hold.append(full)  # a retained graph keeps every saved tensor until W (recomputed too)
+        # from B until W a microbatch keeps what its forward saved (the retained graph) and the
+        # gradients W starts from: the outputs' where W differentiates from the outputs (a stage
+        # whose inputs need no gradient, a recomputed stage: `direct`), else the gradients at the
+        # intermediates where weights join the input path (the layers' weight_grad_bytes,
+        # outputs' included). A recomputed stage's graph keeps only the blocks' inputs (its
+        # recomputed activations are freed once B has used them; W recomputes them again).
+        out_grads = scale * table.output_bytes(st.start, st.stop)
         if st.recompute:
             kept, peak = table.recompute_bytes(st.start, st.stop)
             act.append(scale * kept)
             transient.append(scale * peak)
+            hold.append(scale * kept + out_grads)
         else:
             act.append(full)
             transient.append(0.0)
+            direct = stages_without_input_grad(candidate, st)
+            hold.append(full + (out_grads if direct else scale * table.weight_grad_bytes(st.start, st.stop)))
         kind = link_kind(devices, st.devices)
         ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
                                link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)

@@ -79,6 +79,10 @@ class LayerProfile(_Open):
     # bwd_ms (a layer without parameters is all B; others half B, half W).
     bwd_input_ms: NonNegativeFloat | None = None
     bwd_weight_ms: NonNegativeFloat | None = None
+    # zero-bubble schedules: bytes of the gradients B keeps for W (those of the layer's outputs
+    # and of the intermediates where its weights join the input path), per profiled batch,
+    # measured with the layer as a stage by itself. Absent in older profiles: 0.
+    weight_grad_bytes: NonNegativeInt | None = None
     tp: list[LayerTP] | None = None  # per tensor-parallel degree (profile --tp), if profiled
 
     def at_degree(self, degree: int) -> LayerTP | None:

@@ -11,7 +11,7 @@ input gradient (`PipelineCosts.bwd_split`) and W the weight gradient, which wait
 own B (earlier on the same rank) and sends nothing; without W, B is the full backward. Memory
 per rank: parameters and optimizer state, plus what each microbatch keeps from its forward until
 its backward is done (B, or W where split: after B it keeps `weight_hold_bytes_per_microbatch`),
-plus, while a backward runs, `transient_bytes` (a recomputed block's activations).
+plus, while a backward (B or W) runs, `transient_bytes` (a recomputed block's activations).
 
 The simulation is dependency-driven (each action is timed once its inputs are timed), so it
 costs O(actions x stage pairs) and handles plans with thousands of ranks quickly.
@@ -146,7 +146,9 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
                 else:
                     held[r] -= act[s]
                     inflight[r] -= 1
-            else:
+            else:  # a recomputed stage's W runs the recomputation again
+                if held[r] + transient[s] > peak_bytes[r]:
+                    peak_bytes[r] = held[r] + transient[s]
                 held[r] -= hold[s]
                 inflight[r] -= 1
             if held[r] > peak_bytes[r]:

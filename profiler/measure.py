@@ -55,6 +55,7 @@ class LayerMeasurement:
     output_bytes: int
     bwd_input_ms: float | None = None  # zero bubble: the backward's two parts, measured apart
     bwd_weight_ms: float | None = None
+    weight_grad_bytes: int | None = None  # zero bubble: gradients kept from B until W
 
 
 def tensor_bytes(value: Any) -> int:
@@ -372,6 +373,37 @@ def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: t
     return {name: (statistics.median(r.b), statistics.median(r.w)) for name, r in runners.items()}
 
 
+def weight_grad_bytes(stage: StageModule, values: dict[str, Any]) -> int:
+    """Bytes of the gradients a split backward keeps from B until W when the layer is a stage
+    by itself (runtime.split_backward: the gradients of its outputs and of the intermediates
+    where its weights join the input path), each storage once, none that the forward saved or
+    that is a parameter. A layer whose inputs need no gradient keeps its outputs' gradients."""
+    from runtime.split_backward import backward_input, held_tensors
+
+    feed = _fresh(stage, values)
+    weights = [p for p in stage.parameters() if p.requires_grad]
+    skip = {_storage_key(t)[0] for t in [*stage.parameters(), *stage.buffers()]}
+    with count_saved_bytes() as saved:
+        out = stage(feed)
+    targets = _grad_targets(out)
+    if not targets or not weights:
+        return 0
+    leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    _, pending = backward_input(targets, [torch.ones_like(t) for t in targets], leaves, weights)
+    held: dict[int, int] = {}
+    for t in held_tensors(pending):
+        ptr, nbytes = _storage_key(t)
+        if ptr not in saved and ptr not in skip:
+            held.setdefault(ptr, nbytes)
+    return sum(held.values())
+
+
+def measure_weight_grad_bytes(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
+    """Per layer name: `weight_grad_bytes` (one pass each, untimed)."""
+    values = layer_values(lg, inputs)
+    return {name: weight_grad_bytes(build_stage(lg, [name]), values) for name in lg.layer_names()}
+
+
 def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                 target: Any, loss_fn: Callable[[Any, Any], Any], device: torch.device,
                 warmup: int = 2, repeats: int = 5,
@@ -396,6 +428,8 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
         oh = _overhead(null)
         layers = _layer_result(lg, runners, oh if subtract_overhead else None)
     split = measure_bw_split(lg, inputs, device, min(warmup, 1), repeats, clock)
+    held = measure_weight_grad_bytes(lg, inputs)
     for m in layers:
         m.bwd_input_ms, m.bwd_weight_ms = split[m.name]
+        m.weight_grad_bytes = held[m.name]
     return layers, _whole_result(whole), oh

@@ -128,6 +128,7 @@ def profile_model_file(
                 param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
                 output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
                 bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
+                weight_grad_bytes=m.weight_grad_bytes,
             )
             for m in layers
         ],
