@@ -12,11 +12,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from planner.errors import PipeplanError
 from planner.formats import GB, INPUT_NODE, Cluster, Device, Profile, crossing_bytes
 from planner.partition import Candidate
+
+if TYPE_CHECKING:
+    from planner.actions import Action
 
 LinkKind = Literal["intra", "inter"]
 OPTIMIZER_EXTRA_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -517,6 +520,36 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         **({"tp": tps, "tp_comm_fwd_ms": tuple(tp_f), "tp_comm_bwd_ms": tuple(tp_b)}
            if any(t > 1 for t in tps) else {}),
     )
+
+
+def rank_memory_peak(actions: Sequence[Action], costs: PipelineCosts) -> tuple[int, float]:
+    """(peak microbatches in flight, peak bytes held beyond the static memory) of one rank
+    running `actions` in order. A microbatch holds `activation_bytes_per_microbatch` from its
+    F until its backward is done: B, or W where the rank's actions include W (split), holding
+    `weight_hold_bytes_per_microbatch` from B until W; while a backward (B, or a split W, which
+    recomputes too) runs, `transient_bytes` more. Memory depends only on the order, not on
+    the timing, so the simulator and the ZB-H1 generator both count it here."""
+    split = any(a.kind == "W" for a in actions)
+    act = costs.activation_bytes_per_microbatch
+    hold = costs.weight_hold_bytes_per_microbatch or act
+    transient = costs.transient_bytes or (0.0,) * costs.num_stages
+    inflight = peak = 0
+    held = peak_bytes = 0.0
+    for a in actions:
+        s = a.stage
+        if a.kind == "F":
+            inflight += 1
+            peak = max(peak, inflight)
+            held += act[s]
+        else:
+            peak_bytes = max(peak_bytes, held + transient[s])
+            if a.kind == "B" and split:
+                held += hold[s] - act[s]
+            else:
+                held -= act[s] if a.kind == "B" else hold[s]
+                inflight -= 1
+        peak_bytes = max(peak_bytes, held)
+    return peak, peak_bytes
 
 
 def predicted_memory_bytes(costs: PipelineCosts, schedule: str) -> list[float]:

@@ -156,7 +156,11 @@ def test_recompute_costs_a_forward_and_saves_memory(schedule):
     # kept per microbatch: the blocks' inputs (the model input 8 B and l0's output 50 B)
     assert rec.costs.activation_bytes_per_microbatch[0] == pytest.approx(58)
     assert rec.stage_memory_bytes[0] < base.stage_memory_bytes[0]
-    assert rec.stage_memory_bytes[1] == pytest.approx(base.stage_memory_bytes[1])
+    if schedule == "zb-h1":  # stage 1 defers W's only up to the busiest stage's 1F1B peak,
+        # which recomputing stage 0 lowered
+        assert rec.stage_memory_bytes[1] <= base.stage_memory_bytes[1]
+    else:
+        assert rec.stage_memory_bytes[1] == pytest.approx(base.stage_memory_bytes[1])
     assert rec.iteration_ms > base.iteration_ms
 
 
