@@ -194,3 +194,40 @@ def test_plan_cli_zb_h1_and_manual_recompute(tmp_path, capsys):
     assert "one flag (0 or 1) per stage" in capsys.readouterr().err
     assert main([*common, "--recompute", "1,0,0", "--no-recompute"]) != 0
     assert "contradict" in capsys.readouterr().err
+
+
+def _peaks(costs, schedule, deferred=None):
+    sim = simulate_costs(costs, generate(schedule, costs.stage_devices, costs.num_microbatches, deferred))
+    return [sim.peak_memory_bytes[devs[0]] for devs in costs.stage_devices]
+
+
+def test_zb_h1_defers_ws_only_within_the_busiest_stages_1f1b_peak():
+    from dataclasses import replace
+
+    from planner.schedules import zb_h1_deferred_w, zb_h1_memory_deferrals
+
+    p, m = 4, 8
+    default = [zb_h1_deferred_w(m, [1] * p, s) for s in range(p)]
+    # equal stages: the paper's ZB-H1 (stage s defers s W's) already holds no more than 1F1B
+    equal = equal_costs(p, m, act_bytes=10.0)
+    assert zb_h1_memory_deferrals(equal) == default == [0, 1, 2, 3]
+    assert max(_peaks(equal, "zb-h1")) == pytest.approx(max(_peaks(equal, "1f1b")))
+    # stage 2 keeps 5x the bytes per microbatch, and every stage's W gradients are 2 more
+    # bytes: deferring 2 W's there would exceed 1F1B's peak (stage 2's own 1F1B peak, 2 x 50)
+    costs = replace(equal, activation_bytes_per_microbatch=(10.0, 10.0, 50.0, 10.0),
+                    weight_hold_bytes_per_microbatch=(12.0, 12.0, 52.0, 12.0))
+    d = zb_h1_memory_deferrals(costs)
+    assert d[2] < default[2] and d[:2] == default[:2]
+    one, zb = _peaks(costs, "1f1b"), _peaks(costs, "zb-h1", d)
+    uncapped = _peaks(costs, "zb-h1")
+    assert max(uncapped) > max(one)
+    # within 1F1B's peak, but for one microbatch's W gradients on a stage deferring nothing
+    assert all(z <= max(one) or (ds == 0 and z <= max(one) + 2.0) for z, ds in zip(zb, d, strict=True))
+    assert max(zb) <= max(one) + 2.0
+    # the counts travel in the plan's generator, and the plan's actions use them
+    from planner.schedules import plan_schedule_fields
+
+    actions, gen = plan_schedule_fields("zb-h1", [[0], [1], [2], [3]], m, deferred=d)
+    assert gen.params["deferred_w"] == d
+    assert actions == {str(r): [str(a) for a in acts]
+                       for r, acts in generate("zb-h1", [[0], [1], [2], [3]], m, d).items()}
