@@ -7,7 +7,7 @@ per schedule, runs it with the runtime (gloo, local launcher, `--report`) and co
 rank's `peak_memory_bytes` with its stage's `predicted.memory_bytes`.
 
     python benchmarks/memory.py [--steps 2] [--stages 2,4]
-    python benchmarks/memory.py --from-json benchmarks/results/memory.json   # tables again
+    python benchmarks/memory.py --from-json benchmarks/results/memory.json [--markdown]
 
 Prints a table per rank and one comparing ZB-H1's peak over the ranks with 1F1B's on the same
 split, and writes benchmarks/results/memory.json.
@@ -87,6 +87,15 @@ def measure(model: str, stages: int, schedule: str, recompute: tuple[int, ...], 
     return rows
 
 
+def print_markdown(rows: list[dict]) -> None:
+    """The per-rank table as benchmarks/README.md shows it."""
+    print("| model | stages | schedule | recompute | rank | predicted B | measured B | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['stages']} | {r['schedule']} | {r['recompute']} | {r['rank']} | "
+              f"{r['predicted_bytes']:,} | {r['measured_bytes']:,} | {100 * r['error']:+.2f} % |")
+
+
 def print_tables(rows: list[dict]) -> None:
     print("model stages schedule recompute rank  predicted B   measured B   error")
     for r in rows:
@@ -115,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", default="adam")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "memory.json"))
     ap.add_argument("--from-json", help="print the tables of an earlier run's JSON and stop")
+    ap.add_argument("--markdown", action="store_true", help="with --from-json: the README's table")
     args = ap.parse_args(argv)
     if args.from_json:
-        print_tables(json.loads(Path(args.from_json).read_text())["rows"])
+        rows = json.loads(Path(args.from_json).read_text())["rows"]
+        (print_markdown if args.markdown else print_tables)(rows)
         return 0
     from profiler.profile import profile_model_file
 
