@@ -1,10 +1,11 @@
 """Peak memory per rank, measured by the runtime against the plan's prediction, for ZB-H1 and
 1F1B on the same split, with and without recomputation (issue 13).
 
-For each model (examples/gpt.py and examples/mlp.py at small sizes), number of stages and
-recompute vector, profiles the model once, makes a manual plan (`method=manual`, an even split)
-per schedule, runs it with the runtime (gloo, local launcher, `--report`) and compares each
-rank's `peak_memory_bytes` with its stage's `predicted.memory_bytes`.
+For each model (examples/gpt.py, examples/mlp.py and the DAG examples/unet.py, at small
+sizes), number of stages and recompute vector, profiles the model once, makes a manual plan
+(`method=manual`, an even split) per schedule, runs it with the runtime (gloo, local launcher,
+`--report`) and compares each rank's `peak_memory_bytes` with its stage's
+`predicted.memory_bytes`.
 
     python benchmarks/memory.py [--steps 2] [--stages 2,4]
     python benchmarks/memory.py --from-json benchmarks/results/memory.json [--markdown]
@@ -31,6 +32,7 @@ MODELS = {
     "gpt": ("gpt.py", {"PIPEPLAN_GPT_BLOCKS": "4", "PIPEPLAN_GPT_DIM": "64", "PIPEPLAN_GPT_VOCAB": "512",
                        "PIPEPLAN_GPT_SEQ": "32"}),
     "mlp": ("mlp.py", {"PIPEPLAN_MLP_BLOCKS": "4", "PIPEPLAN_MLP_DIM": "64"}),
+    "unet": ("unet.py", {"PIPEPLAN_UNET_DEPTH": "2", "PIPEPLAN_UNET_CH": "8", "PIPEPLAN_UNET_SIZE": "16"}),
 }
 
 
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--stages", default="2,4")
-    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--models", default="gpt,mlp,unet")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--microbatch-size", type=int, default=2)
     ap.add_argument("--optimizer", default="adam")

@@ -51,8 +51,12 @@ class LayerTable:
     tensors: tuple[Tensor, ...]
     # zero bubble: the weight-gradient part (W) of bwd; None: see `default_bwd_weight_ms`
     bwd_weight_prefix_ms: tuple[float, ...] | None = None
-    # zero bubble: gradients a split B keeps for W (`LayerProfile.weight_grad_bytes`, 0 if absent)
+    # zero bubble: gradients a split B keeps for W (`LayerProfile.weight_grad_bytes`, 0 if
+    # absent), and per layer the part that is its outputs' gradients
     weight_grad_prefix_bytes: tuple[int, ...] | None = None
+    weight_grad_output_bytes: tuple[int, ...] = ()
+    # recomputation: per layer, the part of its activations that is its own inputs
+    saved_input_bytes: tuple[int, ...] = ()
     tp: tuple[TPTable, ...] = ()
     loss_activation_bytes: int = 0  # the loss's saved bytes, inside the last layer's activations  # per profiled tensor-parallel degree > 1
 
@@ -82,10 +86,18 @@ class LayerTable:
         return self.bwd_weight_prefix_ms[stop] - self.bwd_weight_prefix_ms[start]
 
     def weight_grad_bytes(self, start: int, stop: int) -> int:
-        """Gradients layers start..stop-1 keep from their B until their W (split backward)."""
+        """Gradients a stage of layers start..stop-1 keeps from B until W at the intermediates
+        where weights join the input path (split backward): each layer's, less the outputs'
+        gradients of layers whose outputs all leave the stage (the stage keeps those as its
+        outputs' gradients: `output_bytes`)."""
         if self.weight_grad_prefix_bytes is None:
             return 0
-        return self.weight_grad_prefix_bytes[stop] - self.weight_grad_prefix_bytes[start]
+        total = self.weight_grad_prefix_bytes[stop] - self.weight_grad_prefix_bytes[start]
+        if self.weight_grad_output_bytes:
+            produced = {t.producer for t in self.tensors if start <= t.producer < stop}
+            inside = {t.producer for t in self.tensors if start <= t.producer < stop and t.consumers[0] < stop}
+            total -= sum(self.weight_grad_output_bytes[i] for i in produced - inside)
+        return total
 
     def output_bytes(self, start: int, stop: int) -> int:
         """Bytes of the tensors layers start..stop-1 produce for later layers, each once: what a
@@ -99,12 +111,14 @@ class LayerTable:
         """Recomputation of layers start..stop-1, each its own checkpointed block: (bytes kept
         per microbatch = every tensor the blocks read, each once, plus on the last stage what
         the loss saves, since the loss runs outside the blocks; bytes one block's recomputed
-        forward holds during the backward = the largest layer's activations, the loss's not)."""
+        forward holds during the backward = the largest layer's activations less its own inputs,
+        which the stage keeps already, and the loss's)."""
         kept = sum(t.nbytes for t in self.tensors if any(start <= c < stop for c in t.consumers))
         loss = self.loss_activation_bytes if stop == self.num_layers else 0
-        peak = max((self.layer_activation_bytes(i) - (loss if i == self.num_layers - 1 else 0)
+        own = self.saved_input_bytes or (0,) * self.num_layers  # kept already: not again
+        peak = max((self.layer_activation_bytes(i) - own[i] - (loss if i == self.num_layers - 1 else 0)
                     for i in range(start, stop)), default=0)
-        return kept + loss, peak
+        return kept + loss, max(peak, 0)
 
     def compute_ms(self, start: int, stop: int) -> float:
         return self.fwd_ms(start, stop) + self.bwd_ms(start, stop)
@@ -236,6 +250,8 @@ def layer_table(profile: Profile) -> LayerTable:
         tensors=tuple(profile_tensors(profile)),
         bwd_weight_prefix_ms=_prefix([layer_bwd_weight_ms(x) for x in layers]),
         weight_grad_prefix_bytes=_prefix([int(getattr(x, "weight_grad_bytes", 0) or 0) for x in layers]),
+        weight_grad_output_bytes=tuple(int(getattr(x, "weight_grad_output_bytes", 0) or 0) for x in layers),
+        saved_input_bytes=tuple(int(getattr(x, "saved_input_bytes", 0) or 0) for x in layers),
         tp=tp_tables(profile),
         loss_activation_bytes=loss_activation_bytes(profile),
     )
@@ -477,12 +493,12 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         # split and recomputed: W differentiates from the stage's outputs again (runtime's
         # split_backward `direct`), the backward and the recomputation once more
         wgt.append(full_bwd + f if st.recompute else w)
-        # from B until W a microbatch keeps what its forward saved (the retained graph) and the
-        # gradients W starts from: the outputs' where W differentiates from the outputs (a stage
-        # whose inputs need no gradient, a recomputed stage: `direct`), else the gradients at the
-        # intermediates where weights join the input path (the layers' weight_grad_bytes,
-        # outputs' included). A recomputed stage's graph keeps only the blocks' inputs (its
-        # recomputed activations are freed once B has used them; W recomputes them again).
+        # from B until W a microbatch keeps what its forward saved (the retained graph), the
+        # gradients of the stage's outputs, and, unless W differentiates from the outputs (a
+        # stage whose inputs need no gradient, a recomputed stage: `direct`), the gradients at
+        # the intermediates where weights join the input path (`weight_grad_bytes`). A
+        # recomputed stage's graph keeps only the blocks' inputs (its recomputed activations
+        # are freed once B has used them; W recomputes them again).
         out_grads = scale * table.output_bytes(st.start, st.stop)
         if st.recompute:
             kept, peak = table.recompute_bytes(st.start, st.stop)
@@ -493,7 +509,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
             act.append(full)
             transient.append(0.0)
             direct = stages_without_input_grad(candidate, st)
-            hold.append(full + (out_grads if direct else scale * table.weight_grad_bytes(st.start, st.stop)))
+            hold.append(full + out_grads + (0.0 if direct else scale * table.weight_grad_bytes(st.start, st.stop)))
         kind = link_kind(devices, st.devices)
         ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
                                link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)

@@ -179,8 +179,9 @@ def corrected_profile(profile: Profile, corrections: Corrections) -> Profile:
         "fwd_ms": x.fwd_ms * scale[x.name].fwd_scale,
         "bwd_ms": x.bwd_ms * scale[x.name].bwd_scale,
         "activation_bytes": round(x.activation_bytes * scale[x.name].memory_scale),
-        **({"weight_grad_bytes": round(x.weight_grad_bytes * scale[x.name].memory_scale)}
-           if getattr(x, "weight_grad_bytes", None) is not None else {}),
+        **{k: round(getattr(x, k) * scale[x.name].memory_scale)
+           for k in ("weight_grad_bytes", "weight_grad_output_bytes", "saved_input_bytes")
+           if getattr(x, k, None) is not None},
     }) for x in profile.layers]
     update: dict[str, object] = {"layers": layers}
     if profile.measured is not None:

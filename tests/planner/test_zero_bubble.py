@@ -231,3 +231,28 @@ def test_zb_h1_defers_ws_only_within_the_busiest_stages_1f1b_peak():
     assert gen.params["deferred_w"] == d
     assert actions == {str(r): [str(a) for a in acts]
                        for r, acts in generate("zb-h1", [[0], [1], [2], [3]], m, d).items()}
+
+
+def test_w_hold_and_recompute_transient_from_the_profiles_split_bytes():
+    # every layer: 1000 B saved (50 of them its input), its W keeps 300 B of gradients of which
+    # 50 are its output's gradient; outputs 50 B; microbatch = profile batch (scale 1)
+    profile = chain_profile([1.0] * 4, act=[1000] * 4, out=[50] * 4)
+    for layer in profile.layers:
+        layer.weight_grad_bytes, layer.weight_grad_output_bytes, layer.saved_input_bytes = 300, 50, 50
+    table = layer_table(profile)
+    opts = PlanOptions(global_batch=32, microbatch_size=8, schedule="zb-h1", method="manual", optimizer="sgd")
+    cand = Candidate((StageChoice(0, 2, (0,)), StageChoice(2, 3, (1,)), StageChoice(3, 4, (2,))),
+                     microbatch_size=8, num_microbatches=4)
+    costs = evaluate(table, cluster(per_node=3), cand, opts).costs
+    # stage 0 sends no gradient (W from its outputs): its activations + its outputs' gradients
+    assert costs.weight_hold_bytes_per_microbatch[0] == 2000 + 50
+    # l2 alone: its W gradients, its output's counted once, as the stage's output gradient
+    assert costs.weight_hold_bytes_per_microbatch[1] == 1000 + (300 - 50) + 50
+    # the last layer's output gradient (from the loss) stays an intermediate's
+    assert costs.weight_hold_bytes_per_microbatch[2] == 1000 + 300
+    rec = Candidate((StageChoice(0, 2, (0,)), StageChoice(2, 4, (1,), recompute=True)),
+                    microbatch_size=8, num_microbatches=4)
+    costs = evaluate(table, cluster(per_node=2), rec, opts).costs
+    assert costs.activation_bytes_per_microbatch[1] == 50 + 50  # the blocks' inputs
+    assert costs.transient_bytes[1] == 1000 - 50  # a block's recomputation, its input kept already
+    assert costs.weight_hold_bytes_per_microbatch[1] == 100  # recomputed: the inputs, no W gradients
