@@ -29,7 +29,7 @@ from planner.formats import (
     digest,
 )
 from planner.partition import Candidate
-from planner.schedules import generate, plan_schedule_fields
+from planner.schedules import generate, plan_schedule_fields, zb_h1_memory_deferrals
 from planner.simulator import Simulation, simulate_costs
 from planner.units import format_bytes
 
@@ -77,9 +77,16 @@ def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options:
     `devices` (`cluster.devices()`) may be passed by a caller that evaluates many candidates."""
     candidate.check(table.num_layers, cluster.num_devices)
     costs = pipeline_costs(table, cluster, candidate, options.optimizer, devices)
-    sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, candidate.num_microbatches))
+    sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, candidate.num_microbatches,
+                                         schedule_deferrals(costs, options.schedule)))
     memory = tuple(max(sim.peak_memory_bytes[d] for d in devs) for devs in costs.stage_devices)
     return Evaluation(candidate, costs, sim, memory)
+
+
+def schedule_deferrals(costs: PipelineCosts, schedule: str) -> list[int] | None:
+    """ZB-H1: the W's each stage defers so no stage's peak exceeds the busiest stage's 1F1B
+    peak (`planner.schedules.zb_h1_memory_deferrals`); other schedules: None."""
+    return zb_h1_memory_deferrals(costs) if schedule == "zb-h1" else None
 
 
 def stage_split_fields(costs: PipelineCosts, s: int) -> dict[str, float]:
@@ -143,7 +150,8 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
     solver = {"name": options.method, "status": "HEURISTIC", **candidate.solver}
     rank_actions, generator = plan_schedule_fields(
         options.schedule, [st.devices for st in candidate.stages], m,
-        tps=[getattr(st, "tp", 1) for st in candidate.stages])
+        tps=[getattr(st, "tp", 1) for st in candidate.stages],
+        deferred=schedule_deferrals(costs, options.schedule))
     return Plan(
         profile_sha256=digest(profile), model=profile.model, cluster=cluster,
         options=options.model_copy(update={"microbatch_size": b}), schedule=options.schedule,

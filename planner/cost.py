@@ -12,11 +12,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from planner.errors import PipeplanError
 from planner.formats import GB, INPUT_NODE, Cluster, Device, Profile, crossing_bytes
 from planner.partition import Candidate
+
+if TYPE_CHECKING:
+    from planner.actions import Action
 
 LinkKind = Literal["intra", "inter"]
 OPTIMIZER_EXTRA_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -48,7 +51,14 @@ class LayerTable:
     tensors: tuple[Tensor, ...]
     # zero bubble: the weight-gradient part (W) of bwd; None: see `default_bwd_weight_ms`
     bwd_weight_prefix_ms: tuple[float, ...] | None = None
-    tp: tuple[TPTable, ...] = ()  # per profiled tensor-parallel degree > 1
+    # zero bubble: gradients a split B keeps for W (`LayerProfile.weight_grad_bytes`, 0 if
+    # absent), and per layer the part that is its outputs' gradients
+    weight_grad_prefix_bytes: tuple[int, ...] | None = None
+    weight_grad_output_bytes: tuple[int, ...] = ()
+    # recomputation: per layer, the part of its activations that is its own inputs
+    saved_input_bytes: tuple[int, ...] = ()
+    tp: tuple[TPTable, ...] = ()
+    loss_activation_bytes: int = 0  # the loss's saved bytes, inside the last layer's activations  # per profiled tensor-parallel degree > 1
 
     @property
     def num_layers(self) -> int:
@@ -75,16 +85,40 @@ class LayerTable:
             return 0.5 * self.bwd_ms(start, stop)
         return self.bwd_weight_prefix_ms[stop] - self.bwd_weight_prefix_ms[start]
 
+    def weight_grad_bytes(self, start: int, stop: int) -> int:
+        """Gradients a stage of layers start..stop-1 keeps from B until W at the intermediates
+        where weights join the input path (split backward): each layer's, less the outputs'
+        gradients of layers whose outputs all leave the stage (the stage keeps those as its
+        outputs' gradients: `output_bytes`)."""
+        if self.weight_grad_prefix_bytes is None:
+            return 0
+        total = self.weight_grad_prefix_bytes[stop] - self.weight_grad_prefix_bytes[start]
+        if self.weight_grad_output_bytes:
+            produced = {t.producer for t in self.tensors if start <= t.producer < stop}
+            inside = {t.producer for t in self.tensors if start <= t.producer < stop and t.consumers[0] < stop}
+            total -= sum(self.weight_grad_output_bytes[i] for i in produced - inside)
+        return total
+
+    def output_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the tensors layers start..stop-1 produce for later layers, each once: what a
+        stage ending there sends on, and the gradients it receives back."""
+        return sum(t.nbytes for t in self.tensors if start <= t.producer < stop and t.consumers[-1] >= stop)
+
     def layer_activation_bytes(self, i: int) -> int:
         return self.activation_prefix_bytes[i + 1] - self.activation_prefix_bytes[i]
 
     def recompute_bytes(self, start: int, stop: int) -> tuple[int, int]:
         """Recomputation of layers start..stop-1, each its own checkpointed block: (bytes kept
-        per microbatch = every tensor the blocks read, each once; bytes one block's recomputed
-        forward holds during the backward = the largest layer's activations)."""
+        per microbatch = every tensor the blocks read, each once, plus on the last stage what
+        the loss saves, since the loss runs outside the blocks; bytes one block's recomputed
+        forward holds during the backward = the largest layer's activations less its own inputs,
+        which the stage keeps already, and the loss's)."""
         kept = sum(t.nbytes for t in self.tensors if any(start <= c < stop for c in t.consumers))
-        peak = max((self.layer_activation_bytes(i) for i in range(start, stop)), default=0)
-        return kept, peak
+        loss = self.loss_activation_bytes if stop == self.num_layers else 0
+        own = self.saved_input_bytes or (0,) * self.num_layers  # kept already: not again
+        peak = max((self.layer_activation_bytes(i) - own[i] - (loss if i == self.num_layers - 1 else 0)
+                    for i in range(start, stop)), default=0)
+        return kept + loss, max(peak, 0)
 
     def compute_ms(self, start: int, stop: int) -> float:
         return self.fwd_ms(start, stop) + self.bwd_ms(start, stop)
@@ -215,7 +249,11 @@ def layer_table(profile: Profile) -> LayerTable:
         activation_prefix_bytes=_prefix(activation),
         tensors=tuple(profile_tensors(profile)),
         bwd_weight_prefix_ms=_prefix([layer_bwd_weight_ms(x) for x in layers]),
+        weight_grad_prefix_bytes=_prefix([int(getattr(x, "weight_grad_bytes", 0) or 0) for x in layers]),
+        weight_grad_output_bytes=tuple(int(getattr(x, "weight_grad_output_bytes", 0) or 0) for x in layers),
+        saved_input_bytes=tuple(int(getattr(x, "saved_input_bytes", 0) or 0) for x in layers),
         tp=tp_tables(profile),
+        loss_activation_bytes=loss_activation_bytes(profile),
     )
 
 
@@ -455,14 +493,23 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         # split and recomputed: W differentiates from the stage's outputs again (runtime's
         # split_backward `direct`), the backward and the recomputation once more
         wgt.append(full_bwd + f if st.recompute else w)
-        hold.append(full)  # a retained graph keeps every saved tensor until W (recomputed too)
+        # from B until W a microbatch keeps what its forward saved (the retained graph), the
+        # gradients of the stage's outputs, and, unless W differentiates from the outputs (a
+        # stage whose inputs need no gradient, a recomputed stage: `direct`), the gradients at
+        # the intermediates where weights join the input path (`weight_grad_bytes`). A
+        # recomputed stage's graph keeps only the blocks' inputs (its recomputed activations
+        # are freed once B has used them; W recomputes them again).
+        out_grads = scale * table.output_bytes(st.start, st.stop)
         if st.recompute:
             kept, peak = table.recompute_bytes(st.start, st.stop)
             act.append(scale * kept)
             transient.append(scale * peak)
+            hold.append(scale * kept + out_grads)
         else:
             act.append(full)
             transient.append(0.0)
+            direct = stages_without_input_grad(candidate, st)
+            hold.append(full + out_grads + (0.0 if direct else scale * table.weight_grad_bytes(st.start, st.stop)))
         kind = link_kind(devices, st.devices)
         ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
                                link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)
@@ -489,6 +536,36 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         **({"tp": tps, "tp_comm_fwd_ms": tuple(tp_f), "tp_comm_bwd_ms": tuple(tp_b)}
            if any(t > 1 for t in tps) else {}),
     )
+
+
+def rank_memory_peak(actions: Sequence[Action], costs: PipelineCosts) -> tuple[int, float]:
+    """(peak microbatches in flight, peak bytes held beyond the static memory) of one rank
+    running `actions` in order. A microbatch holds `activation_bytes_per_microbatch` from its
+    F until its backward is done: B, or W where the rank's actions include W (split), holding
+    `weight_hold_bytes_per_microbatch` from B until W; while a backward (B, or a split W, which
+    recomputes too) runs, `transient_bytes` more. Memory depends only on the order, not on
+    the timing, so the simulator and the ZB-H1 generator both count it here."""
+    split = any(a.kind == "W" for a in actions)
+    act = costs.activation_bytes_per_microbatch
+    hold = costs.weight_hold_bytes_per_microbatch or act
+    transient = costs.transient_bytes or (0.0,) * costs.num_stages
+    inflight = peak = 0
+    held = peak_bytes = 0.0
+    for a in actions:
+        s = a.stage
+        if a.kind == "F":
+            inflight += 1
+            peak = max(peak, inflight)
+            held += act[s]
+        else:
+            peak_bytes = max(peak_bytes, held + transient[s])
+            if a.kind == "B" and split:
+                held += hold[s] - act[s]
+            else:
+                held -= act[s] if a.kind == "B" else hold[s]
+                inflight -= 1
+        peak_bytes = max(peak_bytes, held)
+    return peak, peak_bytes
 
 
 def predicted_memory_bytes(costs: PipelineCosts, schedule: str) -> list[float]:

@@ -79,6 +79,14 @@ class LayerProfile(_Open):
     # bwd_ms (a layer without parameters is all B; others half B, half W).
     bwd_input_ms: NonNegativeFloat | None = None
     bwd_weight_ms: NonNegativeFloat | None = None
+    # zero-bubble schedules: bytes of the gradients B keeps for W (at the intermediates where
+    # the layer's weights join the input path; its outputs' gradients where one is such an
+    # intermediate's, `weight_grad_output_bytes` of them), per profiled batch, measured with the
+    # layer as a stage by itself. Recomputation: `saved_input_bytes`, the part of
+    # activation_bytes that is the layer's own inputs. Absent in older profiles: 0.
+    weight_grad_bytes: NonNegativeInt | None = None
+    weight_grad_output_bytes: NonNegativeInt | None = None
+    saved_input_bytes: NonNegativeInt | None = None
     tp: list[LayerTP] | None = None  # per tensor-parallel degree (profile --tp), if profiled
 
     def at_degree(self, degree: int) -> LayerTP | None:

@@ -12,7 +12,8 @@ From a plan and the report of running it (`python -m runtime ... --report`):
   all-reduces keep the calibrated figures. When the run is faster than even a zero overhead
   predicts, the overhead is 0 and every stage's compute is scaled by one common factor instead;
 - **memory**: per stage, `memory_scale` = measured / predicted activation bytes (peak memory
-  minus parameters, gradients and optimizer state), applied to the layers' activation bytes.
+  minus parameters, gradients and optimizer state), applied to the layers' activation bytes
+  (and to what a split backward keeps for W and a recomputed block's transient).
 
 Pure functions over the pydantic formats; `planner.commands.refine` does the I/O and re-plans.
 """
@@ -178,6 +179,9 @@ def corrected_profile(profile: Profile, corrections: Corrections) -> Profile:
         "fwd_ms": x.fwd_ms * scale[x.name].fwd_scale,
         "bwd_ms": x.bwd_ms * scale[x.name].bwd_scale,
         "activation_bytes": round(x.activation_bytes * scale[x.name].memory_scale),
+        **{k: round(getattr(x, k) * scale[x.name].memory_scale)
+           for k in ("weight_grad_bytes", "weight_grad_output_bytes", "saved_input_bytes")
+           if getattr(x, k, None) is not None},
     }) for x in profile.layers]
     update: dict[str, object] = {"layers": layers}
     if profile.measured is not None:
@@ -201,26 +205,43 @@ def corrected_cluster(cluster: Cluster, corrections: Corrections) -> Cluster:
     return cluster.model_copy(update={"p2p_overhead_us": corrections.p2p_overhead_us_after})
 
 
+def _scaled_fields(predicted: object, scale: float) -> dict[str, float]:
+    """A stage's W hold and recomputation transient (where the plan has them), scaled."""
+    return {k: float(getattr(predicted, k)) * scale
+            for k in ("weight_hold_bytes_per_microbatch", "transient_bytes")
+            if getattr(predicted, k, None) is not None}
+
+
 def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Plan:
     """The same stages and schedule with the corrected costs and prediction (what refine writes
     when it has no profile to re-plan with)."""
     costs = costs_from_plan(plan)
     fwd = tuple(s.predicted_fwd_ms * s.fwd_scale for s in corrections.stages)
     bwd = tuple(s.predicted_bwd_ms * s.bwd_scale for s in corrections.stages)
-    costs = _with_overhead(plan, dataclasses.replace(costs, fwd_ms=fwd, bwd_ms=bwd),
-                           corrections.p2p_overhead_us_after)
+    mem = [c.memory_scale for c in corrections.stages]
+
+    def scaled(values: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        return None if values is None else tuple(v * k for v, k in zip(values, mem, strict=True))
+
+    # every per-microbatch byte count scales alike: what a forward keeps, the W hold (split
+    # backward) and a recomputed block's transient
+    costs = _with_overhead(plan, dataclasses.replace(
+        costs, fwd_ms=fwd, bwd_ms=bwd,
+        activation_bytes_per_microbatch=scaled(costs.activation_bytes_per_microbatch),
+        weight_hold_bytes_per_microbatch=scaled(costs.weight_hold_bytes_per_microbatch),
+        transient_bytes=scaled(costs.transient_bytes)), corrections.p2p_overhead_us_after)
     sim = simulate_costs(costs, plan_actions(plan))
     stages = []
     for st, c in zip(plan.stages, corrections.stages, strict=True):
         p = st.predicted
-        static = float(getattr(p, "static_memory_bytes", 0.0) or 0.0)
         act = float(getattr(p, "activation_bytes_per_microbatch", 0.0) or 0.0) * c.memory_scale
-        inflight = max(sim.peak_inflight[d] for d in st.devices)
+        memory = max(sim.peak_memory_bytes[d] for d in st.devices[::st.tp])
         sends = [{"to": t, "bytes": snd.nbytes, "ms": snd.ms}
                  for (s, t), snd in costs.sends.items() if s == st.index]
         stages.append(st.model_copy(update={"predicted": p.model_copy(update={
             "fwd_ms": fwd[st.index], "bwd_ms": bwd[st.index], "compute_ms": fwd[st.index] + bwd[st.index],
-            "activation_bytes_per_microbatch": act, "memory_bytes": int(static + act * inflight),
+            "activation_bytes_per_microbatch": act, "memory_bytes": int(memory),
+            **_scaled_fields(p, c.memory_scale),
             "sends": sends})}))
     it = sim.iteration_ms
     predicted = plan.predicted.model_copy(update={

@@ -16,7 +16,7 @@ from __future__ import annotations
 from planner.actions import Action, parse_actions
 from planner.errors import PipeplanError
 from planner.formats import Plan
-from planner.schedules import generate, tp_leaders, with_tp_ranks
+from planner.schedules import generate, generator_deferred, tp_leaders, with_tp_ranks
 from planner.validate import ScheduleError, format_grid, validate
 
 
@@ -32,7 +32,8 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
         if gm != m:
             raise PipeplanError(f"plan: num_microbatches is {m} but the schedule generator's is "
                                 f"{gm}; make the plan again")
-        return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), m),
+        return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), m,
+                                      generator_deferred(plan.generator)),
                              stage_devices, tps)
     try:
         keys = {int(k): k for k in plan.rank_actions}

@@ -14,6 +14,13 @@ warm-up forwards of stage 0 minus its own, i.e. s on a chain), the oldest deferr
 running after each B once that many are pending, and the rest after the last B, where they
 fill the cool-down bubbles. With F = B = W this gives the paper's makespan
 m (F + B + W) + (p - 1)(F + B - W).
+
+That deferral keeps every stage's count of microbatches between F and W within stage 0's 1F1B
+count, which is the paper's "same peak memory as 1F1B" only when every stage holds as many
+bytes per microbatch. A plan's ZB-H1 therefore defers, per stage, as many W's as keep that
+stage's peak memory within the busiest stage's 1F1B peak (`zb_h1_memory_deferrals`, from the
+cost model's bytes; a microbatch between B and W also holds its W's gradients) and stores the
+counts in its generator (`params["deferred_w"]`, one per stage).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.actions import Action, parse_actions
-from planner.cost import warmup_1f1b
+from planner.cost import PipelineCosts, rank_memory_peak, warmup_1f1b
 from planner.errors import PipeplanError
 from planner.formats import Plan, ScheduleGenerator
 
@@ -30,8 +37,9 @@ EXPLICIT_LIMIT_ACTIONS = 20_000  # above this many actions in total, plans store
 
 
 def replica_actions(name: str, stage: int, stage_replicas: Sequence[int], replica: int,
-                    num_microbatches: int) -> list[Action]:
-    """The actions of replica `replica` of stage `stage` (`stage_replicas[s]` = r_s)."""
+                    num_microbatches: int, deferred: int | None = None) -> list[Action]:
+    """The actions of replica `replica` of stage `stage` (`stage_replicas[s]` = r_s); ZB-H1
+    defers `deferred` W's (None: `zb_h1_deferred_w`)."""
     mbs = list(range(replica, num_microbatches, stage_replicas[stage]))
     F = [Action(stage, "F", j) for j in mbs]
     B = [Action(stage, "B", j) for j in mbs]
@@ -46,7 +54,9 @@ def replica_actions(name: str, stage: int, stage_replicas: Sequence[int], replic
         out.append(F[w + i])
     out.extend(B[len(mbs) - w:])
     if name == "zb-h1":
-        return with_deferred_w(out, zb_h1_deferred_w(num_microbatches, stage_replicas, stage, replica))
+        if deferred is None:
+            deferred = zb_h1_deferred_w(num_microbatches, stage_replicas, stage, replica)
+        return with_deferred_w(out, deferred)
     return out
 
 
@@ -73,26 +83,66 @@ def with_deferred_w(order: Sequence[Action], deferred: int) -> list[Action]:
     return out
 
 
-def generate(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int
-             ) -> dict[int, list[Action]]:
-    """Per global rank, its actions; `stage_devices[s][k]` is the rank of replica k of stage s."""
-    if name not in SCHEDULES:
-        raise PipeplanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    replicas = [len(devs) for devs in stage_devices]
-    out: dict[int, list[Action]] = {}
-    for s, devs in enumerate(stage_devices):
-        for k, rank in enumerate(devs):
-            out[rank] = replica_actions(name, s, replicas, k, num_microbatches)
+def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
+    """Per stage, the W's a ZB-H1 replica defers: `zb_h1_deferred_w`, lowered until the stage's
+    peak memory (static + what its microbatches hold, action by action: `rank_memory_peak`) is
+    within the 1F1B peak of the busiest stage on the same costs (never below 0: a stage whose
+    W's all run right after their B may still exceed it by one microbatch's W gradients)."""
+    m, S = costs.num_microbatches, costs.num_stages
+    replicas = [len(devs) for devs in costs.stage_devices]
+
+    def peak(s: int, name: str, d: int | None) -> float:
+        return costs.static_memory_bytes[s] + max(
+            rank_memory_peak(replica_actions(name, s, replicas, k, m, d), costs)[1]
+            for k in range(replicas[s]))
+
+    cap = max(peak(s, "1f1b", None) for s in range(S))
+    out = []
+    for s in range(S):
+        d = max(zb_h1_deferred_w(m, replicas, s, k) for k in range(replicas[s]))
+        while d > 0 and peak(s, "zb-h1", d) > cap * (1 + 1e-12):
+            d -= 1
+        out.append(d)
     return out
 
 
+def generate(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int,
+             deferred: Sequence[int] | None = None) -> dict[int, list[Action]]:
+    """Per global rank, its actions; `stage_devices[s][k]` is the rank of replica k of stage s;
+    ZB-H1 defers `deferred[s]` W's on stage s (None: `zb_h1_deferred_w`)."""
+    if name not in SCHEDULES:
+        raise PipeplanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    replicas = [len(devs) for devs in stage_devices]
+    _check_deferred(deferred, len(stage_devices))
+    out: dict[int, list[Action]] = {}
+    for s, devs in enumerate(stage_devices):
+        for k, rank in enumerate(devs):
+            out[rank] = replica_actions(name, s, replicas, k, num_microbatches,
+                                        deferred[s] if deferred is not None else None)
+    return out
+
+
+def _check_deferred(deferred: Sequence[int] | None, num_stages: int) -> None:
+    if deferred is not None and (len(deferred) != num_stages or any(d < 0 for d in deferred)):
+        raise PipeplanError(f"schedule generator: deferred_w must give one count >= 0 per stage "
+                            f"({num_stages}), not {list(deferred)}; make the plan again")
+
+
+def generator_deferred(generator: ScheduleGenerator) -> list[int] | None:
+    """A stored generator's per-stage ZB-H1 deferral counts, if it has them."""
+    d = generator.params.get("deferred_w")
+    return list(d) if isinstance(d, list) else None
+
+
 def generate_rank(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int,
-                  rank: int) -> list[Action]:
+                  rank: int, deferred: Sequence[int] | None = None) -> list[Action]:
     """One rank's actions without generating the others' (what a runtime rank needs)."""
+    _check_deferred(deferred, len(stage_devices))
     for s, devs in enumerate(stage_devices):
         if rank in devs:
             return replica_actions(name, s, [len(d) for d in stage_devices],
-                                   list(devs).index(rank), num_microbatches)
+                                   list(devs).index(rank), num_microbatches,
+                                   deferred[s] if deferred is not None else None)
     raise PipeplanError(f"rank {rank} is not in the plan (it has {sum(map(len, stage_devices))} ranks)")
 
 
@@ -126,15 +176,22 @@ def total_actions_for(name: str, stage_devices: Sequence[Sequence[int]], num_mic
 
 
 def plan_schedule_fields(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int,
-                         limit: int = EXPLICIT_LIMIT_ACTIONS, tps: Sequence[int] | None = None
+                         limit: int = EXPLICIT_LIMIT_ACTIONS, tps: Sequence[int] | None = None,
+                         deferred: Sequence[int] | None = None
                          ) -> tuple[dict[str, list[str]] | None, ScheduleGenerator]:
     """What a plan stores: explicit per-rank action strings when small (else None) and always
     the generator that reproduces them. `stage_devices` lists every rank of a stage; with
-    tensor-parallel degrees `tps` the ranks of one replica get the same list."""
-    generator = ScheduleGenerator(name=name, params={"num_microbatches": num_microbatches})  # type: ignore[arg-type]
+    tensor-parallel degrees `tps` the ranks of one replica get the same list; ZB-H1's
+    per-stage `deferred` counts (see `generate`) go into the generator's params."""
+    params: dict[str, int | list[int]] = {"num_microbatches": num_microbatches}
+    if deferred is not None and name == "zb-h1":
+        params["deferred_w"] = list(deferred)
+    else:
+        deferred = None
+    generator = ScheduleGenerator(name=name, params=params)  # type: ignore[arg-type]
     if total_actions_for(name, stage_devices, num_microbatches) > limit:
         return None, generator
-    lists = with_tp_ranks(generate(name, tp_leaders(stage_devices, tps), num_microbatches),
+    lists = with_tp_ranks(generate(name, tp_leaders(stage_devices, tps), num_microbatches, deferred),
                           stage_devices, tps)
     return {str(r): [str(a) for a in lists[r]] for r in sorted(lists)}, generator
 
@@ -151,7 +208,8 @@ def actions_for_rank(plan: Plan, rank: int) -> list[Action]:
     for st in plan.stages:  # a tensor-parallel rank runs its replica's actions
         if rank in st.devices:
             rank = st.devices[(st.devices.index(rank) // st.tp) * st.tp]
-    return generate_rank(plan.generator.name, [s.replica_ranks() for s in plan.stages], m, rank)
+    return generate_rank(plan.generator.name, [s.replica_ranks() for s in plan.stages], m, rank,
+                         generator_deferred(plan.generator))
 
 
 def plan_actions(plan: Plan) -> dict[int, list[Action]]:
@@ -161,5 +219,6 @@ def plan_actions(plan: Plan) -> dict[int, list[Action]]:
     assert plan.generator is not None
     m = plan.generator.params.get("num_microbatches", plan.num_microbatches)
     assert isinstance(m, int)
-    return with_tp_ranks(generate(plan.generator.name, [s.replica_ranks() for s in plan.stages], m),
+    return with_tp_ranks(generate(plan.generator.name, [s.replica_ranks() for s in plan.stages], m,
+                                  generator_deferred(plan.generator)),
                          [s.devices for s in plan.stages], [s.tp for s in plan.stages])

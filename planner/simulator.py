@@ -11,7 +11,8 @@ input gradient (`PipelineCosts.bwd_split`) and W the weight gradient, which wait
 own B (earlier on the same rank) and sends nothing; without W, B is the full backward. Memory
 per rank: parameters and optimizer state, plus what each microbatch keeps from its forward until
 its backward is done (B, or W where split: after B it keeps `weight_hold_bytes_per_microbatch`),
-plus, while a backward runs, `transient_bytes` (a recomputed block's activations).
+plus, while a backward (B or W) runs, `transient_bytes` (a recomputed block's activations):
+`planner.cost.rank_memory_peak`.
 
 The simulation is dependency-driven (each action is timed once its inputs are timed), so it
 costs O(actions x stage pairs) and handles plans with thousands of ranks quickly.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from planner.actions import Action
-from planner.cost import PipelineCosts, Send
+from planner.cost import PipelineCosts, Send, rank_memory_peak
 from planner.formats import Plan
 
 
@@ -74,14 +75,7 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
     waiters: dict[int, list[int]] = {}
     pos = {r: 0 for r in schedule}
     free = {r: 0.0 for r in schedule}
-    inflight = {r: 0 for r in schedule}
-    peak = {r: 0 for r in schedule}
-    held = {r: 0.0 for r in schedule}
-    peak_bytes = {r: 0.0 for r in schedule}
     split = {r: any(a.kind == "W" for a in acts) for r, acts in schedule.items()}
-    act = costs.activation_bytes_per_microbatch
-    hold = costs.weight_hold_bytes_per_microbatch or act
-    transient = costs.transient_bytes or (0.0,) * S
     bw_split = [costs.bwd_split(s) for s in range(S)]
     busy = {r: 0.0 for r in schedule}
     events: list[Event] = []
@@ -133,24 +127,6 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
             end[key] = t_free
             busy[r] += dur
             events.append(Event(r, str(a), a.kind, s, j, ready, t_free))
-            if a.kind == "F":
-                inflight[r] += 1
-                if inflight[r] > peak[r]:
-                    peak[r] = inflight[r]
-                held[r] += act[s]
-            elif a.kind == "B":
-                if held[r] + transient[s] > peak_bytes[r]:
-                    peak_bytes[r] = held[r] + transient[s]
-                if split[r]:
-                    held[r] += hold[s] - act[s]
-                else:
-                    held[r] -= act[s]
-                    inflight[r] -= 1
-            else:
-                held[r] -= hold[s]
-                inflight[r] -= 1
-            if held[r] > peak_bytes[r]:
-                peak_bytes[r] = held[r]
             i += 1
             woken = waiters.pop(key, None)
             if woken:
@@ -183,7 +159,9 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
     makespan = max(free.values(), default=0.0)
     idle = {r: makespan - busy[r] - comm[r] for r in schedule}
     total = makespan * len(schedule)
-    memory = {r: costs.static_memory_bytes[stage_of_rank[r]] + peak_bytes[r]
+    held = {r: rank_memory_peak(acts, costs) for r, acts in schedule.items()}
+    peak = {r: held[r][0] for r in schedule}
+    memory = {r: costs.static_memory_bytes[stage_of_rank[r]] + held[r][1]
               for r in schedule if r in stage_of_rank}
     return Simulation(
         events=events, iteration_ms=makespan, busy_ms=busy, comm_ms=comm, idle_ms=idle,

@@ -55,6 +55,7 @@ class LayerMeasurement:
     output_bytes: int
     bwd_input_ms: float | None = None  # zero bubble: the backward's two parts, measured apart
     bwd_weight_ms: float | None = None
+    split_bytes: SplitBytes | None = None  # zero bubble and recomputation: see `split_bytes`
 
 
 def tensor_bytes(value: Any) -> int:
@@ -372,6 +373,57 @@ def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: t
     return {name: (statistics.median(r.b), statistics.median(r.w)) for name, r in runners.items()}
 
 
+@dataclass
+class SplitBytes:
+    """What a layer holds, per profiled batch, beyond its activations when its backward is
+    split (B then W) or recomputed; see `split_bytes`."""
+
+    weight_grad_bytes: int  # gradients B keeps for W
+    weight_grad_output_bytes: int  # the part of those that is the layer's outputs' gradients
+    saved_input_bytes: int  # of the layer's activation_bytes, its own inputs
+
+
+def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
+    """The layer as a stage by itself, through the runtime's split backward
+    (runtime.split_backward): the gradients B keeps for W at the intermediates where its
+    weights join the input path — its outputs' gradients among them only where one is also
+    such an intermediate's (a residual layer passes its output's gradient on unchanged) —
+    each storage once, none that the forward saved or that is a parameter; and how much of
+    what its forward saves is its own inputs (a recomputed block keeps those anyway)."""
+    from runtime.split_backward import backward_input
+
+    feed = _fresh(stage, values)
+    weights = [p for p in stage.parameters() if p.requires_grad]
+    skip = {_storage_key(t)[0] for t in [*stage.parameters(), *stage.buffers()]}
+    with count_saved_bytes(list(stage.parameters()) + list(stage.buffers())) as saved:
+        out = stage(feed)
+    inputs = {_storage_key(v)[0] for v in feed.values() if isinstance(v, torch.Tensor)}
+    saved_inputs = sum(n for ptr, n in saved.items() if ptr in inputs)
+    targets = _grad_targets(out)
+    leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not targets or not weights:
+        return SplitBytes(0, 0, saved_inputs)
+    grads = [torch.ones_like(t) for t in targets]
+    _, pending = backward_input(targets, grads, leaves, weights)
+    outputs = {_storage_key(g)[0] for g in grads}
+    held: dict[int, int] = {}
+    for group in pending.groups:
+        for gs in group["grads"]:
+            for g in gs or ():
+                if isinstance(g, torch.Tensor):
+                    ptr, nbytes = _storage_key(g)
+                    if ptr not in saved and ptr not in skip:
+                        held.setdefault(ptr, nbytes)
+    return SplitBytes(sum(held.values()), sum(n for ptr, n in held.items() if ptr in outputs),
+                      saved_inputs)
+
+
+def measure_split_bytes(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, SplitBytes]:
+    """Per layer name: `split_bytes` (one pass each, untimed)."""
+    values = layer_values(lg, inputs)
+    return {name: split_bytes(build_stage(lg, [name]), values) for name in lg.layer_names()}
+
+
 def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                 target: Any, loss_fn: Callable[[Any, Any], Any], device: torch.device,
                 warmup: int = 2, repeats: int = 5,
@@ -396,6 +448,8 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
         oh = _overhead(null)
         layers = _layer_result(lg, runners, oh if subtract_overhead else None)
     split = measure_bw_split(lg, inputs, device, min(warmup, 1), repeats, clock)
+    held = measure_split_bytes(lg, inputs)
     for m in layers:
         m.bwd_input_ms, m.bwd_weight_ms = split[m.name]
+        m.split_bytes = held[m.name]
     return layers, _whole_result(whole), oh

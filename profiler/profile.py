@@ -3,6 +3,7 @@ and return a `planner.formats.Profile` (what `python -m planner profile` writes)
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from collections.abc import Callable
@@ -128,6 +129,7 @@ def profile_model_file(
                 param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
                 output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
                 bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
+                **(dataclasses.asdict(m.split_bytes) if m.split_bytes is not None else {}),
             )
             for m in layers
         ],

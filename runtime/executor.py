@@ -11,20 +11,25 @@ schedules), `B(s, j)` computes only the inputs' gradients (graph retained) and `
 weights' (runtime.split_backward), two separate autograd calls.
 
 Bookkeeping for the report: compute time of each forward and backward, the number of
-microbatches in flight (forward done, backward not) and the bytes autograd saved for them.
+microbatches in flight (forward done, backward not) and the bytes autograd holds for them: what
+each forward saved, until its backward (until its W where the backward is split, plus the
+gradients B leaves for W: those of the stage's outputs and of the intermediates where weights
+join); on a recomputed stage, also what the recomputation of a block saves, while a backward
+(B or W) runs it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from planner.actions import Action
-from profiler.measure import count_saved_bytes
+from profiler.measure import _storage_key, count_saved_bytes
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 
@@ -53,6 +58,7 @@ class _InFlight:
     outputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None
     saved_bytes: int
+    saved_ptrs: set[int] = field(default_factory=set)  # the storages counted in saved_bytes
     pending: object = None  # split_backward.PendingWeights between B and W
 
 
@@ -84,6 +90,8 @@ class StageExecutor:
         self.recompute = False  # the worker sets both for a recomputed stage (runtime.recompute)
         self.forward_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = module
         self._weights = [p for p in module.parameters() if p.requires_grad]
+        self._state_ptrs = {_storage_key(t)[0] for t in self._state}
+        self._current: _InFlight | None = None  # the microbatch whose backward runs now
         # tensor parallelism: stage s's replica k is ranks stage_devices[s][k*t:(k+1)*t]
         # (t = stage_tp[s]); this rank is rank `tp_rank` of its replica's TP group
         self.stage_tp: Sequence[int] = [1] * len(stage_devices)
@@ -183,11 +191,49 @@ class StageExecutor:
                 for r in self.peers_out(t, j):
                     self.p2p.send(out[key], r, j, key, grad=False)
         saved = sum(seen.values())
-        self._inflight[j] = _InFlight(received, out, loss, saved)
+        self._inflight[j] = _InFlight(received, out, loss, saved, set(seen))
         self._saved_now += saved
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
-        self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, self._saved_now)
+        self._peak(self._saved_now)
         return float(loss.detach()) if loss is not None else 0.0
+
+    def _peak(self, nbytes: int) -> None:
+        self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, nbytes)
+
+    def _on_recompute(self, saved: dict[int, int]) -> None:
+        """A block's recomputation (runtime.recompute) has saved `saved` so far: held on top of
+        what the microbatches in flight hold, until this block's backward has used it."""
+        st = self._current
+        skip = self._state_ptrs | (st.saved_ptrs if st is not None else set())
+        self._peak(self._saved_now + sum(n for p, n in saved.items() if p not in skip))
+
+    def _hold_for_weights(self, st: _InFlight) -> None:
+        """After a split B: count the gradients the pending W keeps (runtime.split_backward), each
+        storage once and not twice with what the forward saved, until that W."""
+        from runtime.split_backward import held_tensors
+
+        extra = 0
+        for t in held_tensors(st.pending):  # type: ignore[arg-type]
+            ptr, nbytes = _storage_key(t)
+            if ptr not in st.saved_ptrs and ptr not in self._state_ptrs:
+                st.saved_ptrs.add(ptr)
+                extra += nbytes
+        st.saved_bytes += extra
+        self._saved_now += extra
+        self._peak(self._saved_now)
+
+    @contextmanager
+    def _with_recompute_count(self, st: _InFlight) -> Iterator[None]:
+        """While microbatch `st`'s backward runs: count what recomputation saves."""
+        self._current = st
+        if self.recompute:
+            self.forward_fn.on_recompute = self._on_recompute  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            self._current = None
+            if self.recompute:
+                self.forward_fn.on_recompute = None  # type: ignore[attr-defined]
 
     def backward(self, j: int) -> None:
         """B: the full backward, or (split) the inputs' gradients only."""
@@ -215,11 +261,14 @@ class StageExecutor:
 
             keys = list(st.received)
             full = [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads, strict=True)]
-            got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
-                                             self._weights, direct=self.recompute)
+            with self._with_recompute_count(st):
+                got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
+                                                 self._weights, direct=self.recompute)
             input_grads = dict(zip(keys, got, strict=True))
+            self._hold_for_weights(st)
         elif tensors:
-            torch.autograd.backward(tensors, grads)
+            with self._with_recompute_count(st):
+                torch.autograd.backward(tensors, grads)
         self._sync()
         t1 = time.time()
         self.stats.bwd_ms.append((t1 - t0) * 1e3)
@@ -243,7 +292,8 @@ class StageExecutor:
         if st is None or st.pending is None:
             raise RuntimeError(f"{self.stage}W{j} runs before {self.stage}B{j}")
         t0 = time.time()
-        backward_weight(st.pending, self._weights)  # type: ignore[arg-type]
+        with self._with_recompute_count(st):
+            backward_weight(st.pending, self._weights)  # type: ignore[arg-type]
         self._sync()
         t1 = time.time()
         # bwd_ms[k] is the k-th backward's B + W (W's run in their B's order)

@@ -12,12 +12,14 @@ random numbers as the first.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.errors import PipeplanError
+from profiler.measure import _storage_key
 
 Values = dict[str, torch.Tensor]
 
@@ -38,13 +40,46 @@ def check_shared(stage: nn.Module, blocks: list[nn.Module]) -> None:
                                     "(plan this stage without recompute)")
 
 
+def _counting_hooks(on_saved: Callable[[torch.Tensor], None]) -> AbstractContextManager[object]:
+    """Saved-tensor hooks that report each tensor to `on_saved` and then hand it to the hooks
+    active now (checkpoint's own, during a recomputation), so checkpoint works as before."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return nullcontext()
+    pack, unpack = top
+
+    def counting_pack(t: torch.Tensor) -> object:
+        on_saved(t)
+        return pack(t)
+
+    return torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack)
+
+
 def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[Values], Values]:
-    """The stage's forward with each block checkpointed."""
+    """The stage's forward with each block checkpointed.
+
+    The returned function has two attributes for the runtime's memory report: `kept` (after a
+    forward: storage -> bytes of what the checkpoints keep, the blocks' inputs) and
+    `on_recompute` (settable: called during a backward's recomputation of a block with the
+    storages, pointer -> bytes, the recomputed forward has saved so far; they stay alive until
+    that block's backward has used them)."""
     check_shared(stage, blocks)
     outputs = list(stage.output_keys)  # type: ignore[attr-defined]
 
     def run_block(block: nn.Module, values: Values) -> Values:
-        return block(values)
+        report = forward.on_recompute  # type: ignore[attr-defined]
+        if report is None or torch._C._current_graph_task_id() == -1:  # not a recomputation
+            return block(values)
+        saved: dict[int, int] = {}
+
+        def on_saved(t: torch.Tensor) -> None:
+            ptr, nbytes = _storage_key(t)
+            if ptr not in saved:
+                saved[ptr] = nbytes
+                report(saved)
+
+        with _counting_hooks(on_saved):
+            return block(values)
 
     def forward(feed: Values) -> Values:
         env = dict(feed)
@@ -60,4 +95,5 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
         return {k: env[k] for k in outputs}
 
     forward.kept = {}  # type: ignore[attr-defined]
+    forward.on_recompute = None  # type: ignore[attr-defined]
     return forward

@@ -95,6 +95,15 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
     return [by_id.get(id(x)) for x in inputs], pending
 
 
+def held_tensors(pending: PendingWeights) -> list[torch.Tensor]:
+    """The gradients `pending` keeps from B until W: the outputs' and the intermediates'."""
+    out = list(pending.output_grads)
+    for group in pending.groups:
+        for grads in group["grads"]:
+            out.extend(g for g in grads or () if isinstance(g, torch.Tensor))
+    return out
+
+
 def backward_weight(pending: PendingWeights, weights: Sequence[torch.Tensor]) -> None:
     """W: accumulate the weights' gradients into `.grad`; frees the graph."""
     node_to_weight = {_get_grad_fn_or_grad_acc(w): w for w in weights if w.requires_grad}

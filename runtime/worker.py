@@ -68,12 +68,15 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.op
 
 def split_batch(batch: object, microbatch_size: int, m: int
                 ) -> tuple[list[tuple[torch.Tensor, ...]], list[torch.Tensor]]:
-    """Microbatch j = rows [j*b, (j+1)*b) of every input and of the target."""
+    """Microbatch j = rows [j*b, (j+1)*b) of every input and of the target, each a copy with
+    its own storage: a microbatch whose input or target autograd saves then keeps only its own
+    rows alive (a view would keep the whole batch), as the memory model and report count it."""
     inputs, target = batch  # type: ignore[misc]
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     parts = [x.split(microbatch_size) for x in inputs]
-    return [tuple(p[j] for p in parts) for j in range(m)], list(target.split(microbatch_size))
+    return ([tuple(p[j].clone() for p in parts) for j in range(m)],
+            [t.clone() for t in target.split(microbatch_size)])
 
 
 def _wait(work: object, timeout_s: float, what: str) -> None:

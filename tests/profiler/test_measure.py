@@ -158,3 +158,43 @@ def test_backward_input_and_weight_are_measured_apart() -> None:
     assert b >= 30 and 5 <= w < 25  # each part waits for its own branch only
     b0, w0 = split[lg.layer_names()[0]]
     assert b0 == 0.0 and w0 >= 0  # the model's input needs no gradient: all W
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class LinearRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.fc(x))
+
+
+def test_split_bytes_are_the_gradients_w_waits_for_and_the_saved_inputs() -> None:
+    """What a split backward keeps for W (the gradient at each Linear's output) and which of it
+    is the layer's own output gradient (a residual layer passes it on unchanged); how much of
+    the saved activations is the layer's own input (a Linear saves its input)."""
+    from profiler.measure import layer_values, split_bytes
+
+    torch.manual_seed(0)
+    x = torch.randn(B, 16)
+    one = B * 16 * F32
+    for block, output_part in ((Residual(), one), (LinearRelu(), 0)):
+        model = nn.Sequential(nn.Linear(16, 16), block)
+        lg = trace(model, (x,), granularity="blocks")
+        assert lg.layer_names() == ["0", "1"]
+        values = layer_values(lg, (x,))
+        name = lg.layer_names()[-1]
+        got = split_bytes(build_stage(lg, [name]), values)
+        assert got.weight_grad_bytes == one
+        assert got.weight_grad_output_bytes == output_part
+        assert got.saved_input_bytes == one
