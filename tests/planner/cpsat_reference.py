@@ -66,7 +66,8 @@ def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
                 microbatch_sizes: list[int]) -> Best:
     """The smallest simulated iteration time over every plan that fits memory: every split,
     TP degree per stage, placement, schedule (all three with `auto`) and, where a plan does
-    not fit without it, recomputation on the stages that overflow."""
+    not fit without it, recomputation on the stages that overflow (every set of stages under
+    ZB-H1)."""
     table = layer_table(profile)
     specs = cluster.node_specs()
     devices = cluster.devices()
@@ -115,13 +116,21 @@ def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
                         simulated += 1
                         tries = [(ev, cand)]
                         if not ev.fits and options.allow_recompute:
-                            # the stages that overflow must recompute (a stage's memory is its
-                            # own); recomputing any other only adds time (both properties are
-                            # tested in test_search_joint.py), so that one set is the best
+                            # 1F1B / GPipe: the stages that overflow must recompute (a stage's
+                            # memory is its own) and recomputing any other only adds time (both
+                            # tested in test_search_joint.py), so that one set is the best.
+                            # ZB-H1 caps each stage's deferred W's by the busiest stage's peak,
+                            # so one stage's recomputation can move another's memory: every set
                             over = {s for s in range(S)
                                     if ev.stage_memory_bytes[s] > ev.costs.memory_limit_bytes[s]}
-                            if all(tps[s] == 1 for s in over):
-                                rc = Candidate(tuple(StageChoice(x.start, x.stop, x.devices, s in over, x.tp)
+                            plain = [s for s in range(S) if tps[s] == 1]
+                            if name == "zb-h1":
+                                sets = [set(c) for k in range(1, len(plain) + 1)
+                                        for c in itertools.combinations(plain, k)]
+                            else:
+                                sets = [over] if over <= set(plain) else []
+                            for subset in sets:
+                                rc = Candidate(tuple(StageChoice(x.start, x.stop, x.devices, s in subset, x.tp)
                                                      for s, x in enumerate(stages)), b, m, schedule=name)
                                 tries.append((evaluate(table, cluster, rc, opts), rc))
                                 simulated += 1

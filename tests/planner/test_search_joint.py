@@ -122,14 +122,16 @@ def test_recomputation_is_chosen_where_memory_binds_and_only_there() -> None:
 
 
 def test_recomputing_a_stage_only_adds_time_and_changes_only_its_own_memory() -> None:
-    """What the search (and the brute force) rely on to choose recomputation without
-    enumerating it: on random plans, recomputing one more stage never shortens the simulated
-    iteration, and leaves every other stage's peak memory as it was."""
+    """What the search (and the brute force, for 1F1B and GPipe) rely on to choose
+    recomputation without enumerating it: on random plans, recomputing one more stage never
+    shortens the simulated iteration, and leaves every other stage's peak memory as it was.
+    (Not under ZB-H1, whose deferred W's are capped by the busiest stage's peak: 4 of 275
+    random plans moved another stage's memory there, so the brute force tries every set.)"""
     from planner.partition import Candidate, StageChoice
 
     rng = random.Random(3)
     for seed in range(40):
-        profile, cluster, options = instance(300 + seed, rng.choice(["1f1b", "gpipe", "zb-h1"]), tp=False)
+        profile, cluster, options = instance(300 + seed, rng.choice(["1f1b", "gpipe"]), tp=False)
         table = layer_table(profile)
         L, D = table.num_layers, cluster.num_devices
         S = rng.randint(1, min(L, D))
