@@ -196,7 +196,7 @@ def store_profile(storage: Storage, settings: Settings, profile: Profile,
         raise limit_error(loc, f"{extra} bytes of fields the profile format does not define; this "
                           f"server keeps at most {settings.max_extra_bytes} per profile "
                           "(PIPEPLAN_MAX_EXTRA_BYTES)")
-    body = profile.model_dump(mode="json")
+    body = profile.model_dump(mode="json", exclude_none=True)  # the canonical form (digest)
     check_range(body, loc)
     sha = digest_data(body)  # == digest(profile), without dumping the profile a second time
     row = storage.get_profile_by_sha(sha)

@@ -175,8 +175,9 @@ def crossing_bytes(spans: Iterable[Sequence[int]], num_layers: int) -> list[int]
 
 
 def digest(model: BaseModel) -> str:
-    """sha256 of a model's canonical JSON (sorted keys, no whitespace)."""
-    return digest_data(model.model_dump(mode="json"))
+    """sha256 of a model's canonical JSON (sorted keys, no whitespace, optional fields that
+    are absent left out: a format gaining an optional field keeps every digest)."""
+    return digest_data(model.model_dump(mode="json", exclude_none=True))
 
 
 def digest_data(data: object) -> str:

@@ -131,7 +131,7 @@ def test_extra_fields_are_bounded(tmp_path: Path) -> None:
 
 
 def test_stored_bytes_quota_per_client(tmp_path: Path) -> None:
-    settings = make_settings(tmp_path, api_keys="alice:k-a,bob:k-b", quota_stored_bytes=6_000)
+    settings = make_settings(tmp_path, api_keys="alice:k-a,bob:k-b", quota_stored_bytes=4_000)
     with TestClient(create_app(settings)) as c:
         alice, bob = {"Authorization": "Bearer k-a"}, {"Authorization": "Bearer k-b"}
         assert c.post("/v1/profiles", json=profile_doc(n_layers=8), headers=alice).status_code == 201

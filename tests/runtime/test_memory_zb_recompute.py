@@ -77,3 +77,51 @@ def test_zb_h1_and_recomputed_peak_memory_match_the_prediction(name, run, tmp_pa
                       for st in zb.stages)
         zb_peak, one_peak = max(measured[("zb-h1", rec)].values()), max(measured[("1f1b", rec)].values())
         assert zb_peak <= one_peak + max(w_grads, 0.0), (rec, zb_peak, one_peak, w_grads)
+
+
+def test_planner_recomputes_where_nothing_else_fits_and_the_run_matches(run, tmp_path, monkeypatch):
+    """GPT on 2 devices with memory just below what any plan without recomputation needs:
+    `--no-recompute` does not fit, the default plan recomputes the stages that need it, and
+    the run's per-rank peak memory is within 5 % of that plan's prediction."""
+    from planner.errors import PipeplanError
+
+    # long sequences, a small vocabulary, SGD: activations, not parameters, fill the memory
+    for k, v in {"PIPEPLAN_GPT_BLOCKS": "2", "PIPEPLAN_GPT_DIM": "32", "PIPEPLAN_GPT_VOCAB": "64",
+                 "PIPEPLAN_GPT_SEQ": "64"}.items():
+        monkeypatch.setenv(k, v)
+    model = EXAMPLES / "gpt.py"
+    profile = profile_model_file(model, batch_size=2, warmup=0, repeats=1)
+
+    def cluster(gb: float) -> Cluster:
+        return Cluster.model_validate({"nodes": 1, "devices_per_node": 2, "device_memory_gb": gb,
+                                       "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1})
+
+    options = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd", time_limit_s=2)
+    plain = options.model_copy(update={"allow_recompute": False})
+
+    def fits(gb: float, opts: PlanOptions) -> bool:
+        try:
+            make_plan(profile, cluster(gb), opts)
+        except PipeplanError:
+            return False
+        return True
+
+    lo, hi = 1e-6, 1.0  # GB: the least memory any plan without recomputation fits in
+    while hi / lo > 1.002:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if fits(mid, plain) else (mid, hi)
+    tight = cluster(0.97 * hi)
+    with pytest.raises(PipeplanError, match="fit"):
+        make_plan(profile, tight, plain)
+    plan = make_plan(profile, tight, options)
+    assert plan.predicted.fits_memory and any(st.recompute for st in plan.stages)
+    path, report = tmp_path / "plan.json", tmp_path / "report.json"
+    save_model(plan, path)
+    rc, _, err, _ = run(path, "--model", model, "--steps", 2, "--optimizer", "sgd",
+                        "--report", report, "--timeout", 60)
+    assert rc == 0, err
+    peaks = {r["rank"]: r["peak_memory_bytes"] for r in json.loads(report.read_text())["ranks"]}
+    for st in plan.stages:
+        for rank in st.devices:
+            assert peaks[rank] == pytest.approx(st.predicted.memory_bytes, rel=0.05), \
+                (rank, peaks[rank], st.predicted.memory_bytes, st.recompute)
