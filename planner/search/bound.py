@@ -25,6 +25,14 @@ in the largest node, else across nodes. RT_{k+1} only makes the conditions of st
 so the smallest suffix round trip is all the DP keeps per (i, devices): the DP is exact for
 these conditions, bisection on T gives the smallest T some split and replica vector satisfies,
 and that split is a candidate plan as well.
+
+A stage may run in several ways (`Variant`): at any TP degree the search may use (the shard's
+measured time plus its TP all-reduces, the shard's bytes) and, where memory binds, recomputed
+(the forward once more in B; memory = the tensors its layers read first plus one layer's
+recomputed activations). Under zb-h1 the round trip runs through B only (the input gradient,
+a stage's share `W / bwd` of its backward being W), the stage's W's follow, and after its last
+B only the first stage's final W is sure to remain; every condition above holds with B in
+place of the backward and its W's added to the stage's work.
 """
 
 from __future__ import annotations
@@ -104,7 +112,7 @@ class Conditions:
     HF: np.ndarray  # per layer the smallest forward of any variant, prefix (L+1,)
     HB: np.ndarray  # per layer the smallest critical backward of any variant, prefix
     kept_lo: np.ndarray  # recomputation: bytes of tensors first read by layer i, prefix (scaled)
-    layer_act: np.ndarray  # activation bytes of each layer (scaled) (L,)
+    layer_act: np.ndarray  # what a recomputed layer holds during its backward (scaled) (L,)
     first_bwd_lo: float  # zb-h1: the smallest whole backward of layer 0 (the first stage's W)
     hop_ms: np.ndarray  # (2, L+1, L+1): [fast link?, i, j] transfer of hop_bytes at that link
     into_ms: np.ndarray  # (2, L+1): smallest transfer into layer i (from layer i-1 alone)
@@ -200,7 +208,11 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
     kept = np.zeros(L + 1)
     for t in table.tensors:
         kept[min(t.consumers) + 1] += t.nbytes * scale  # a kept tensor counted at its first reader
-    layer_act = np.diff(np.array(table.activation_prefix_bytes, dtype=float)) * scale
+    # what one recomputed block holds during its backward (cost.LayerTable.recompute_bytes):
+    # its activations less its inputs (kept already) and, on the last layer, the loss's
+    own = np.array(table.saved_input_bytes or [0] * L, dtype=float)
+    own[-1:] += table.loss_activation_bytes
+    layer_act = np.maximum(np.diff(np.array(table.activation_prefix_bytes, dtype=float)) - own, 0.0) * scale
     return Conditions(
         L=L, D=D, m=m, schedule=schedule, rs=np.array(rs, dtype=float), n=np.array(n, dtype=float),
         r_max_same_n=np.array(r_hi, dtype=float), variants=tuple(variants),
