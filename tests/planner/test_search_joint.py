@@ -43,6 +43,13 @@ def with_tp(profile: Profile, rng: random.Random, degrees: tuple[int, ...]) -> P
 def instance(seed: int, schedule: str, tp: bool) -> tuple[Profile, Cluster, PlanOptions]:
     rng = random.Random(seed)
     profile = random_profile(rng, rng.randint(2, 5 if tp else 6), dag=rng.random() < 0.5)
+    if rng.random() < 0.5:  # what a real profile also measures for split and recomputed stages
+        data = profile.model_dump()
+        for layer in data["layers"]:
+            layer.update(saved_input_bytes=int(layer["activation_bytes"] * rng.uniform(0, 0.5)),
+                         weight_grad_bytes=int(layer["param_bytes"] * rng.uniform(0, 1)),
+                         weight_grad_output_bytes=int(layer["param_bytes"] * rng.uniform(0, 0.2)))
+        profile = Profile.model_validate(data)
     if tp:
         profile = with_tp(profile, rng, (2,))
         cluster = Cluster(nodes=rng.randint(1, 2), devices_per_node=rng.choice([2, 3]),
