@@ -154,3 +154,49 @@ def test_a_stage_too_big_for_one_device_fits_with_tp(run, tmp_path, gpt):
     fitting = plan("2", limit_gb, "d.json")
     got, _ = _train(run, gpt, fitting, tmp_path)
     assert max_abs_diff(reference_train(str(gpt), 3), got) < TOL
+
+
+def test_too_big_for_one_device_gets_a_tp_plan_that_runs_exactly(run, tmp_path, gpt):
+    """Devices with less memory than any plan without TP needs (but enough for a sharded one):
+    `plan --max-tp 1` says it does not fit, `plan --max-tp 4` returns a plan with TP stages,
+    and that plan trains exactly like one process."""
+    import json as _json
+
+    from planner.cli import main as planner_main
+    from planner.errors import PipeplanError
+    from planner.formats import Cluster, PlanOptions, Profile
+    from planner.solve import make_plan
+
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert planner_main(["profile", str(gpt), "--batch-size", "2", "--tp", "2", "--warmup", "0",
+                         "--repeats", "1", "-q", "-o", str(prof)]) == 0
+    profile = Profile.model_validate_json(prof.read_text())
+
+    def cluster(gb: float) -> dict:
+        return {"nodes": 1, "devices_per_node": 4, "device_memory_gb": gb,
+                "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1}
+
+    def least(max_tp: int) -> float:  # GB: the least memory the planner finds a plan in
+        lo, hi = 1e-7, 1.0
+        while hi / lo > 1.01:
+            mid = (lo * hi) ** 0.5
+            try:
+                make_plan(profile, Cluster.model_validate(cluster(mid)),
+                          PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd",
+                                      time_limit_s=1, max_tp=max_tp, allow_recompute=False))
+                hi = mid
+            except PipeplanError:
+                lo = mid
+        return hi
+
+    with_tp, without = least(4), least(1)
+    assert with_tp < without  # sharding lowers the memory a plan needs
+    path = tmp_path / "cluster.json"
+    path.write_text(_json.dumps(cluster((with_tp * without) ** 0.5)))
+    args = ["plan", str(prof), "--cluster", str(path), "--global-batch", "8", "--no-recompute",
+            "--microbatch-size", "2", "--optimizer", "sgd", "--time-limit", "1", "-o", str(plan)]
+    assert planner_main([*args, "--max-tp", "1"]) == 2  # a clear "does not fit"
+    assert planner_main([*args, "--max-tp", "4"]) == 0
+    assert any(s.get("tp", 1) == 2 for s in _json.loads(plan.read_text())["stages"])
+    got, _ = _train(run, gpt, plan, tmp_path)
+    assert max_abs_diff(reference_train(str(gpt), 3), got) < TOL
