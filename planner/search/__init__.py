@@ -24,7 +24,7 @@ import time
 
 from planner.baselines import solve_blocks, solve_params, solve_uniform
 from planner.build import evaluate, resolve_microbatch
-from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, layer_table, microbatch_scale
+from planner.cost import LayerTable, layer_table, microbatch_scale, stage_memory_bytes
 from planner.cpsat import place_stages
 from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
@@ -63,8 +63,7 @@ def microbatch_sizes(profile: Profile, options: PlanOptions) -> list[int]:
 
 def _baselines(profile: Profile, cluster: Cluster, options: PlanOptions, b: int,
                large: bool) -> list[Candidate]:
-    opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None,
-                                      "schedule": "1f1b" if options.schedule == "auto" else options.schedule})
+    opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None})
     out = []
     fns = [lambda: solve_pipedream(profile, cluster, opts, b), lambda: solve_uniform(profile, cluster, opts),
            lambda: solve_params(profile, cluster, opts)]
@@ -84,10 +83,10 @@ def needs_recompute_variant(table: LayerTable, cluster: Cluster, options: PlanOp
     (the whole model with every microbatch in flight does not fit one device)."""
     if not options.allow_recompute:
         return False
-    m = options.global_batch // b
-    scale = microbatch_scale(table.batch_size, b)
-    need = (table.param_bytes(0, table.num_layers) * (2 + OPTIMIZER_EXTRA_COPIES[options.optimizer])
-            + scale * table.activation_bytes(0, table.num_layers) * m)
+    L = table.num_layers
+    need = stage_memory_bytes(table.param_bytes(0, L), table.activation_bytes(0, L),
+                              microbatch_scale(table.batch_size, b), options.global_batch // b,
+                              options.optimizer)
     return need > max(d.memory_bytes for d in cluster.devices())
 
 
@@ -152,7 +151,7 @@ def _polish_placement(st: Structure, score: Score, cand: Candidate | None, ev: E
     tried = list(node_placements(st.replicas, cluster, limit, st.degrees)) \
         if cluster.num_devices <= 64 else []
     if use_cpsat and score.fits and not st.tp:
-        ev_cand = evaluate(ev.table, cluster, cand, ev.options_for(st.schedule), ev.devices)
+        ev_cand = evaluate(ev.table, cluster, cand, ev.options, ev.devices)
         params = [ev.table.param_bytes(a, z) for a, z in zip(st.bounds, st.bounds[1:], strict=False)]
         devs = place_stages(st.replicas, ev_cand.costs, params, cluster, ev.options.seed)
         if devs is not None:
@@ -168,16 +167,16 @@ def _polish_placement(st: Structure, score: Score, cand: Candidate | None, ev: E
 
 def _seeds_at(b: int, ev: Evaluator, L: int, D: int) -> list[Structure]:
     """One stage on every device and on one device (one replica group) per TP degree."""
-    out = []
-    for name in ev.schedules:
-        for t in ev.degrees:
-            base = Structure(b, (0, L), (1,), 0, schedule=name)
-            out.append(base.with_stages((0, L), (max(1, D // t),), (t,)))
-            out.append(base.with_stages((0, L), (1,), (t,)))
-    return out
+    base = Structure(b, (0, L), (1,), 0)
+    return [base.with_stages((0, L), (r,), (t,)) for t in ev.degrees for r in (max(1, D // t), 1)]
 
 
 AUTO_SCHEDULES = ("1f1b", "zb-h1", "gpipe")  # tried in this order; the first wins ties
+
+
+def _auto_key(c: Candidate) -> tuple[float, int, int]:
+    """Faster first, then fewer devices, then fewer stages."""
+    return (float(c.solver["objective"]), sum(len(s.devices) for s in c.stages), len(c.stages))  # type: ignore[arg-type]
 
 
 def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
@@ -200,9 +199,7 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
             infos[name] = {"objective": None, "bound": getattr(exc, "bound_ms", 0.0)}
             continue
         infos[name] = {"objective": info["objective"], "bound": info["bound"]}
-        score = (float(info["objective"]), sum(len(s.devices) for s in cand.stages), len(cand.stages))
-        if best is None or score < (float(best[1]["objective"]),
-                                    sum(len(s.devices) for s in best[0].stages), len(best[0].stages)):
+        if best is None or _auto_key(cand) < _auto_key(best[0]):
             best = (cand, info)
     if best is None:
         raise errors[0]
@@ -235,26 +232,18 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         seeds += here
         upper = min((ev(s).objective_ms for s in here if ev(s).fits), default=math.inf)
         for cand in _baselines(profile, cluster, options, b, large):
-            for name in ev.schedules:
-                st = structure_of(cand, name)
-                seeds.append(st)
-                placed = Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches,
-                                   schedule=name)
-                score, placed = ev.score_candidate(placed, st)
-                fallbacks.append((score, placed))
-                if score.fits:
-                    upper = min(upper, score.objective_ms)
-        per_schedule = []
-        for name in ev.schedules:
-            found = _dp_bound(table, cluster, ev.options_for(name), b, hops, upper, ev.degrees)
-            bp = found[0] if found else None
-            per_schedule.append(max(bp.bound_ms if bp else 0.0,
-                                    _simple_bound(table, cluster, options, b, ev.degrees)))
-            for x in found:
-                if x is not None:
-                    seeds.append(Structure(b, x.bounds, x.replicas, 0, schedule=name).with_stages(
-                        x.bounds, x.replicas, x.tp))
-        bounds[b] = min(per_schedule)
+            st = structure_of(cand)
+            seeds.append(st)
+            score, placed = ev.score_candidate(cand, st)
+            fallbacks.append((score, placed))
+            if score.fits:
+                upper = min(upper, score.objective_ms)
+        found = _dp_bound(table, cluster, options, b, hops, upper, ev.degrees)
+        bp = found[0] if found else None
+        bounds[b] = max(bp.bound_ms if bp else 0.0,
+                        _simple_bound(table, cluster, options, b, ev.degrees))
+        seeds += [Structure(b, x.bounds, x.replicas, 0).with_stages(x.bounds, x.replicas, x.tp)
+                  for x in found if x is not None]
     budget = Budget(int(WORK_PER_SECOND * options.time_limit_s), deadline)
     ev.work_limit = int(1.3 * budget.work)  # the placement passes may overrun the search a little
     placed: list[tuple[Score, Candidate]] = []  # local optima placed every way (small clusters)
@@ -292,10 +281,10 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
         "evaluations": ev.evaluations, "work": ev.work,
         "bound_by_microbatch": {str(k): v for k, v in bounds.items()},
-        "schedule": cand.schedule,
+        "schedule": options.schedule,
     }
     return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,
-                     cand.schedule), info
+                     options.schedule), info
 
 
 def solve(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:

@@ -127,14 +127,6 @@ class Conditions:
     pessimistic: bool = False
 
     @property
-    def Fp(self) -> np.ndarray:  # the lower-bound prefixes `lower_bound` starts from
-        return self.HF
-
-    @property
-    def Bp(self) -> np.ndarray:
-        return self.HB
-
-    @property
     def tmax(self) -> int:
         return max(v.tp for v in self.variants)
 
@@ -369,7 +361,7 @@ def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4,
                 max_steps: int = 40) -> BoundPlan | None:
     """The smallest T (to `rel_tol`) at which some plan meets every condition, with that plan;
     None when no plan fits memory at any time."""
-    total = c.Fp[c.L] + c.Bp[c.L]
+    total = c.HF[c.L] + c.HB[c.L]
     hi = upper_ms if math.isfinite(upper_ms) else total * c.m * 4
     if not feasible(c, hi):
         hi2 = hi * 1e6

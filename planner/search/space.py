@@ -31,7 +31,6 @@ class Structure:
     replicas: tuple[int, ...]
     policy: int = 0  # index into `placement_policies(cluster)`
     tp: tuple[int, ...] = ()  # tensor-parallel degree per stage; () = 1 everywhere
-    schedule: str = "1f1b"
 
     @property
     def num_stages(self) -> int:
@@ -45,13 +44,12 @@ class Structure:
     def num_devices(self) -> int:
         return sum(r * t for r, t in zip(self.replicas, self.degrees, strict=True))
 
-    def with_stages(self, bounds, replicas, tp=None, policy: int | None = None,
-                    schedule: str | None = None) -> Structure:
+    def with_stages(self, bounds, replicas, tp=None, policy: int | None = None) -> Structure:
         """A structure like this one with other stages (degrees all 1 are stored as ())."""
         tp = tuple(tp) if tp is not None else (self.tp if len(replicas) == len(self.replicas) else ())
         return Structure(self.microbatch_size, tuple(bounds), tuple(replicas),
                          self.policy if policy is None else policy,
-                         () if all(t == 1 for t in tp) else tp, schedule or self.schedule)
+                         () if all(t == 1 for t in tp) else tp)
 
 
 Policy = tuple[tuple[tuple[Device, ...], ...], str]  # nodes in the order stages take them, style
@@ -127,13 +125,13 @@ def candidate_of(st: Structure, devs: tuple[tuple[int, ...], ...], num_microbatc
                  ) -> Candidate:
     stages = tuple(StageChoice(a, z, d, False, t) for a, z, d, t in
                    zip(st.bounds, st.bounds[1:], devs, st.degrees, strict=False))
-    return Candidate(stages, st.microbatch_size, num_microbatches, schedule=st.schedule)
+    return Candidate(stages, st.microbatch_size, num_microbatches)
 
 
-def structure_of(c: Candidate, schedule: str) -> Structure:
+def structure_of(c: Candidate) -> Structure:
     """The structure of a candidate placed by someone else (policy 0)."""
     bounds, reps = (0, *(s.stop for s in c.stages)), tuple(s.replicas for s in c.stages)
-    return Structure(c.microbatch_size, bounds, reps, 0, schedule=schedule).with_stages(
+    return Structure(c.microbatch_size, bounds, reps, 0).with_stages(
         bounds, reps, tuple(s.tp for s in c.stages))
 
 
@@ -185,26 +183,17 @@ def tp_degrees(table: LayerTable, cluster: Cluster, options: PlanOptions) -> tup
     return (1, *sorted(x.degree for x in table.tp if x.degree <= min(cap, per_node)))
 
 
-def schedules_of(options: PlanOptions) -> tuple[str, ...]:
-    """The schedule every structure is scored under (`auto` is resolved by `solve_detailed`,
-    one search per schedule)."""
-    if options.schedule == "auto":
-        raise ValueError("the search runs one schedule at a time; solve_detailed resolves auto")
-    return (options.schedule,)
-
-
 class Evaluator:
     """`evaluate()` with a cache and a count of the work done (simulated actions), which is
     the search's deterministic budget."""
 
     def __init__(self, table: LayerTable, cluster: Cluster, options: PlanOptions) -> None:
+        if options.schedule == "auto":
+            raise ValueError("the search scores one schedule; solve_detailed resolves auto")
         self.table, self.cluster, self.options = table, cluster, options
         self.devices = cluster.devices()
         self.policies = placement_policies(cluster)
         self.degrees = tp_degrees(table, cluster, options)
-        self.schedules = schedules_of(options)
-        self._options = {name: options.model_copy(update={"schedule": name})
-                         for name in self.schedules}
         # small clusters of several nodes: a structure is scored at its best placement of all
         self.every_placement = len(self.policies) > 1 and cluster.num_devices <= EVERY_PLACEMENT
         self.cache: dict[Structure, tuple[Score, Candidate | None]] = {}
@@ -215,15 +204,12 @@ class Evaluator:
     def __call__(self, st: Structure) -> Score:
         return self.scored(st)[0]
 
-    def options_for(self, schedule: str) -> PlanOptions:
-        return self._options.get(schedule) or self.options.model_copy(update={"schedule": schedule})
-
     def allowed(self, st: Structure) -> bool:
         """No stage that computes nothing (0 ms: its devices would do no work); replica counts
         that are powers of two with `powers_of_two`; TP degrees the search may use."""
         if self.options.powers_of_two and any(r & (r - 1) for r in st.replicas):
             return False
-        if st.schedule not in self.schedules or st.num_devices > self.cluster.num_devices:
+        if st.num_devices > self.cluster.num_devices:
             return False
         if st.tp and any(t not in self.degrees for t in st.tp):
             return False
@@ -249,7 +235,7 @@ class Evaluator:
                         ) -> tuple[Score, Candidate]:
         """A candidate placed by someone else (a baseline), scored the same way; with the
         recomputation `evaluate_placed` gives it."""
-        st = st or structure_of(cand, cand.schedule or self.schedules[0])
+        st = st or structure_of(cand)
         if not self.allowed(st):
             return INFEASIBLE, cand
         return self.evaluate_placed(cand, st)
@@ -260,8 +246,7 @@ class Evaluator:
         scores better. That is the best choice of recomputation for these stages and devices:
         recomputing adds time and never makes the simulated iteration shorter, and a stage's
         memory does not depend on whether another stage recomputes."""
-        opts = self.options_for(st.schedule)
-        ev = evaluate(self.table, self.cluster, cand, opts, self.devices)
+        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
         self._count(cand)
         score = self._score(ev, st.num_devices, st.num_stages)
         if score.fits or not self.options.allow_recompute:
@@ -273,8 +258,8 @@ class Evaluator:
             return score, cand
         rc = Candidate(tuple(replace(x, recompute=x.recompute or s in over)
                              for s, x in enumerate(cand.stages)),
-                       cand.microbatch_size, cand.num_microbatches, schedule=cand.schedule)
-        ev2 = evaluate(self.table, self.cluster, rc, opts, self.devices)
+                       cand.microbatch_size, cand.num_microbatches)
+        ev2 = evaluate(self.table, self.cluster, rc, self.options, self.devices)
         self._count(rc)
         score2 = self._score(ev2, st.num_devices, st.num_stages)
         return (score2, rc) if score2.better_than(score) else (score, cand)
