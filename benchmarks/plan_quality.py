@@ -12,7 +12,7 @@ pipedream. Prints a table and writes benchmarks/results/plan_quality.json.
 
     .venv/bin/python benchmarks/plan_quality.py [--rs-seconds 60] [--only gnmt,chain100]
         [--clusters slow16,hier4x4,fast2x8,fast16x8] [--memory generous,tight]
-        [--microbatch fixed,chosen] [--loaded-rerun] [--schedules zb-h1,gpipe,auto]
+        [--microbatch fixed,chosen] [--loaded-rerun] [--schedule 1f1b] [--schedules zb-h1,gpipe,auto]
 
 With `--schedules`, each instance is also planned with those schedules (the planner only):
 `auto` must never predict worse than the best fixed schedule, and the summary counts which
@@ -82,13 +82,14 @@ def profiles(only: list[str] | None) -> dict[str, Profile]:
 
 def least_memory_gb(profile: Profile, cluster: dict, options: PlanOptions, b: int) -> float:
     """The least device memory at which the planner's memory conditions admit some plan
-    (bisection over the DP's feasibility at unlimited time): no plan fits below it."""
+    (bisection over the DP's feasibility at unlimited time, 1F1B's memory whatever the
+    schedule, so every schedule plans the same instance): no 1F1B plan fits below it."""
     table = layer_table(profile)
     lo, hi = 1e-3, 1e4
     for _ in range(40):
         mid = math.sqrt(lo * hi)
         cl = Cluster(**cluster, device_memory_gb=mid)
-        c = conditions(table, cl, options.optimizer, options.schedule, options.global_batch, b)
+        c = conditions(table, cl, options.optimizer, "1f1b", options.global_batch, b)
         if feasible(c, math.inf):
             hi = mid
         else:
@@ -220,8 +221,10 @@ def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOpt
             procs = [mp.Process(target=_busy, args=(stop,)) for _ in range(2)]
             for p in procs:
                 p.start()
+        t1 = time.perf_counter()
         try:
             again = make_plan(profile, cluster, options)
+            row["rerun_wall_s"] = time.perf_counter() - t1
         finally:
             if stop is not None:
                 stop.set()
@@ -260,6 +263,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--loaded-rerun", action="store_true",
                     help="rerun each plan while two busy processes load both cores")
+    ap.add_argument("--schedule", default="1f1b",
+                    help="the planner's schedule for the main plan (1f1b, zb-h1, gpipe, auto)")
     ap.add_argument("--schedules", default="",
                     help="also plan with these schedules (e.g. zb-h1,gpipe,auto)")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/plan_quality.json"))
@@ -280,6 +285,7 @@ def main() -> None:
                     sizes = [B0] if mb == "fixed" else \
                         sorted({max(1, B0 // 4), max(1, B0 // 2), B0, 2 * B0})
                     base = PlanOptions(global_batch=gb, optimizer="sgd", time_limit_s=args.time_limit,
+                                       schedule=args.schedule,
                                        **({"microbatch_size": B0} if mb == "fixed" else
                                           {"microbatch_sizes": sizes}))
                     if mem == "generous":

@@ -64,7 +64,7 @@ def zb_h1_deferred_w(num_microbatches: int, stage_replicas: Sequence[int], stage
                      replica: int = 0) -> int:
     """How many W's a ZB-H1 replica may leave pending after a B: stage 0's 1F1B warm-up minus
     its own (s on a chain), so F-to-W in-flight work never exceeds stage 0's 1F1B peak."""
-    w0 = max(warmup_1f1b(num_microbatches, stage_replicas, 0, k) for k in range(stage_replicas[0]))
+    w0 = warmup_1f1b(num_microbatches, stage_replicas, 0, 0)  # replica 0 runs the most
     return max(0, w0 - warmup_1f1b(num_microbatches, stage_replicas, stage, replica))
 
 
@@ -83,6 +83,12 @@ def with_deferred_w(order: Sequence[Action], deferred: int) -> list[Action]:
     return out
 
 
+def _replica_kinds(num_microbatches: int, replicas: int) -> tuple[int, ...]:
+    """One replica of each kind: replicas with as many microbatches run the same actions on
+    other microbatch ids (the first `m % r` run one more than the rest)."""
+    return (0,) if num_microbatches % replicas == 0 or replicas == 1 else (0, replicas - 1)
+
+
 def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     """Per stage, the W's a ZB-H1 replica defers: `zb_h1_deferred_w`, lowered until the stage's
     peak memory (static + what its microbatches hold, action by action: `rank_memory_peak`) is
@@ -94,14 +100,21 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     def peak(s: int, name: str, d: int | None) -> float:
         return costs.static_memory_bytes[s] + max(
             rank_memory_peak(replica_actions(name, s, replicas, k, m, d), costs)[1]
-            for k in range(replicas[s]))
+            for k in _replica_kinds(m, replicas[s]))
 
     cap = max(peak(s, "1f1b", None) for s in range(S))
     out = []
     for s in range(S):
-        d = max(zb_h1_deferred_w(m, replicas, s, k) for k in range(replicas[s]))
-        while d > 0 and peak(s, "zb-h1", d) > cap * (1 + 1e-12):
-            d -= 1
+        d = max(zb_h1_deferred_w(m, replicas, s, k) for k in _replica_kinds(m, replicas[s]))
+        if d > 0 and peak(s, "zb-h1", d) > cap * (1 + 1e-12):
+            lo, hi = 0, d  # deferring more never holds less: bisect for the most that fits
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if peak(s, "zb-h1", mid) > cap * (1 + 1e-12):
+                    hi = mid
+                else:
+                    lo = mid
+            d = lo
         out.append(d)
     return out
 

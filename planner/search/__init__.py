@@ -12,9 +12,10 @@ clusters of several nodes, the best plan's stages placed anew: every node placem
 clusters, and CP-SAT's placement that moves the fewest bytes across nodes (`planner.cpsat`). The plan returned is the best under `evaluate()`; its bound is the smallest
 of the per-size bounds, so it holds for every microbatch size tried.
 
-Same input, same plan: every step is deterministic and budgeted by work, not time; the
-wall-clock limit (`time_limit_s`) is a safety net that only a machine many times slower than
-ours reaches.
+Same input, same plan: every step is deterministic and budgeted by work, not time (the
+bound's bisections count their DP cells, `bound.dp_work`, and take at most a third of the budget;
+the search gets what they leave); the wall-clock limit (`time_limit_s`) is a safety net that
+only a machine more than twice as slow as our idle 2 cores reaches.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
-from planner.search.bound import BoundPlan, conditions, hop_bytes, lower_bound, safe_conditions
+from planner.search.bound import (
+    BoundPlan,
+    conditions,
+    dp_work,
+    hop_bytes,
+    lower_bound,
+    safe_conditions,
+)
 from planner.search.diagnose import check_transfers, infeasible_error
 from planner.search.large import dp_lower_bound
 from planner.search.local import Budget, iterated_search
@@ -45,7 +53,11 @@ from planner.search.space import (
 
 __all__ = ["solve", "solve_detailed"]
 
-WORK_PER_SECOND = 100_000  # simulated actions per second of --time-limit (~40 % of it on our 2 cores)
+# work (about one simulated action each) per second of --time-limit: the bound's DP and the
+# search together take ~40 % of it on our 2 cores, idle, so a loaded machine still ends on
+# work, not on the clock
+WORK_PER_SECOND = 140_000
+DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
 DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
 OPTIMAL_GAP = 1e-6
 
@@ -91,25 +103,34 @@ def needs_recompute_variant(table: LayerTable, cluster: Cluster, options: PlanOp
 
 
 def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
-              hops, upper_ms: float, degrees: tuple[int, ...]) -> list[BoundPlan | None]:
-    """[the bound and its plan, and where memory binds a plan that fits memory as the
-    simulator counts it (a seed, not a bound)]; [] where the DP is not run."""
+              hops, upper_ms: float, lower_ms: float, degrees: tuple[int, ...], work: float
+              ) -> tuple[list[BoundPlan | None], int]:
+    """[the bound and its plan, and where memory binds or TP is allowed, plans that fit
+    memory as the simulator counts it (seeds, not bounds)]; [] where the DP is not run. The
+    bisections share `work` (the main bound first), and the work they spent comes back."""
     if options.objective != "iteration":
-        return []
+        return [], 0
     rc = needs_recompute_variant(table, cluster, options, b)
     c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
                    hops, degrees, rc)
-    if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS:
+    if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS \
+            or 3 * dp_work(c) > work:  # too large, or not even three bisection steps to spend
         if len(c.variants) > 1 or options.schedule == "zb-h1":
-            return []  # the layer-only DP knows neither TP, recomputation nor B / W
-        return [dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)]
-    out = [lower_bound(c, upper_ms=upper_ms)]
+            return [], 0  # the layer-only DP knows neither TP, recomputation nor B / W
+        return [dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)], 0
+    main, spent = lower_bound(c, upper_ms=upper_ms, lower_ms=lower_ms, max_work=work)
+    out = [main]
     if rc or len(degrees) > 1:  # memory binds somewhere, or TP stages cannot recompute
-        for t in (None, *degrees) if len(degrees) > 1 else (None,):
-            safe = safe_conditions(c, t)
-            if safe is not None:
-                out.append(lower_bound(safe, upper_ms=upper_ms, rel_tol=1e-3))
-    return out
+        safes = [x for t in ((None, *degrees) if len(degrees) > 1 else (None,))
+                 if (x := safe_conditions(c, t)) is not None]
+        floor = main.bound_ms if main is not None else lower_ms  # safe plans are plans of c
+        for k, safe in enumerate(safes):
+            share = (work - spent) / (len(safes) - k)
+            found, used = lower_bound(safe, upper_ms=upper_ms, rel_tol=1e-3, lower_ms=floor,
+                                      max_work=share)
+            out.append(found)
+            spent += used
+    return out, spent
 
 
 def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
@@ -221,13 +242,16 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     sizes = microbatch_sizes(profile, options)
     check_transfers(table, cluster, microbatch_scale(table.batch_size, sizes[-1]))
     ev = Evaluator(table, cluster, options)
+    ev.sizes = sizes
     D = cluster.num_devices
     large = table.num_layers * D > 100_000
     hops = hop_bytes(table)
     seeds: list[Structure] = []
     fallbacks: list[tuple[Score, Candidate]] = []  # baselines exactly as they place themselves
     bounds: dict[int, float] = {}
-    for b in sizes:
+    total_work = int(WORK_PER_SECOND * options.time_limit_s)
+    dp_allowance, dp_spent = DP_SHARE * total_work, 0  # the bound's bisections, over every size
+    for k, b in enumerate(sizes):
         here = _seeds_at(b, ev, table.num_layers, D)
         seeds += here
         upper = min((ev(s).objective_ms for s in here if ev(s).fits), default=math.inf)
@@ -238,13 +262,15 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             fallbacks.append((score, placed))
             if score.fits:
                 upper = min(upper, score.objective_ms)
-        found = _dp_bound(table, cluster, options, b, hops, upper, ev.degrees)
+        simple = _simple_bound(table, cluster, options, b, ev.degrees)
+        found, used = _dp_bound(table, cluster, options, b, hops, upper, simple, ev.degrees,
+                                (dp_allowance - dp_spent) / (len(sizes) - k))
+        dp_spent += used
         bp = found[0] if found else None
-        bounds[b] = max(bp.bound_ms if bp else 0.0,
-                        _simple_bound(table, cluster, options, b, ev.degrees))
+        bounds[b] = max(bp.bound_ms if bp else 0.0, simple)
         seeds += [Structure(b, x.bounds, x.replicas, 0).with_stages(x.bounds, x.replicas, x.tp)
                   for x in found if x is not None]
-    budget = Budget(int(WORK_PER_SECOND * options.time_limit_s), deadline)
+    budget = Budget(total_work - dp_spent, deadline)
     ev.work_limit = int(1.3 * budget.work)  # the placement passes may overrun the search a little
     placed: list[tuple[Score, Candidate]] = []  # local optima placed every way (small clusters)
     several = len(cluster.node_specs()) > 1
@@ -279,7 +305,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     info: dict[str, object] = {
         "name": "cpsat", "status": "OPTIMAL" if gap <= OPTIMAL_GAP else "FEASIBLE",
         "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
-        "evaluations": ev.evaluations, "work": ev.work,
+        "evaluations": ev.evaluations, "work": ev.work + dp_spent, "bound_work": dp_spent,
         "bound_by_microbatch": {str(k): v for k, v in bounds.items()},
         "schedule": options.schedule,
     }

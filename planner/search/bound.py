@@ -45,11 +45,10 @@ import numpy as np
 from planner.cost import (
     OPTIMIZER_EXTRA_COPIES,
     LayerTable,
-    allreduce_ms,
     microbatch_scale,
     transfer_ms,
 )
-from planner.formats import Cluster
+from planner.formats import GB, Cluster
 
 
 def replica_choices(num_microbatches: int, max_replicas: int) -> list[int]:
@@ -158,6 +157,14 @@ def _variants(table: LayerTable, cluster: Cluster, scale: float, vmax: float,
     return out
 
 
+def _allreduce_ms(params: np.ndarray, r: int, gbps: float, latency_us: float) -> np.ndarray:
+    """`cost.allreduce_ms` of every entry of `params` (the same arithmetic, vectorised)."""
+    if r <= 1:
+        return np.zeros_like(params)
+    return np.where(params > 0, 2 * (r - 1) / r * params / (gbps * GB) * 1e3
+                    + 2 * (r - 1) * latency_us / 1e3, 0.0)
+
+
 def _min_prefix(prefixes: list[np.ndarray]) -> np.ndarray:
     per_layer = np.min(np.stack([np.diff(p) for p in prefixes]), axis=0)
     return np.concatenate([[0.0], np.cumsum(per_layer)])
@@ -231,7 +238,10 @@ class BoundPlan:
 
 def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     """g[i, d]: the smallest round trip of a suffix of stages starting at layer i on exactly d
-    devices that meets every condition at T (inf: none). With `want_plan`, also the choices."""
+    devices that meets every condition at T (inf: none). With `want_plan`, also the choices.
+
+    Vectorised over (replica choice, last layer j, devices d); ties go to the fewest replicas,
+    then the shortest stage, then the earliest variant."""
     L, D = c.L, c.D
     g = np.full((L + 1, D + 1), np.inf)
     g[L, 0] = 0.0
@@ -239,8 +249,34 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     dvec = np.arange(D + 1, dtype=float)
     zb = c.schedule == "zb-h1"
     tmax = c.tmax
+    tmin = min(x.tp for x in c.variants)
+    m = m_of(c)
+    per_variant = []  # per variant: the replica choices it can use and what depends on them only
+    for v in c.variants:
+        keep = c.rs * v.tp <= D
+        rs, n, rh = c.rs[keep], c.n[keep], c.r_max_same_n[keep]
+        dd = (rs * v.tp).astype(int)
+        link = (dd + 1 <= c.per_node).astype(int)  # (R,)
+        ar_gbps = np.where(dd <= c.per_node, c.intra_gbps, c.inter_gbps)
+        valid = dvec[None, :] >= dd[:, None]  # (R, D+1): d includes this stage's devices
+        idx = np.where(valid, np.arange(D + 1)[None, :] - dd[:, None], 0)
+        if c.schedule == "gpipe":
+            w = np.broadcast_to(n[:, None], valid.shape)
+            inflight = w
+        else:
+            w = np.where(valid, np.minimum(n[:, None], np.ceil(dvec[None, :] / rs[:, None])), 1.0)
+            # memory: the largest r with this n holds the fewest microbatches; the stages after
+            # it have at least (devices left) / (largest degree) replicas
+            left = dvec[None, :] - dd[:, None]
+            inflight = np.minimum(np.ceil(m / rh)[:, None],
+                                  np.ceil(1 + left / tmax / rh[:, None] - 1e-9))
+            if c.pessimistic:  # the most replicas the suffix can have: its devices (smallest degree)
+                inflight = np.minimum(n[:, None], np.ceil((rs[:, None] + left / tmin) / rs[:, None] - 1e-9))
+        per_variant.append((v, rs, n[:, None, None], link, ar_gbps, valid, idx,
+                            w[:, None, :], np.maximum(inflight, 1)[:, None, :]))
     for i in range(L - 1, -1, -1):
         j = np.arange(i + 1, L + 1)
+        last_j = (j < L)[None, :, None]
         nonzero = ((c.Cp[j] - c.Cp[i]) > 0) | (c.Cp[L] <= 0)  # no 0-ms stage
         share = np.clip((c.Wshare_num[j] - c.Wshare_num[i])
                         / np.where(c.Wshare_den[j] > c.Wshare_den[i], c.Wshare_den[j] - c.Wshare_den[i], 1.0),
@@ -253,8 +289,11 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         else:
             Tl = c.HB[i] + c.into_ms[:, i]
         peak = np.maximum.accumulate(c.layer_act[i:]) if L > i else np.zeros(0)  # (J,)
+        gj = g[j]  # (J, D+1)
         best = np.full(D + 1, np.inf)
-        for v in c.variants:
+        for v, rs, n, link, ar_gbps, valid, idx, w, inflight in per_variant:
+            if len(rs) == 0:
+                continue
             fwd = v.Fp[j] - v.Fp[i]  # (J,)
             full = v.Bp[j] - v.Bp[i]
             if zb:
@@ -267,54 +306,33 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
             params = v.Pp[j] - v.Pp[i]
             act = (c.kept_lo[j] - c.kept_lo[i]) if v.recompute else (v.Ap[j] - v.Ap[i])
             transient = peak if v.recompute else 0.0
-            for ri in range(len(c.rs)):
-                r, n = int(c.rs[ri]), c.n[ri]
-                dd = r * v.tp
-                if dd > D:
-                    break
-                link = 1 if dd + 1 <= c.per_node else 0
-                hop = c.hop_ms[link, i, j]  # (J,)
-                ar_gbps = c.intra_gbps if dd <= c.per_node else c.inter_gbps
-                ar = np.array([allreduce_ms(p, r, ar_gbps, c.latency_us) for p in params]) \
-                    if r > 1 else np.zeros_like(params)
-                d = np.arange(dd, D + 1)  # devices of the suffix including this stage
-                nxt = g[j][:, d - dd]  # (J, Dd)
-                rt = (fwd + crit)[:, None] + np.where(j < L, 2 * hop, 0.0)[:, None] + nxt
-                if c.schedule == "gpipe":
-                    w = np.full(d.shape, n)
-                    inflight_lo = np.full(d.shape, n)
-                else:
-                    w = np.minimum(n, np.ceil(dvec[d] / r))
-                    # memory: the largest r with this n holds the fewest microbatches; the
-                    # stages after it have at least (devices left) / (largest degree) replicas
-                    rh = c.r_max_same_n[ri]
-                    inflight_lo = np.minimum(np.ceil(m_of(c) / rh),
-                                             np.ceil(1 + (dvec[d] - dd) / tmax / rh - 1e-9))
-                    if c.pessimistic:  # the most replicas the suffix can have: its devices
-                        tmin = min(x.tp for x in c.variants)  # over the smallest degree
-                        inflight_lo = np.minimum(n, np.ceil((r + (dvec[d] - dd) / tmin) / r - 1e-9))
-                # the busiest replica's n microbatches, with its round trips (module docstring);
-                # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
-                w = w[None, :]
-                f2, c2, w2 = fwd[:, None], crit[:, None], wgt[:, None]
-                rounds = np.floor((n - 1) / w)  # groups of w before the last forward
-                last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
-                                  np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
-                first = rt + (n - 1) * c2 + (n - w) * f2
-                crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
-                full_busy = np.maximum(np.maximum(n * comp[:, None], first + n * w2), last + w2)
-                t_stage = H[link] + np.maximum(crit_busy + Tl[link], full_busy + ar[:, None])
-                mem = (params * c.static_coef + transient)[:, None] \
-                    + act[:, None] * np.maximum(inflight_lo, 1)[None, :]
-                ok = (t_stage <= T) & (mem <= c.memory_bytes) & np.isfinite(nxt) & nonzero[:, None]
-                val = np.where(ok, rt, np.inf)
-                jbest = np.argmin(val, axis=0)  # (Dd,)
-                vbest = val[jbest, np.arange(len(d))]
-                better = vbest < best[d]
-                if want_plan:
-                    for k in np.nonzero(better)[0]:
-                        choice[(i, int(d[k]))] = (int(j[jbest[k]]), r, v.tp, v.recompute)
-                best[d] = np.where(better, vbest, best[d])
+            hop = c.hop_ms[link, i][:, j]  # (R, J)
+            ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
+                           for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, J)
+            nxt = np.where(valid[:, None, :], gj[:, idx].transpose(1, 0, 2), np.inf)  # (R, J, D+1)
+            rt = (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt
+            # the busiest replica's n microbatches, with its round trips (module docstring);
+            # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
+            f2, c2, w2 = fwd[None, :, None], crit[None, :, None], wgt[None, :, None]
+            rounds = np.floor((n - 1) / w)  # groups of w before the last forward
+            last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
+                              np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
+            first = rt + (n - 1) * c2 + (n - w) * f2
+            crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
+            full_busy = np.maximum(np.maximum(n * comp[None, :, None], first + n * w2), last + w2)
+            t_stage = H[link][:, None, None] + np.maximum(crit_busy + Tl[link][:, None, None],
+                                                          full_busy + ar[:, :, None])
+            mem = (params * c.static_coef + transient)[None, :, None] + act[None, :, None] * inflight
+            ok = (t_stage <= T) & (mem <= c.memory_bytes) & np.isfinite(nxt) & nonzero[None, :, None]
+            val = np.where(ok, rt, np.inf).reshape(-1, D + 1)  # (R * J, D+1), replica-major
+            k = np.argmin(val, axis=0)
+            vbest = val[k, np.arange(D + 1)]
+            better = vbest < best
+            if want_plan:
+                for d in np.nonzero(better)[0]:
+                    ri, jj = divmod(int(k[d]), len(j))
+                    choice[(i, int(d))] = (int(j[jj]), int(rs[ri]), v.tp, v.recompute)
+            best = np.where(better, vbest, best)
         g[i] = best
     return g, choice
 
@@ -357,35 +375,68 @@ def feasible(c: Conditions, T: float) -> bool:
     return bool(np.isfinite(g[0]).any())
 
 
-def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4,
-                max_steps: int = 40) -> BoundPlan | None:
-    """The smallest T (to `rel_tol`) at which some plan meets every condition, with that plan;
-    None when no plan fits memory at any time."""
+# The work of one `_suffix_dp` call in the search's units (about one simulated action each,
+# `planner.search.local.Budget`): a fixed cost per (layer, variant) and one per cell of its
+# (replica choice, last layer, devices) arrays, fitted on our 2-core machine (107 us and
+# 16 ns; within 25 % on the plan-quality profiles). Counting it keeps the bound's bisection
+# inside the deterministic budget.
+DP_ITER_WORK = 43.0
+DP_CELL_WORK = 1 / 150
+
+
+def dp_work(c: Conditions) -> int:
+    """The work of one feasibility test (one DP over every layer) of `c`."""
+    iters = cells = 0
+    for v in c.variants:
+        k = int((c.rs * v.tp <= c.D).sum())
+        if k:
+            iters += c.L
+            cells += k * c.L * (c.L + 1) // 2 * (c.D + 1)
+    return int(DP_ITER_WORK * iters + DP_CELL_WORK * cells) + 1
+
+
+def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4, max_steps: int = 40,
+                lower_ms: float = 0.0, max_work: float = math.inf
+                ) -> tuple[BoundPlan | None, int]:
+    """The smallest T (to `rel_tol`) at which some plan meets every condition, with that plan
+    (None when no plan fits memory at any time), and the work spent (`dp_work` per DP).
+
+    `lower_ms`: a time no plan beats (the bisection starts there; the result stays a bound).
+    `max_work`: the bisection stops when its next step and the final plan would pass it; the
+    bound is then the largest time found infeasible, still a bound, only a looser one."""
+    step = dp_work(c)
+    spent = 0
+
+    def test(T: float) -> bool:
+        nonlocal spent
+        spent += step
+        return feasible(c, T)
+
     total = c.HF[c.L] + c.HB[c.L]
     hi = upper_ms if math.isfinite(upper_ms) else total * c.m * 4
-    if not feasible(c, hi):
+    if not test(hi):
         hi2 = hi * 1e6
-        if not feasible(c, hi2):
-            return None
+        if not test(hi2):
+            return None, spent
         hi = hi2
-    lo = total  # one microbatch through the whole model on the fastest device
-    if feasible(c, lo):
+    lo = min(max(total, lower_ms), hi)  # one microbatch through the whole model, fastest device
+    if lo == hi or test(lo):
         plan = _plan_at(c, lo)
         assert plan is not None
-        return BoundPlan(lo, *plan)
+        return BoundPlan(lo, *plan), spent + step
     for _ in range(max_steps):
-        if hi - lo <= rel_tol * hi:
+        if hi - lo <= rel_tol * hi or spent + 2 * step > max_work:
             break
         mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
-        if feasible(c, mid):
+        if test(mid):
             hi = mid
         else:
             lo = mid
     plan = _plan_at(c, hi)
     assert plan is not None
-    return BoundPlan(lo, *plan)
+    return BoundPlan(lo, *plan), spent + step
 
 
-__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "safe_conditions", "feasible", "hop_bytes", "lower_bound",
+__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound",
            "replica_choices", "transfer_ms"]
 

@@ -2,7 +2,7 @@
 
 Moves: shift a stage boundary by 1, 2, 4, ... layers; merge two adjacent stages; split a stage
 at its balanced point (and one layer either side); move a replica from one stage to another;
-add or drop a replica; double or halve every stage's replicas; a stage's tensor-parallel degree one step up or down; change the placement policy. Steepest descent to a local optimum, then
+add or drop a replica; double or halve every stage's replicas; a stage's tensor-parallel degree one step up or down; change the placement policy; the next microbatch size up or down. Steepest descent to a local optimum, then
 iterated kicks (a few random moves from a seeded generator) and descent again, for as long as
 the budget of simulated actions lasts. The budget, not the clock, ends the search, so the same
 input gives the same plan on an idle or a loaded machine; the wall-clock deadline is only a
@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from planner.cost import LayerTable
 from planner.search.space import Evaluator, Score, Structure
@@ -104,6 +105,12 @@ def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Stru
     for p in range(len(ev.policies)):
         if p != st.policy:
             yield st.with_stages(st.bounds, st.replicas, policy=p)
+    # the next microbatch size up or down (`--microbatch-sizes`), stages as they are
+    if st.microbatch_size in ev.sizes:
+        i = ev.sizes.index(st.microbatch_size)
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(ev.sizes):
+                yield replace(st, microbatch_size=ev.sizes[j])
 
 
 class Budget:

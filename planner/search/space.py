@@ -200,6 +200,7 @@ class Evaluator:
         self.work = 0  # actions simulated
         self.work_limit = 2**62  # set by the search: placement passes stop here
         self.evaluations = 0
+        self.sizes: list[int] = []  # the microbatch sizes the search may move between
 
     def __call__(self, st: Structure) -> Score:
         return self.scored(st)[0]
@@ -265,7 +266,12 @@ class Evaluator:
         return (score2, rc) if score2.better_than(score) else (score, cand)
 
     def _count(self, cand: Candidate) -> None:
-        self.work += 2 * cand.num_microbatches * len(cand.stages) + 4 * len(cand.stages) + 100
+        # simulated actions (F and B per microbatch and stage; ZB-H1: F, B and W, and the
+        # search for each stage's W deferral, about as much again), plus per-stage and
+        # per-device costing (about 1.6 actions' time per device, measured)
+        per_mb = 5 if self.options.schedule == "zb-h1" else 2
+        self.work += per_mb * cand.num_microbatches * len(cand.stages) + 4 * len(cand.stages) \
+            + 100 + 2 * sum(len(s.devices) for s in cand.stages)
         self.evaluations += 1
 
     def _score(self, ev: Evaluation, devices: int, stages: int) -> Score:
@@ -315,14 +321,20 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int,
 
     degrees = degrees or (1,) * len(replicas)
 
-    def vectors(r: int, free: list[int], k: int, t: int):
-        """Device counts per node from node k on: r replicas of t devices each."""
+    def vectors(r: int, free: list[int], k: int, t: int, room: list[int] | None = None):
+        """Device counts per node from node k on: r replicas of t devices each (`room[k]`:
+        the groups of t that nodes k.. can still take; no branch that cannot place them all)."""
+        if room is None:
+            room = [0] * (len(free) + 1)
+            for n in range(len(free) - 1, -1, -1):
+                room[n] = room[n + 1] + free[n] // t
+        if r > room[k]:
+            return
         if k == len(free):
-            if r == 0:
-                yield ()
+            yield ()
             return
         for v in range(min(r, free[k] // t), -1, -1):
-            for rest in vectors(r - v, free, k + 1, t):
+            for rest in vectors(r - v, free, k + 1, t, room):
                 yield (v * t, *rest)
 
     def rec(s: int, free: list[int], acc: list[tuple[int, ...]]):
@@ -360,6 +372,8 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int,
             yield tuple(out)
             return
         for vec in vectors(replicas[s], free, 0, degrees[s]):
+            if count >= limit:
+                return
             yield from rec(s + 1, [f - v for f, v in zip(free, vec, strict=True)], acc + [vec])
 
     yield from rec(0, [len(per_node[n]) for n in nodes], [])
