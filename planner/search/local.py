@@ -166,28 +166,47 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
                     num_devices: int, budget: Budget, seed: int,
                     visit: Callable[[Structure], None] | None = None
                     ) -> tuple[Structure | None, Score | None]:
-    """Descent from every start (best start first), then kicks from the best found until the
-    budget is spent. `visit` sees every local optimum."""
+    """Descent from every start (best start first), then kicks until the budget is spent: from
+    the best plan of each microbatch size in turn (one size: from the best plan), a size
+    resting once 200 kicks in a row did not improve it. `visit` sees every local optimum."""
     rng = random.Random(seed)
     best, best_s = None, None
+    bests: dict[int, tuple[Structure, Score]] = {}  # per microbatch size
+
+    def keep(got: Structure, s: Score) -> bool:
+        b = got.microbatch_size
+        if b in bests and not s.better_than(bests[b][1]):
+            return False
+        bests[b] = (got, s)
+        return True
+
     for st in sorted(set(starts), key=lambda x: (_key(ev(x)), x)):
         if budget.spent(ev) and best is not None:
             break
         got, s = descend(st, ev, table, num_devices, budget)
         if visit is not None:
             visit(got)
+        keep(got, s)
         if s.better_than(best_s):
             best, best_s = got, s
-    stall = 0
-    while best is not None and not budget.spent(ev) and stall < 200:
-        got, s = descend(kick(best, rng, table, ev), ev, table,
-                         num_devices, budget)
+    stall: dict[int, int] = {}
+    turn = 0
+    while best is not None and not budget.spent(ev):
+        sizes = [b for b in sorted(bests) if stall.get(b, 0) < 200]
+        if not sizes:
+            break
+        b = sizes[turn % len(sizes)]
+        turn += 1
+        got, s = descend(kick(bests[b][0], rng, table, ev), ev, table, num_devices, budget)
         if visit is not None:
             visit(got)
+        improved = keep(got, s)
+        if improved:
+            stall[got.microbatch_size] = 0
+        if not (improved and got.microbatch_size == b):
+            stall[b] = stall.get(b, 0) + 1
         if s.better_than(best_s):
-            best, best_s, stall = got, s, 0
-        else:
-            stall += 1
+            best, best_s = got, s
     return best, best_s
 
 
