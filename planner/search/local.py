@@ -180,7 +180,23 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
         bests[b] = (got, s)
         return True
 
-    for st in sorted(set(starts), key=lambda x: (_key(ev(x)), x)):
+    order = sorted(set(starts), key=lambda x: (_key(ev(x)), x))
+    # several microbatch sizes: first the best start of each size, each descent with an equal
+    # share of half the budget (one size's long descent must not starve the others), then the
+    # best of those descends on with the rest, then every other start
+    firsts = list({st.microbatch_size: st for st in reversed(order)}.values())[::-1] \
+        if len({st.microbatch_size for st in order}) > 1 else []
+    firsts.sort(key=lambda x: (_key(ev(x)), x))
+    share = budget.work // (2 * max(1, len(firsts)))
+    for st in firsts:
+        if budget.spent(ev):
+            break
+        got, s = descend(st, ev, table, num_devices,
+                         Budget(min(budget.work, ev.work + share), budget.deadline))
+        keep(got, s)  # where its share ended (then the best of them descends on)
+        if s.better_than(best_s):
+            best, best_s = got, s
+    for st in ([best] if best is not None else []) + [x for x in order if x not in firsts]:
         if budget.spent(ev) and best is not None:
             break
         got, s = descend(st, ev, table, num_devices, budget)
