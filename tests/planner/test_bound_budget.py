@@ -1,0 +1,67 @@
+"""The bound's bisection inside the deterministic work budget: cut short it stays a bound
+(looser, never above the full bisection's), a known floor saves steps without moving it, and
+the search reports the work its DP spent within the share it was given."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from helpers import chain_profile, cluster
+
+from planner.cost import layer_table
+from planner.formats import PlanOptions
+from planner.search import DP_SHARE, WORK_PER_SECOND, solve_detailed
+from planner.search.bound import conditions, dp_work, feasible, lower_bound
+
+
+def _conditions(seed: int):
+    rng = random.Random(seed)
+    n = rng.randint(6, 14)
+    prof = chain_profile([rng.uniform(0.1, 2.0) for _ in range(n)],
+                         out=[rng.randint(10**5, 10**7) for _ in range(n)])
+    cl = cluster(nodes=rng.choice([1, 2, 4]), per_node=rng.choice([1, 2, 4]), intra=10.0, inter=1.0,
+                 latency_us=5.0)
+    return conditions(layer_table(prof), cl, "sgd", rng.choice(["1f1b", "gpipe", "zb-h1"]), 32, 8 // 2)
+
+
+def test_a_bisection_cut_short_is_still_a_bound_and_spends_what_it_says():
+    for seed in range(12):
+        c = _conditions(seed)
+        full, spent_full = lower_bound(c, upper_ms=math.inf)
+        step = dp_work(c)
+        cut, spent_cut = lower_bound(c, upper_ms=math.inf, max_work=4 * step)
+        assert full is not None and cut is not None
+        assert cut.bound_ms <= full.bound_ms * (1 + 1e-12)  # looser, never above
+        assert spent_cut <= min(5 * step, spent_full)  # hi, lo, at most two steps, the plan
+        assert spent_full % step == 0
+        # the bound is a time where the conditions fail (or the floor where they already hold)
+        assert not feasible(c, cut.bound_ms * (1 - 1e-9)) or cut.bound_ms == full.bound_ms
+
+
+def test_a_known_floor_saves_steps_and_keeps_the_bound():
+    for seed in range(12):
+        c = _conditions(seed)
+        full, spent_full = lower_bound(c, upper_ms=math.inf)
+        assert full is not None
+        floored, spent = lower_bound(c, upper_ms=math.inf, lower_ms=0.9 * full.bound_ms)
+        assert floored is not None
+        assert abs(floored.bound_ms - full.bound_ms) <= 2e-4 * full.bound_ms
+        assert spent <= spent_full
+
+
+def test_the_search_reports_its_dp_work_within_its_share():
+    rng = random.Random(3)
+    prof = chain_profile([rng.uniform(0.1, 2.0) for _ in range(12)],
+                         out=[rng.randint(10**5, 10**7) for _ in range(12)])
+    cl = cluster(nodes=4, per_node=2, intra=10.0, inter=1.0, latency_us=5.0)
+    opts = PlanOptions(global_batch=32, microbatch_sizes=[2, 4, 8], time_limit_s=0.5)
+    _, info = solve_detailed(prof, cl, opts)
+    total = WORK_PER_SECOND * opts.time_limit_s
+    assert 0 < info["bound_work"] <= info["work"]
+    # each size's bisection stays within its share but for its last step and plan
+    assert info["bound_work"] <= DP_SHARE * total + 3 * max(
+        dp_work(conditions(layer_table(prof), cl, "sgd", "1f1b", 32, b)) for b in (2, 4, 8))
+    again = solve_detailed(prof, cl, opts)[1]
+    assert (again["objective"], again["bound"], again["work"]) == \
+        (info["objective"], info["bound"], info["work"])
