@@ -241,8 +241,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     table = layer_table(profile)
     sizes = microbatch_sizes(profile, options)
     check_transfers(table, cluster, microbatch_scale(table.batch_size, sizes[-1]))
-    ev = Evaluator(table, cluster, options)
-    ev.sizes = sizes
+    ev = Evaluator(table, cluster, options, sizes)
     D = cluster.num_devices
     large = table.num_layers * D > 100_000
     hops = hop_bytes(table)

@@ -184,9 +184,12 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
     # several microbatch sizes: first the best start of each size, each descent with an equal
     # share of half the budget (one size's long descent must not starve the others), then the
     # best of those descends on with the rest, then every other start
-    firsts = list({st.microbatch_size: st for st in reversed(order)}.values())[::-1] \
-        if len({st.microbatch_size for st in order}) > 1 else []
-    firsts.sort(key=lambda x: (_key(ev(x)), x))
+    firsts: list[Structure] = []
+    for st in order:  # already best first
+        if all(st.microbatch_size != f.microbatch_size for f in firsts):
+            firsts.append(st)
+    if len(firsts) < 2:
+        firsts = []
     share = budget.work // (2 * max(1, len(firsts)))
     for st in firsts:
         if budget.spent(ev):
@@ -196,7 +199,8 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
         keep(got, s)  # where its share ended (then the best of them descends on)
         if s.better_than(best_s):
             best, best_s = got, s
-    for st in ([best] if best is not None else []) + [x for x in order if x not in firsts]:
+    first_set = set(firsts)
+    for st in ([best] if best is not None else []) + [x for x in order if x not in first_set]:
         if budget.spent(ev) and best is not None:
             break
         got, s = descend(st, ev, table, num_devices, budget)

@@ -187,7 +187,8 @@ class Evaluator:
     """`evaluate()` with a cache and a count of the work done (simulated actions), which is
     the search's deterministic budget."""
 
-    def __init__(self, table: LayerTable, cluster: Cluster, options: PlanOptions) -> None:
+    def __init__(self, table: LayerTable, cluster: Cluster, options: PlanOptions,
+                 sizes: list[int] | None = None) -> None:
         if options.schedule == "auto":
             raise ValueError("the search scores one schedule; solve_detailed resolves auto")
         self.table, self.cluster, self.options = table, cluster, options
@@ -200,7 +201,7 @@ class Evaluator:
         self.work = 0  # actions simulated
         self.work_limit = 2**62  # set by the search: placement passes stop here
         self.evaluations = 0
-        self.sizes: list[int] = []  # the microbatch sizes the search may move between
+        self.sizes = sizes or []  # the microbatch sizes the search may move between
 
     def __call__(self, st: Structure) -> Score:
         return self.scored(st)[0]
