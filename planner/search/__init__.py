@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 from planner.baselines import solve_blocks, solve_params, solve_uniform
 from planner.build import evaluate, resolve_microbatch
@@ -114,7 +115,7 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
     c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
                    hops, degrees, rc)
     if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS \
-            or 3 * dp_work(c) > work:  # too large, or not even three bisection steps to spend
+            or 3 * dp_work(replace(c, grouped=False)) > work:  # too large, or not three steps to spend
         if len(c.variants) > 1 or options.schedule == "zb-h1":
             return [], 0  # the layer-only DP knows neither TP, recomputation nor B / W
         return [dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)], 0

@@ -20,11 +20,17 @@ replica's microbatch q + w follows the backward of its microbatch q, so consecut
 w microbatches are a round trip apart; in GPipe w = n and the condition is the work one.
 
 Everything is priced optimistically so the bound holds for every placement: the fastest
-device, the largest memory, a link inside a node whenever the stage and one more device fit
-in the largest node, else across nodes. RT_{k+1} only makes the conditions of stage k harder,
-so the smallest suffix round trip is all the DP keeps per (i, devices): the DP is exact for
-these conditions, bisection on T gives the smallest T some split and replica vector satisfies,
-and that split is a candidate plan as well.
+device, the largest memory, and links by node groups. A hop is inside a node only if both
+stages' devices share one, so a run of such hops keeps its stages on one node: the DP's state
+carries the devices of the suffix's first group (at most a node's), and a stage joins it over
+a fast link only if it fits, else it starts a group of its own behind a slow link. Every
+placement is one path of this DP. (Without groups a hop was fast whenever its stage and one
+more device fit a node: 4 stages of 1 device on 4 x 4 devices then never crossed a node; that
+cheaper DP bisects first, and its bound is where the grouped one starts.) In a DAG, a tensor
+sent past the next stage adds its own round trip (`skip_round_trips`). RT_{k+1} only makes
+the conditions of stage k harder, so the smallest suffix round trip is all the DP keeps per
+(i, devices, group): the DP is exact for these conditions, bisection on T gives the smallest
+T some split and replica vector satisfies, and that split is a candidate plan as well.
 
 A stage may run in several ways (`Variant`): at any TP degree the search may use (the shard's
 measured time plus its TP all-reduces, the shard's bytes) and, where memory binds, recomputed
@@ -115,6 +121,7 @@ class Conditions:
     first_bwd_lo: float  # zb-h1: the smallest whole backward of layer 0 (the first stage's W)
     hop_ms: np.ndarray  # (2, L+1, L+1): [fast link?, i, j] transfer of hop_bytes at that link
     into_ms: np.ndarray  # (2, L+1): smallest transfer into layer i (from layer i-1 alone)
+    skip_ms: np.ndarray  # (L+1, L+1): a round trip past the next stage, `skip_round_trips`
     per_node: int
     static_coef: float
     memory_bytes: float
@@ -124,6 +131,10 @@ class Conditions:
     # memory priced with the most microbatches a stage can hold (1F1B's warm-up is at most
     # ceil(devices of the suffix / replicas)): not a bound, but plans that fit (a seed)
     pessimistic: bool = False
+    # hops priced by node groups (`_suffix_dp`): tighter on clusters whose links inside a node
+    # are faster, and 2-5x the work of a DP that prices a hop fast whenever its stage and one
+    # more device fit in a node
+    grouped: bool = False
 
     @property
     def tmax(self) -> int:
@@ -139,7 +150,7 @@ def _variants(table: LayerTable, cluster: Cluster, scale: float, vmax: float,
     if recompute:
         out.append(Variant(1, True, out[0].Fp, out[0].Bp, out[0].Pp, out[0].Ap))
     gbps = cluster.intra_node_gb_per_s
-    lat = cluster.latency_us
+    lat = least_latency_us(cluster)
     for t in degrees:
         if t <= 1:
             continue
@@ -155,6 +166,13 @@ def _variants(table: LayerTable, cluster: Cluster, scale: float, vmax: float,
                            np.array(tt.param_prefix_bytes, dtype=float),
                            np.array(tt.activation_prefix_bytes, dtype=float) * scale))
     return out
+
+
+def least_latency_us(cluster: Cluster) -> float:
+    """The smallest per-message latency of any link class (a calibrated cluster may give each
+    class its own, `cost.link_latency_us`): the bound prices every message with it."""
+    given = [v for v in (cluster.intra_node_latency_us, cluster.inter_node_latency_us) if v is not None]
+    return min([cluster.latency_us, *given])
 
 
 def _allreduce_ms(params: np.ndarray, r: int, gbps: float, latency_us: float) -> np.ndarray:
@@ -187,7 +205,7 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
     h = (hop_bytes(table) if hops is None else hops) * scale
     fast = cluster.intra_node_gb_per_s if per_node > 1 else cluster.inter_node_gb_per_s
     fast = max(fast, cluster.inter_node_gb_per_s)
-    lat = cluster.latency_us
+    lat = least_latency_us(cluster)
 
     def ms(nbytes: np.ndarray, gbps: float) -> np.ndarray:
         return np.where(nbytes > 0, nbytes / (gbps * 1e9) * 1e3 + lat / 1e3, 0.0)
@@ -219,10 +237,40 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
         kept_lo=np.cumsum(kept), layer_act=layer_act,
         first_bwd_lo=min(float(v.Bp[1] - v.Bp[0]) for v in variants) if L else 0.0,
         hop_ms=hop_ms, into_ms=into, per_node=per_node,
+        skip_ms=skip_round_trips(table, scale, HF, HB, lambda b: ms(b, fast)),
         static_coef=2 + OPTIMIZER_EXTRA_COPIES[optimizer],
         memory_bytes=max(d.memory_bytes for d in devices),
-        intra_gbps=fast, inter_gbps=cluster.inter_node_gb_per_s, latency_us=lat,
+        intra_gbps=fast, inter_gbps=cluster.inter_node_gb_per_s, latency_us=lat, grouped=True,
     )
+
+
+def skip_round_trips(table: LayerTable, scale: float, HF: np.ndarray, HB: np.ndarray,
+                     transfer) -> np.ndarray:
+    """`s[i, j]`: the least time from the end of a stage [i, j)'s forward of a microbatch to
+    the start of its backward, from the tensors it sends past layer j: a tensor produced in
+    [i, j) and read by layer l goes to the stage holding l, whose backward ends after that
+    microbatch's forward and backward of every layer from l on, and its gradient comes back:
+    2 x its transfer (fastest link) + the forward and critical backward of layers l.. (`HF`,
+    `HB`, fastest variant). -inf where nothing is read past j. In a DAG (GNMT, U-Net) these
+    skips can take longer than the next stage's own round trip."""
+    L = table.num_layers
+    tail = (HF[L] - HF) + (HB[L] - HB)  # (L+1,)
+    best = np.full((L + 1, L + 1), -np.inf)  # [producer p, j]: over tensors of p read at l >= j
+    for t in table.tensors:
+        p = t.producer
+        if p < 0 or t.nbytes <= 0:
+            continue
+        back = 2 * float(transfer(np.array([t.nbytes * scale]))[0])
+        for c in t.consumers:
+            if c > p + 1:
+                v = back + tail[c]
+                best[p, p + 1:c + 1] = np.maximum(best[p, p + 1:c + 1], v)
+    # s[i, j] = max over producers p in [i, j) of best[p, j]
+    s = np.full((L + 1, L + 1), -np.inf)
+    for j in range(1, L + 1):
+        col = best[:j, j]
+        s[:j, j] = np.maximum.accumulate(col[::-1])[::-1]
+    return s
 
 
 @dataclass(frozen=True)
@@ -236,15 +284,29 @@ class BoundPlan:
     recompute: tuple[bool, ...] = ()
 
 
-def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
-    """g[i, d]: the smallest round trip of a suffix of stages starting at layer i on exactly d
-    devices that meets every condition at T (inf: none). With `want_plan`, also the choices.
+def _group_size(c: Conditions) -> int:
+    """Devices a run of fast hops may span: a hop is on a fast link only if both stages' devices
+    share one node, so consecutive fast hops keep their stages on one node (at most `per_node`
+    devices). 1 where links inside a node are no faster than between nodes (or nodes have one
+    device) or `c.grouped` is off: a hop is then fast whenever its stage and one more device
+    fit in a node."""
+    return c.per_node if c.grouped and c.per_node > 1 and c.intra_gbps > c.inter_gbps else 1
 
-    Vectorised over (replica choice, last layer j, devices d); ties go to the fewest replicas,
-    then the shortest stage, then the earliest variant."""
+
+def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
+    """g[i, d, e]: the smallest round trip of a suffix of stages starting at layer i on exactly
+    d devices that meets every condition at T (inf: none), its first stage in a node group of
+    e devices (the stages joined to it by fast hops; e = `_group_size` for a group no stage may
+    join; e = 0 only for the empty suffix). With `want_plan`, also the choices.
+
+    Every placement maps to a path of this DP (its maximal runs of intra-node hops are groups
+    of at most a node's devices), so the DP's smallest T is a bound on every placement. Each
+    transition is vectorised over (replica choice, last layer j, devices d); ties go to a slow
+    hop, the fewest replicas, the shortest stage, then the earliest variant."""
     L, D = c.L, c.D
-    g = np.full((L + 1, D + 1), np.inf)
-    g[L, 0] = 0.0
+    P = _group_size(c)
+    g = np.full((L + 1, D + 1, P + 1), np.inf)
+    g[L, 0, 0] = 0.0
     choice = {} if want_plan else None
     dvec = np.arange(D + 1, dtype=float)
     zb = c.schedule == "zb-h1"
@@ -256,7 +318,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         keep = c.rs * v.tp <= D
         rs, n, rh = c.rs[keep], c.n[keep], c.r_max_same_n[keep]
         dd = (rs * v.tp).astype(int)
-        link = (dd + 1 <= c.per_node).astype(int)  # (R,)
+        flat_link = (dd + 1 <= c.per_node).astype(int)  # without groups: fast if one more fits
         ar_gbps = np.where(dd <= c.per_node, c.intra_gbps, c.inter_gbps)
         valid = dvec[None, :] >= dd[:, None]  # (R, D+1): d includes this stage's devices
         idx = np.where(valid, np.arange(D + 1)[None, :] - dd[:, None], 0)
@@ -272,10 +334,11 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                                   np.ceil(1 + left / tmax / rh[:, None] - 1e-9))
             if c.pessimistic:  # the most replicas the suffix can have: its devices (smallest degree)
                 inflight = np.minimum(n[:, None], np.ceil((rs[:, None] + left / tmin) / rs[:, None] - 1e-9))
-        per_variant.append((v, rs, n[:, None, None], link, ar_gbps, valid, idx,
+        per_variant.append((v, rs, n[:, None, None], dd, flat_link, ar_gbps, valid, idx,
                             w[:, None, :], np.maximum(inflight, 1)[:, None, :]))
     for i in range(L - 1, -1, -1):
         j = np.arange(i + 1, L + 1)
+        J = len(j)
         last_j = (j < L)[None, :, None]
         nonzero = ((c.Cp[j] - c.Cp[i]) > 0) | (c.Cp[L] <= 0)  # no 0-ms stage
         share = np.clip((c.Wshare_num[j] - c.Wshare_num[i])
@@ -289,9 +352,12 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         else:
             Tl = c.HB[i] + c.into_ms[:, i]
         peak = np.maximum.accumulate(c.layer_act[i:]) if L > i else np.zeros(0)  # (J,)
-        gj = g[j]  # (J, D+1)
-        best = np.full(D + 1, np.inf)
-        for v, rs, n, link, ar_gbps, valid, idx, w, inflight in per_variant:
+        skip = c.skip_ms[i, j]  # (J,)
+        gj = g[j]  # (J, D+1, P+1)
+        gj_any = gj.min(axis=2)  # a slow hop into the suffix: its group does not matter
+        gj_arg = gj.argmin(axis=2)
+        best = np.full((D + 1, P + 1), np.inf)
+        for v, rs, n, dd, flat_link, ar_gbps, valid, idx, w, inflight in per_variant:
             if len(rs) == 0:
                 continue
             fwd = v.Fp[j] - v.Fp[i]  # (J,)
@@ -306,33 +372,57 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
             params = v.Pp[j] - v.Pp[i]
             act = (c.kept_lo[j] - c.kept_lo[i]) if v.recompute else (v.Ap[j] - v.Ap[i])
             transient = peak if v.recompute else 0.0
-            hop = c.hop_ms[link, i][:, j]  # (R, J)
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, J)
-            nxt = np.where(valid[:, None, :], gj[:, idx].transpose(1, 0, 2), np.inf)  # (R, J, D+1)
-            rt = (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt
-            # the busiest replica's n microbatches, with its round trips (module docstring);
-            # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
-            f2, c2, w2 = fwd[None, :, None], crit[None, :, None], wgt[None, :, None]
-            rounds = np.floor((n - 1) / w)  # groups of w before the last forward
-            last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
-                              np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
-            first = rt + (n - 1) * c2 + (n - w) * f2
-            crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
-            full_busy = np.maximum(np.maximum(n * comp[None, :, None], first + n * w2), last + w2)
-            t_stage = H[link][:, None, None] + np.maximum(crit_busy + Tl[link][:, None, None],
-                                                          full_busy + ar[:, :, None])
             mem = (params * c.static_coef + transient)[None, :, None] + act[None, :, None] * inflight
-            ok = (t_stage <= T) & (mem <= c.memory_bytes) & np.isfinite(nxt) & nonzero[None, :, None]
-            val = np.where(ok, rt, np.inf).reshape(-1, D + 1)  # (R * J, D+1), replica-major
-            k = np.argmin(val, axis=0)
-            vbest = val[k, np.arange(D + 1)]
-            better = vbest < best
-            if want_plan:
-                for d in np.nonzero(better)[0]:
-                    ri, jj = divmod(int(k[d]), len(j))
-                    choice[(i, int(d))] = (int(j[jj]), int(rs[ri]), v.tp, v.recompute)
-            best = np.where(better, vbest, best)
+            mem_ok = (mem <= c.memory_bytes) & nonzero[None, :, None]  # (R, J, D+1)
+            f2, c2, w2 = fwd[None, :, None], crit[None, :, None], wgt[None, :, None]
+
+            # transitions: (replica choices, the suffix's round trip behind the hop, fast
+            # link?, this stage's group per choice, the suffix's group per choice or None for
+            # the best of any group). First a slow hop into any suffix, then a fast hop into a
+            # suffix whose first group has room for this stage.
+            rows_all = np.arange(len(rs))
+            moves = [(rows_all, np.where(valid[:, None, :], gj_any[:, idx].transpose(1, 0, 2), np.inf),
+                      flat_link if P == 1 else np.zeros(len(rs), dtype=int), np.minimum(dd, P), None)]
+            for e_next in range(1, P):
+                rows = np.nonzero(dd + e_next <= P)[0]
+                if len(rows):
+                    moves.append((rows, np.where(valid[rows][:, None, :],
+                                                 gj[:, idx[rows], e_next].transpose(1, 0, 2), np.inf),
+                                  np.ones(len(rows), dtype=int), dd[rows] + e_next, e_next))
+            for rows, nxt, fast, e_new, e_next in moves:
+                nn, ww = n[rows], w[rows]
+                hop = c.hop_ms[fast, i][:, j]  # (rows, J)
+                rt = (fwd + crit)[None, :, None] + np.maximum(
+                    np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt, skip[None, :, None])
+                # the busiest replica's n microbatches, with its round trips (module docstring);
+                # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
+                rounds = np.floor((nn - 1) / ww)  # groups of w before the last forward
+                last = np.maximum((nn - 1) * f2 + (nn - ww) * c2 + rt,
+                                  np.where(rounds > 0, rounds * (rt - ww * f2), 0.0) + (nn - 1) * f2 + rt)
+                first = rt + (nn - 1) * c2 + (nn - ww) * f2
+                crit_busy = np.maximum(np.maximum(nn * (f2 + c2), first), last)
+                full_busy = np.maximum(np.maximum(nn * comp[None, :, None], first + nn * w2), last + w2)
+                # the hop into this stage is fast only if the stage before joins its group
+                into = (e_new + 1 <= P).astype(int) if P > 1 else fast
+                t_stage = H[into][:, None, None] + np.maximum(crit_busy + Tl[into][:, None, None],
+                                                              full_busy + ar[rows][:, :, None])
+                ok = (t_stage <= T) & mem_ok[rows] & np.isfinite(nxt)
+                val = np.where(ok, rt, np.inf)
+                for e in np.unique(e_new):  # fold into best[:, e]: replica-major, then j
+                    sel = np.nonzero(e_new == e)[0]
+                    flat = val[sel].reshape(-1, D + 1)
+                    k = np.argmin(flat, axis=0)
+                    vbest = flat[k, np.arange(D + 1)]
+                    better = vbest < best[:, e]
+                    if want_plan:
+                        for d in np.nonzero(better)[0]:
+                            ri, jj = divmod(int(k[d]), J)
+                            r = int(rows[sel[ri]])
+                            nxt_e = e_next if e_next is not None else int(gj_arg[jj, int(idx[r, d])])
+                            choice[(i, int(d), int(e))] = (int(j[jj]), int(rs[r]), v.tp, v.recompute, nxt_e)
+                    best[:, e] = np.where(better, vbest, best[:, e])
         g[i] = best
     return g, choice
 
@@ -344,7 +434,7 @@ def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | No
     from dataclasses import replace
 
     vs = tuple(v for v in c.variants if not v.recompute and (degree is None or v.tp == degree))
-    return replace(c, pessimistic=True, variants=vs) if vs else None
+    return replace(c, pessimistic=True, variants=vs, grouped=False) if vs else None
 
 
 def m_of(c: Conditions) -> int:
@@ -354,13 +444,14 @@ def m_of(c: Conditions) -> int:
 def _plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
     with np.errstate(invalid="ignore"):
         g, choice = _suffix_dp(c, T, want_plan=True)
-    finite = np.nonzero(np.isfinite(g[0]))[0]
+    finite = np.nonzero(np.isfinite(g[0]).any(axis=1))[0]
     if len(finite) == 0:
         return None
     d = int(finite[0])  # the fewest devices
+    e = int(np.argmin(g[0, d]))
     bounds, reps, tps, rcs, i = [0], [], [], [], 0
     while i < c.L:
-        j, r, t, rc = choice[(i, d)]
+        j, r, t, rc, e = choice[(i, d, e)]
         bounds.append(j)
         reps.append(r)
         tps.append(t)
@@ -385,13 +476,16 @@ DP_CELL_WORK = 1 / 150
 
 
 def dp_work(c: Conditions) -> int:
-    """The work of one feasibility test (one DP over every layer) of `c`."""
+    """The work of one feasibility test (one DP over every layer) of `c`: with node groups,
+    one more pass per (replica choice, room left in the suffix's first group)."""
+    P = _group_size(c)
     iters = cells = 0
     for v in c.variants:
-        k = int((c.rs * v.tp <= c.D).sum())
-        if k:
-            iters += c.L
-            cells += k * c.L * (c.L + 1) // 2 * (c.D + 1)
+        dd = c.rs[c.rs * v.tp <= c.D] * v.tp
+        if len(dd):
+            rows = len(dd) + sum(int((dd + e <= P).sum()) for e in range(1, P))
+            iters += c.L * (1 + sum(1 for e in range(1, P) if (dd + e <= P).any()))
+            cells += rows * c.L * (c.L + 1) // 2 * (c.D + 1)
     return int(DP_ITER_WORK * iters + DP_CELL_WORK * cells) + 1
 
 
@@ -403,7 +497,31 @@ def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4, max_steps
 
     `lower_ms`: a time no plan beats (the bisection starts there; the result stays a bound).
     `max_work`: the bisection stops when its next step and the final plan would pass it; the
-    bound is then the largest time found infeasible, still a bound, only a looser one."""
+    bound is then the largest time found infeasible, still a bound, only a looser one.
+
+    With node groups (`c.grouped`), the cheaper DP without them bisects first; its time is a
+    bound for the grouped DP too, which then bisects only above it, if at all."""
+    from dataclasses import replace
+
+    P = _group_size(c)
+    if P == 1:
+        return _bisect(c, upper_ms, rel_tol, max_steps, lower_ms, max_work)
+    found, spent = _bisect(replace(c, grouped=False), upper_ms, rel_tol, max_steps, lower_ms, max_work)
+    if found is None or spent + 2 * dp_work(c) > max_work:
+        return found, spent
+    T = found.bound_ms * (1 + rel_tol)  # the grouped DP's plan where the flat one is feasible
+    spent += dp_work(c)
+    if feasible(c, T):
+        plan = _plan_at(c, T)
+        assert plan is not None
+        return BoundPlan(found.bound_ms, *plan), spent + dp_work(c)
+    more, used = _bisect(c, upper_ms, rel_tol, max_steps, T, max_work - spent, lower_fails=True)
+    return (more if more is not None else found), spent + used
+
+
+def _bisect(c: Conditions, upper_ms: float, rel_tol: float, max_steps: int, lower_ms: float,
+            max_work: float, lower_fails: bool = False) -> tuple[BoundPlan | None, int]:
+    """`lower_fails`: `lower_ms` is known infeasible (not tested again)."""
     step = dp_work(c)
     spent = 0
 
@@ -420,7 +538,7 @@ def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4, max_steps
             return None, spent
         hi = hi2
     lo = min(max(total, lower_ms), hi)  # one microbatch through the whole model, fastest device
-    if lo == hi or test(lo):
+    if lo == hi or (not lower_fails and test(lo)):
         plan = _plan_at(c, lo)
         assert plan is not None
         return BoundPlan(lo, *plan), spent + step
