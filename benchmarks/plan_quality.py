@@ -99,6 +99,19 @@ def least_memory_gb(profile: Profile, cluster: dict, options: PlanOptions, b: in
     return hi
 
 
+# The least memory of each tight instance, kept between runs: its bisection runs the DP some
+# twenty times, minutes for the largest profiles on 128 devices (nasnetalarge, chain1000)
+LEAST_MEMORY_CACHE = ROOT / "benchmarks/results/plan_quality_least_memory.json"
+
+
+def cached_least_memory(cache: dict[str, float], pname: str, cname: str, profile: Profile,
+                        options: PlanOptions, b: int) -> float:
+    key = f"{pname}/{cname}/{options.optimizer}/{options.global_batch}/{b}"
+    if key not in cache:
+        cache[key] = least_memory_gb(profile, CLUSTERS[cname], options, b)
+    return cache[key]
+
+
 # ---------------------------------------------------------------- the independent search
 
 
@@ -268,7 +281,12 @@ def main() -> None:
     ap.add_argument("--schedules", default="",
                     help="also plan with these schedules (e.g. zb-h1,gpipe,auto)")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/plan_quality.json"))
+    ap.add_argument("--memory-cache", default=str(LEAST_MEMORY_CACHE),
+                    help="JSON of the tight instances' least memory, read and extended ('' for none)")
     args = ap.parse_args()
+    cache_path = Path(args.memory_cache) if args.memory_cache else None
+    cache: dict[str, float] = json.loads(cache_path.read_text()) \
+        if cache_path is not None and cache_path.exists() else {}
     only = [x for x in args.only.split(",") if x]
     rows = []
     out = Path(args.output)
@@ -291,7 +309,7 @@ def main() -> None:
                     if mem == "generous":
                         gbytes = 80.0
                     else:
-                        gbytes = 1.2 * min(least_memory_gb(profile, CLUSTERS[cname], base, b)
+                        gbytes = 1.2 * min(cached_least_memory(cache, pname, cname, profile, base, b)
                                            for b in sizes)
                     cluster = Cluster(**CLUSTERS[cname], device_memory_gb=gbytes)
                     name = f"{pname}/{cname}/{mem}/{mb}"
@@ -307,6 +325,8 @@ def main() -> None:
                             if row.get("planner_ms") is not None else None)
                     rows.append(row)
                     out.write_text(json.dumps(rows, indent=1))
+                    if cache_path is not None and cache:
+                        cache_path.write_text(json.dumps(dict(sorted(cache.items())), indent=1))
 
                     def f(x: object, fmt: str = "10.2f") -> str:
                         return format(x, fmt) if isinstance(x, float) else format(str(x), ">" + fmt.split(".")[0])

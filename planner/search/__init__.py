@@ -10,7 +10,11 @@ Per microbatch size:
 then a deterministic local search from the seeds (`local.py`, budget in simulated actions); on
 clusters of several nodes, the best plan's stages placed anew: every node placement on small
 clusters, and CP-SAT's placement that moves the fewest bytes across nodes (`planner.cpsat`). The plan returned is the best under `evaluate()`; its bound is the smallest
-of the per-size bounds, so it holds for every microbatch size tried.
+of the per-size bounds, so it holds for every microbatch size tried. Each per-size bound is
+then tightened (`bound.tighten`: the cross-stage conditions, between it and the plan found)
+on TIGHTEN_SHARE more work: the plan is already chosen, so this only moves the bound. Where
+the DP was too large to bisect before the search and nothing found fits memory, the search
+runs once more from the DP's memory-safe plan (`_memory_rescue`).
 
 Same input, same plan: every step is deterministic and budgeted by work, not time (the
 bound's bisections count their DP cells, `bound.dp_work`, and take at most a third of the budget;
@@ -34,11 +38,14 @@ from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
 from planner.search.bound import (
     BoundPlan,
+    Conditions,
     conditions,
     dp_work,
     hop_bytes,
     lower_bound,
+    plan_at,
     safe_conditions,
+    tighten,
 )
 from planner.search.diagnose import check_transfers, infeasible_error
 from planner.search.large import dp_lower_bound
@@ -59,6 +66,7 @@ __all__ = ["solve", "solve_detailed"]
 # work, not on the clock
 WORK_PER_SECOND = 140_000
 DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
+TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound (plans unchanged)
 DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
 OPTIMAL_GAP = 1e-6
 
@@ -105,20 +113,22 @@ def needs_recompute_variant(table: LayerTable, cluster: Cluster, options: PlanOp
 
 def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
               hops, upper_ms: float, lower_ms: float, degrees: tuple[int, ...], work: float
-              ) -> tuple[list[BoundPlan | None], int]:
+              ) -> tuple[list[BoundPlan | None], int, Conditions | None, bool]:
     """[the bound and its plan, and where memory binds or TP is allowed, plans that fit
     memory as the simulator counts it (seeds, not bounds)]; [] where the DP is not run. The
-    bisections share `work` (the main bound first), and the work they spent comes back."""
+    bisections share `work` (the main bound first), and the work they spent comes back, with
+    the conditions (for `tighten` after the search, also where the DP was too large to
+    bisect: tightening may still afford a step or two) and whether the DP was bisected."""
     if options.objective != "iteration":
-        return [], 0
+        return [], 0, None, False
     rc = needs_recompute_variant(table, cluster, options, b)
     c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
                    hops, degrees, rc)
     if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS \
             or 3 * dp_work(replace(c, grouped=False)) > work:  # too large, or not three steps to spend
         if len(c.variants) > 1 or options.schedule == "zb-h1":
-            return [], 0  # the layer-only DP knows neither TP, recomputation nor B / W
-        return [dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)], 0
+            return [], 0, c, False  # the layer-only DP knows neither TP, recomputation nor B / W
+        return [dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3)], 0, c, False
     main, spent = lower_bound(c, upper_ms=upper_ms, lower_ms=lower_ms, max_work=work)
     out = [main]
     if rc or len(degrees) > 1:  # memory binds somewhere, or TP stages cannot recompute
@@ -131,7 +141,32 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
                                       max_work=share)
             out.append(found)
             spent += used
-    return out, spent
+    return out, spent, c, True
+
+
+def _memory_rescue(table: LayerTable, cluster: Cluster, options: PlanOptions, sizes: list[int],
+                   hops, ev: Evaluator, max_work: int) -> tuple[list[Structure], int]:
+    """Where the round-trip DP was too large to bisect and nothing the search found fits
+    memory: per microbatch size, the plan of that DP with memory priced as the simulator
+    counts it (`safe_conditions`) and no time condition, one DP each (not run where one would
+    cost more than `max_work`), and the work spent. It fits, so a second search starts from a
+    plan that does; only then, so the plans of every other instance are unchanged."""
+    out: list[Structure] = []
+    work = 0
+    for b in sizes:
+        c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
+                       hops, ev.degrees, needs_recompute_variant(table, cluster, options, b))
+        for degree in sorted(set(ev.degrees)):
+            safe = safe_conditions(c, degree if len(ev.degrees) > 1 else None)
+            if safe is None or work + dp_work(safe) > max_work:
+                continue
+            work += dp_work(safe)
+            found = plan_at(safe, math.inf)
+            if found is not None:
+                bounds, reps, tps, _ = found
+                out.append(Structure(b, bounds, reps, 0).with_stages(bounds, reps, tps))
+                break
+    return out, work
 
 
 def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
@@ -249,6 +284,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     seeds: list[Structure] = []
     fallbacks: list[tuple[Score, Candidate]] = []  # baselines exactly as they place themselves
     bounds: dict[int, float] = {}
+    conds: dict[int, Conditions | None] = {}
+    bisected = True  # the round-trip DP bisected for every size (else the rescue below may run)
     total_work = int(WORK_PER_SECOND * options.time_limit_s)
     dp_allowance, dp_spent = DP_SHARE * total_work, 0  # the bound's bisections, over every size
     for k, b in enumerate(sizes):
@@ -263,8 +300,9 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             if score.fits:
                 upper = min(upper, score.objective_ms)
         simple = _simple_bound(table, cluster, options, b, ev.degrees)
-        found, used = _dp_bound(table, cluster, options, b, hops, upper, simple, ev.degrees,
-                                (dp_allowance - dp_spent) / (len(sizes) - k))
+        found, used, conds[b], done = _dp_bound(table, cluster, options, b, hops, upper, simple,
+                                                ev.degrees, (dp_allowance - dp_spent) / (len(sizes) - k))
+        bisected &= done
         dp_spent += used
         bp = found[0] if found else None
         bounds[b] = max(bp.bound_ms if bp else 0.0, simple)
@@ -292,12 +330,35 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     for s, c in fallbacks:
         if s.better_than(best_s):
             best_s, cand = s, c
+    if (cand is None or best_s is None or not best_s.fits) and not bisected \
+            and options.objective == "iteration":
+        # nothing found fits, and the bound's DP did not run to give a plan that does: search
+        # once more, from that DP's plan with memory priced as the simulator counts it, on half
+        # the budget again (so planning takes up to 1.5x the usual work, only here)
+        rescued, used = _memory_rescue(table, cluster, options, sizes, hops, ev, 4 * total_work)
+        dp_spent += used
+        if rescued:
+            more = total_work // 2
+            ev.work_limit = ev.work + int(1.3 * more)
+            got, got_s = iterated_search(rescued, ev, table, D,
+                                         Budget(ev.work + more, time.perf_counter() + options.time_limit_s / 2),
+                                         options.seed)
+            if got is not None and got_s is not None and got_s.fits:
+                best_s, cand = ev.scored(got)
     if cand is None or best_s is None or not best_s.fits:
         err = infeasible_error(table, cluster, options, sizes, ev)
         err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound
         raise err
-    bound = min(bounds.values())
     obj = best_s.objective_ms
+    tighten_work = 0  # the bounds once more, with the cross-stage conditions (bound.tighten)
+    todo = [b for b in sizes if conds.get(b) is not None and bounds[b] < obj * (1 - OPTIMAL_GAP)]
+    for k, b in enumerate(todo):
+        share = (TIGHTEN_SHARE * total_work - tighten_work) / (len(todo) - k)
+        got, used = tighten(conds[b], bounds[b], obj, share, deadline=deadline,  # type: ignore[arg-type]
+                            upper_feasible=b == cand.microbatch_size)
+        bounds[b] = max(bounds[b], got)
+        tighten_work += used
+    bound = min(bounds.values())
     if options.objective != "iteration":
         bound = 0.0
     bound = min(bound, obj)
@@ -305,7 +366,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     info: dict[str, object] = {
         "name": "cpsat", "status": "OPTIMAL" if gap <= OPTIMAL_GAP else "FEASIBLE",
         "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
-        "evaluations": ev.evaluations, "work": ev.work + dp_spent, "bound_work": dp_spent,
+        "evaluations": ev.evaluations, "work": ev.work + dp_spent + tighten_work,
+        "bound_work": dp_spent + tighten_work,
         "bound_by_microbatch": {str(k): v for k, v in bounds.items()},
         "schedule": options.schedule,
     }

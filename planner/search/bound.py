@@ -26,11 +26,20 @@ carries the devices of the suffix's first group (at most a node's), and a stage 
 a fast link only if it fits, else it starts a group of its own behind a slow link. Every
 placement is one path of this DP. (Without groups a hop was fast whenever its stage and one
 more device fit a node: 4 stages of 1 device on 4 x 4 devices then never crossed a node; that
-cheaper DP bisects first, and its bound is where the grouped one starts.) In a DAG, a tensor
-sent past the next stage adds its own round trip (`skip_round_trips`). RT_{k+1} only makes
+cheaper DP bisects first, and its bound is where the grouped one starts.) RT_{k+1} only makes
 the conditions of stage k harder, so the smallest suffix round trip is all the DP keeps per
 (i, devices, group): the DP is exact for these conditions, bisection on T gives the smallest
 T some split and replica vector satisfies, and that split is a candidate plan as well.
+
+After the search, `tighten` bisects once more between that bound and the best plan found,
+with two cross-stage conditions (`Conditions.cross_stage`): a stage's last backward ends no
+earlier than its successor's plus the hop back and its own B, Z_k >= max(H(i) + its own busy
+time, Z_{k+1} + x_k + B_k), and Z_k + max(Tl(i), AR) <= T (a replicated stage cannot start a
+long all-reduce before the slowest stage after it has done every microbatch; the DP keeps
+the smallest Z of a suffix beside its smallest round trip, each minimised on its own); and in
+a DAG, a tensor sent past the next stage adds its own round trip (`skip_round_trips`). They
+stay out of the first bisection, whose plans seed the search: a different seed moves where
+the local search ends, better on some instances and worse on others.
 
 A stage may run in several ways (`Variant`): at any TP degree the search may use (the shard's
 measured time plus its TP all-reduces, the shard's bytes) and, where memory binds, recomputed
@@ -135,6 +144,12 @@ class Conditions:
     # are faster, and 2-5x the work of a DP that prices a hop fast whenever its stage and one
     # more device fit in a node
     grouped: bool = False
+    # the cross-stage conditions (`tighten`): each stage's last backward after its
+    # successor's, and a DAG's tensors sent past the next stage (`skip_ms`). Off in the
+    # bisection whose plans seed the search (its plans are those the search was tuned on:
+    # any change of seed moves where the local search ends, both ways), on when the bound is
+    # tightened after the search
+    cross_stage: bool = False
 
     @property
     def tmax(self) -> int:
@@ -307,6 +322,11 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     P = _group_size(c)
     g = np.full((L + 1, D + 1, P + 1), np.inf)
     g[L, 0, 0] = 0.0
+    # with c.cross_stage, z[i, d, e]: the earliest the suffix's first stage can end its last
+    # backward (from the start of the iteration), minimised on its own beside g
+    z = np.full((L + 1, D + 1, P + 1), np.inf)
+    z[L, 0, 0] = -np.inf
+    zb_on = c.cross_stage
     choice = {} if want_plan else None
     dvec = np.arange(D + 1, dtype=float)
     zb = c.schedule == "zb-h1"
@@ -356,7 +376,10 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         gj = g[j]  # (J, D+1, P+1)
         gj_any = gj.min(axis=2)  # a slow hop into the suffix: its group does not matter
         gj_arg = gj.argmin(axis=2)
+        zj = z[j]
+        zj_any = zj.min(axis=2)
         best = np.full((D + 1, P + 1), np.inf)
+        best_z = np.full((D + 1, P + 1), np.inf)
         for v, rs, n, dd, flat_link, ar_gbps, valid, idx, w, inflight in per_variant:
             if len(rs) == 0:
                 continue
@@ -384,18 +407,20 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
             # suffix whose first group has room for this stage.
             rows_all = np.arange(len(rs))
             moves = [(rows_all, np.where(valid[:, None, :], gj_any[:, idx].transpose(1, 0, 2), np.inf),
-                      flat_link if P == 1 else np.zeros(len(rs), dtype=int), np.minimum(dd, P), None)]
+                      zj_any[:, idx].transpose(1, 0, 2) if zb_on else None, flat_link if P == 1 else np.zeros(len(rs), dtype=int), np.minimum(dd, P), None)]
             for e_next in range(1, P):
                 rows = np.nonzero(dd + e_next <= P)[0]
                 if len(rows):
                     moves.append((rows, np.where(valid[rows][:, None, :],
                                                  gj[:, idx[rows], e_next].transpose(1, 0, 2), np.inf),
+                                  zj[:, idx[rows], e_next].transpose(1, 0, 2) if zb_on else None,
                                   np.ones(len(rows), dtype=int), dd[rows] + e_next, e_next))
-            for rows, nxt, fast, e_new, e_next in moves:
+            for rows, nxt, nxt_z, fast, e_new, e_next in moves:
                 nn, ww = n[rows], w[rows]
                 hop = c.hop_ms[fast, i][:, j]  # (rows, J)
-                rt = (fwd + crit)[None, :, None] + np.maximum(
-                    np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt, skip[None, :, None])
+                rt = (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt
+                if zb_on:  # (kept apart: the same sums as without, to the last bit)
+                    rt = np.maximum(rt, (fwd + crit)[None, :, None] + skip[None, :, None])
                 # the busiest replica's n microbatches, with its round trips (module docstring);
                 # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
                 rounds = np.floor((nn - 1) / ww)  # groups of w before the last forward
@@ -408,6 +433,14 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                 into = (e_new + 1 <= P).astype(int) if P > 1 else fast
                 t_stage = H[into][:, None, None] + np.maximum(crit_busy + Tl[into][:, None, None],
                                                               full_busy + ar[rows][:, :, None])
+                if zb_on:
+                    # this stage's last B: after its own n microbatches and after its
+                    # successor's last B (that microbatch's gradient comes back); then the
+                    # backward of the layers before it, and its all-reduce
+                    end_b = np.maximum(H[into][:, None, None] + crit_busy,
+                                       nxt_z + np.where(last_j, hop[:, :, None], 0.0) + c2)
+                    t_stage = np.maximum(t_stage, end_b + np.maximum(Tl[into][:, None, None],
+                                                                     ar[rows][:, :, None]))
                 ok = (t_stage <= T) & mem_ok[rows] & np.isfinite(nxt)
                 val = np.where(ok, rt, np.inf)
                 for e in np.unique(e_new):  # fold into best[:, e]: replica-major, then j
@@ -423,7 +456,11 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                             nxt_e = e_next if e_next is not None else int(gj_arg[jj, int(idx[r, d])])
                             choice[(i, int(d), int(e))] = (int(j[jj]), int(rs[r]), v.tp, v.recompute, nxt_e)
                     best[:, e] = np.where(better, vbest, best[:, e])
+                    if zb_on:
+                        best_z[:, e] = np.minimum(best_z[:, e],
+                                                  np.where(ok, end_b, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
         g[i] = best
+        z[i] = best_z
     return g, choice
 
 
@@ -441,7 +478,7 @@ def m_of(c: Conditions) -> int:
     return c.m
 
 
-def _plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
+def plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
     with np.errstate(invalid="ignore"):
         g, choice = _suffix_dp(c, T, want_plan=True)
     finite = np.nonzero(np.isfinite(g[0]).any(axis=1))[0]
@@ -512,7 +549,7 @@ def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4, max_steps
     T = found.bound_ms * (1 + rel_tol)  # the grouped DP's plan where the flat one is feasible
     spent += dp_work(c)
     if feasible(c, T):
-        plan = _plan_at(c, T)
+        plan = plan_at(c, T)
         assert plan is not None
         return BoundPlan(found.bound_ms, *plan), spent + dp_work(c)
     more, used = _bisect(c, upper_ms, rel_tol, max_steps, T, max_work - spent, lower_fails=True)
@@ -539,7 +576,7 @@ def _bisect(c: Conditions, upper_ms: float, rel_tol: float, max_steps: int, lowe
         hi = hi2
     lo = min(max(total, lower_ms), hi)  # one microbatch through the whole model, fastest device
     if lo == hi or (not lower_fails and test(lo)):
-        plan = _plan_at(c, lo)
+        plan = plan_at(c, lo)
         assert plan is not None
         return BoundPlan(lo, *plan), spent + step
     for _ in range(max_steps):
@@ -550,11 +587,58 @@ def _bisect(c: Conditions, upper_ms: float, rel_tol: float, max_steps: int, lowe
             hi = mid
         else:
             lo = mid
-    plan = _plan_at(c, hi)
+    plan = plan_at(c, hi)
     assert plan is not None
     return BoundPlan(lo, *plan), spent + step
 
 
-__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound",
+def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
+            rel_tol: float = 1e-4, deadline: float = math.inf, upper_feasible: bool = False
+            ) -> tuple[float, int]:
+    """A bound at least `lower_ms` (a bound of `c`) from the DP with the cross-stage
+    conditions as well, bisected between `lower_ms` and `upper_ms` (the best plan found) within
+    `max_work`, first just below `upper_ms` where the gap is under PROBE_GAP (a small gap is
+    proven in a step or two); and the work spent. `upper_ms` itself when no plan of `c` is that fast (not tested when
+    `upper_feasible`: a plan of `c` takes that long). Stops at `deadline`
+    (`time.perf_counter()`), the wall-clock safety net, with the bound so far. Node groups
+    only where four steps of them fit `max_work` (they cost 2-9x)."""
+    import time
+    from dataclasses import replace
+
+    cz = replace(c, cross_stage=True)
+    step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
+    if c.grouped and 4 * step > max_work:
+        cz = replace(cz, grouped=False)
+        step = int(dp_work(cz) * LAST_BACKWARD_WORK) + 1
+    spent = 0
+    lo, hi = lower_ms, upper_ms
+    if hi <= lo or not math.isfinite(hi):
+        return lo, 0
+    probes = [1e-3, 1e-2]
+    first = not upper_feasible
+    while hi - lo > rel_tol * hi and spent + step <= max_work and time.perf_counter() < deadline:
+        mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
+        if first:
+            mid = hi  # no plan of this microbatch size may be as fast as the best found
+            first = False
+        elif hi - lo < PROBE_GAP * hi:  # a small gap: first just below the plan
+            while probes:
+                near = hi * (1 - probes.pop(0))
+                if near > mid:
+                    mid = near
+                    break
+        spent += step
+        if feasible(cz, mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo, spent
+
+
+LAST_BACKWARD_WORK = 1.3  # a DP with the cross-stage conditions, against one without
+PROBE_GAP = 0.1  # below this gap `tighten` probes just below the plan first, above it bisects
+
+
+__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
            "replica_choices", "transfer_ms"]
 
