@@ -334,8 +334,10 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             and options.objective == "iteration":
         # nothing found fits, and the bound's DP did not run to give a plan that does: search
         # once more, from that DP's plan with memory priced as the simulator counts it, on half
-        # the budget again (so planning takes up to 1.5x the usual work, only here)
-        rescued, used = _memory_rescue(table, cluster, options, sizes, hops, ev, 4 * total_work)
+        # the budget again; the DP itself only where it costs at most the budget (a longer
+        # --time-limit lets it run on larger instances). Only here: planning then takes up to
+        # 2.5x the usual work
+        rescued, used = _memory_rescue(table, cluster, options, sizes, hops, ev, total_work)
         dp_spent += used
         if rescued:
             more = total_work // 2
