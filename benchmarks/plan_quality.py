@@ -245,6 +245,7 @@ def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOpt
                     p.join()
         row["same_plan_on_rerun"] = plan_key(again) == plan_key(plan) and \
             again.predicted.iteration_ms == plan.predicted.iteration_ms
+        row["same_bound_on_rerun"] = again.solver.bound == plan.solver.bound
     except PipeplanError as exc:
         row.update(planner_error=str(exc), wall_s=time.perf_counter() - t0)
     for method in BASELINES:
@@ -348,11 +349,12 @@ def summarize(rows: list[dict]) -> None:
     gap1 = [r for r in solved if r["gap"] is not None and r["gap"] <= 0.01]
     beaten = [r for r in solved if r.get("planner_vs_best_other", -1) > 0.001]
     same = [r for r in solved if r.get("same_plan_on_rerun")]
+    same_bound = [r for r in solved if r.get("same_bound_on_rerun")]
     idle = [r for r in solved if r.get("idle_stages")]
     missing = [r for r in rows if r.get("planner_ms") is None and r.get("best_other") is not None]
     print(f"\n{n} instances: plan found {len(solved)}; gap <= 1 %: {len(gap1)} "
           f"({100 * len(gap1) / max(n, 1):.0f} %); beaten by > 0.1 %: {len(beaten)}; "
-          f"same plan on rerun: {len(same)}; with a 0-ms stage: {len(idle)}; no plan where another "
+          f"same plan on rerun: {len(same)} (same bound: {len(same_bound)}); with a 0-ms stage: {len(idle)}; no plan where another "
           f"method found one: {len(missing)}")
     for r in beaten:
         print(f"  beaten: {r['instance']}: planner {r['planner_ms']:.2f} vs {r['best_other']:.2f}")
