@@ -144,20 +144,19 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
     return out, spent, c, True
 
 
-def _memory_rescue(table: LayerTable, cluster: Cluster, options: PlanOptions, sizes: list[int],
-                   hops, ev: Evaluator, max_work: int) -> tuple[list[Structure], int]:
+def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_work: int
+                   ) -> tuple[list[Structure], int]:
     """Where the round-trip DP was too large to bisect and nothing the search found fits
-    memory: per microbatch size, the plan of that DP with memory priced as the simulator
-    counts it (`safe_conditions`) and no time condition, one DP each (not run where one would
-    cost more than `max_work`), and the work spent. It fits, so a second search starts from a
-    plan that does; only then, so the plans of every other instance are unchanged."""
+    memory: per microbatch size, the plan of that DP (`conds`, as `_dp_bound` built it) with
+    memory priced as the simulator counts it (`safe_conditions`) and no time condition, one DP
+    each (not run where one would cost more than `max_work`), and the work spent. It fits, so
+    a second search starts from a plan that does; only then, so the plans of every other
+    instance are unchanged."""
     out: list[Structure] = []
     work = 0
-    for b in sizes:
-        c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
-                       hops, ev.degrees, needs_recompute_variant(table, cluster, options, b))
-        for degree in sorted(set(ev.degrees)):
-            safe = safe_conditions(c, degree if len(ev.degrees) > 1 else None)
+    for b, c in conds.items():
+        for degree in sorted(set(degrees)):
+            safe = safe_conditions(c, degree if len(degrees) > 1 else None)
             if safe is None or work + dp_work(safe) > max_work:
                 continue
             work += dp_work(safe)
@@ -338,7 +337,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         # --time-limit lets it run on larger instances). Only here, planning may take up to
         # ~3x --time-limit (nasnetalarge, 1250 layers on 128 devices: 29 s for 10 s): a plan
         # late is worth more than "does not fit" when one does
-        rescued, used = _memory_rescue(table, cluster, options, sizes, hops, ev, 4 * total_work)
+        rescued, used = _memory_rescue({b: c for b, c in conds.items() if c is not None},
+                                       ev.degrees, 4 * total_work)
         dp_spent += used
         if rescued:
             more = total_work // 2

@@ -53,7 +53,8 @@ place of the backward and its W's added to the stage's work.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -326,7 +327,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     # backward (from the start of the iteration), minimised on its own beside g
     z = np.full((L + 1, D + 1, P + 1), np.inf)
     z[L, 0, 0] = -np.inf
-    zb_on = c.cross_stage
+    cross = c.cross_stage
     choice = {} if want_plan else None
     dvec = np.arange(D + 1, dtype=float)
     zb = c.schedule == "zb-h1"
@@ -407,19 +408,19 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
             # suffix whose first group has room for this stage.
             rows_all = np.arange(len(rs))
             moves = [(rows_all, np.where(valid[:, None, :], gj_any[:, idx].transpose(1, 0, 2), np.inf),
-                      zj_any[:, idx].transpose(1, 0, 2) if zb_on else None, flat_link if P == 1 else np.zeros(len(rs), dtype=int), np.minimum(dd, P), None)]
+                      zj_any[:, idx].transpose(1, 0, 2) if cross else None, flat_link if P == 1 else np.zeros(len(rs), dtype=int), np.minimum(dd, P), None)]
             for e_next in range(1, P):
                 rows = np.nonzero(dd + e_next <= P)[0]
                 if len(rows):
                     moves.append((rows, np.where(valid[rows][:, None, :],
                                                  gj[:, idx[rows], e_next].transpose(1, 0, 2), np.inf),
-                                  zj[:, idx[rows], e_next].transpose(1, 0, 2) if zb_on else None,
+                                  zj[:, idx[rows], e_next].transpose(1, 0, 2) if cross else None,
                                   np.ones(len(rows), dtype=int), dd[rows] + e_next, e_next))
             for rows, nxt, nxt_z, fast, e_new, e_next in moves:
                 nn, ww = n[rows], w[rows]
                 hop = c.hop_ms[fast, i][:, j]  # (rows, J)
                 rt = (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt
-                if zb_on:  # (kept apart: the same sums as without, to the last bit)
+                if cross:  # (kept apart: the same sums as without, to the last bit)
                     rt = np.maximum(rt, (fwd + crit)[None, :, None] + skip[None, :, None])
                 # the busiest replica's n microbatches, with its round trips (module docstring);
                 # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
@@ -433,7 +434,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                 into = (e_new + 1 <= P).astype(int) if P > 1 else fast
                 t_stage = H[into][:, None, None] + np.maximum(crit_busy + Tl[into][:, None, None],
                                                               full_busy + ar[rows][:, :, None])
-                if zb_on:
+                if cross:
                     # this stage's last B: after its own n microbatches and after its
                     # successor's last B (that microbatch's gradient comes back); then the
                     # backward of the layers before it, and its all-reduce
@@ -456,7 +457,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                             nxt_e = e_next if e_next is not None else int(gj_arg[jj, int(idx[r, d])])
                             choice[(i, int(d), int(e))] = (int(j[jj]), int(rs[r]), v.tp, v.recompute, nxt_e)
                     best[:, e] = np.where(better, vbest, best[:, e])
-                    if zb_on:
+                    if cross:
                         best_z[:, e] = np.minimum(best_z[:, e],
                                                   np.where(ok, end_b, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
         g[i] = best
@@ -592,19 +593,20 @@ def _bisect(c: Conditions, upper_ms: float, rel_tol: float, max_steps: int, lowe
     return BoundPlan(lo, *plan), spent + step
 
 
+LAST_BACKWARD_WORK = 1.3  # a DP with the cross-stage conditions, against one without
+PROBE_GAP = 0.1  # below this gap `tighten` probes just below the plan first, above it bisects
+
+
 def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
             rel_tol: float = 1e-4, deadline: float = math.inf, upper_feasible: bool = False
             ) -> tuple[float, int]:
     """A bound at least `lower_ms` (a bound of `c`) from the DP with the cross-stage
     conditions as well, bisected between `lower_ms` and `upper_ms` (the best plan found) within
     `max_work`, first just below `upper_ms` where the gap is under PROBE_GAP (a small gap is
-    proven in a step or two); and the work spent. `upper_ms` itself when no plan of `c` is that fast (not tested when
-    `upper_feasible`: a plan of `c` takes that long). Stops at `deadline`
+    proven in a step or two); and the work spent. `upper_ms` itself when no plan of `c` is
+    that fast (not tested when `upper_feasible`: a plan of `c` takes that long). Stops at `deadline`
     (`time.perf_counter()`), the wall-clock safety net, with the bound so far. Node groups
     only where four steps of them fit `max_work` (they cost 2-9x)."""
-    import time
-    from dataclasses import replace
-
     cz = replace(c, cross_stage=True)
     step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
     if c.grouped and 4 * step > max_work:
@@ -633,10 +635,6 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
         else:
             lo = mid
     return lo, spent
-
-
-LAST_BACKWARD_WORK = 1.3  # a DP with the cross-stage conditions, against one without
-PROBE_GAP = 0.1  # below this gap `tighten` probes just below the plan first, above it bisects
 
 
 __all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
