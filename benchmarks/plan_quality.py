@@ -288,6 +288,7 @@ def main() -> None:
     cache_path = Path(args.memory_cache) if args.memory_cache else None
     cache: dict[str, float] = json.loads(cache_path.read_text()) \
         if cache_path is not None and cache_path.exists() else {}
+    cached = len(cache)
     only = [x for x in args.only.split(",") if x]
     rows = []
     out = Path(args.output)
@@ -326,8 +327,9 @@ def main() -> None:
                             if row.get("planner_ms") is not None else None)
                     rows.append(row)
                     out.write_text(json.dumps(rows, indent=1))
-                    if cache_path is not None and cache:
+                    if cache_path is not None and len(cache) > cached:  # only when it grew
                         cache_path.write_text(json.dumps(dict(sorted(cache.items())), indent=1))
+                        cached = len(cache)
 
                     def f(x: object, fmt: str = "10.2f") -> str:
                         return format(x, fmt) if isinstance(x, float) else format(str(x), ">" + fmt.split(".")[0])
