@@ -595,6 +595,85 @@ def _bisect(c: Conditions, upper_ms: float, rel_tol: float, max_steps: int, lowe
 
 LAST_BACKWARD_WORK = 1.3  # a DP with the cross-stage conditions, against one without
 PROBE_GAP = 0.1  # below this gap `tighten` probes just below the plan first, above it bisects
+PROOF_GAP = 0.0099  # the gap issue 10 asks to prove (1 %), a hair inside it
+
+
+def _steps_to_prove(lo: float, hi: float) -> int:
+    """Geometric bisection steps from [lo, hi] until the interval is within PROOF_GAP."""
+    if lo <= 0:
+        return 64
+    ratio = math.log(hi / lo)
+    target = -math.log1p(-PROOF_GAP)
+    return 0 if ratio <= target else math.ceil(math.log2(ratio / target))
+
+
+def restrict(c: Conditions, cuts: np.ndarray) -> Conditions:
+    """`c` with stage boundaries only at `cuts` (sorted layer indices from 0 to L): a
+    restriction, not a relaxation. Every plan of it is a plan of `c` meeting the same
+    conditions, so where it is feasible at T, `c` is too: its smallest feasible T is an upper
+    estimate of `c`'s, at about (len(cuts) / L)^2 of the work."""
+    vs = tuple(Variant(v.tp, v.recompute, v.Fp[cuts], v.Bp[cuts], v.Pp[cuts], v.Ap[cuts])
+               for v in c.variants)
+    return replace(
+        c, L=len(cuts) - 1, variants=vs, Cp=c.Cp[cuts], Wshare_num=c.Wshare_num[cuts],
+        Wshare_den=c.Wshare_den[cuts], HF=c.HF[cuts], HB=c.HB[cuts], kept_lo=c.kept_lo[cuts],
+        layer_act=np.maximum.reduceat(c.layer_act, cuts[:-1]), hop_ms=c.hop_ms[:, cuts][:, :, cuts],
+        into_ms=c.into_ms[:, cuts], skip_ms=c.skip_ms[np.ix_(cuts, cuts)])
+
+
+COARSE_SHARE = 0.25  # of `tighten`'s work at most for the coarse bisections of a scarce budget
+COARSE_STEPS = 10  # per grid
+NEAR_ABOVE = 0.05  # a restricted DP with a plan this close above the plan found is informative
+
+
+def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: float
+            ) -> tuple[float, int, bool]:
+    """Where `tighten` affords few steps: an upper estimate of the smallest feasible T of `cz`
+    (`hi` itself if none below it is found), the work spent, and whether the estimate is
+    informative: a restricted DP has a plan at most NEAR_ABOVE above `hi`. (Cut only every k
+    layers, a DP may have none at any time when memory is tight; that says nothing about
+    `cz`.) Bisects `cz` restricted to every k-th layer (`restrict`, the smallest k whose
+    COARSE_STEPS steps fit half of `allowed`), then to that grid plus every layer within k of
+    the boundaries of the plan it found, where the plans of `cz` near that time cut."""
+    L = cz.L
+    k = 2
+    while L // k >= 2:
+        cuts = np.unique(np.r_[np.arange(0, L, k), L])
+        cc = restrict(cz, cuts)
+        cstep = int(dp_work(cc) * LAST_BACKWARD_WORK) + 1
+        if 2 * COARSE_STEPS * cstep <= allowed:
+            break
+        k *= 2
+    else:
+        return hi, 0, False
+    spent = cstep
+    ceiling = hi * (1 + NEAR_ABOVE)
+    if time.perf_counter() >= deadline or not feasible(cc, ceiling):
+        return hi, spent, False
+
+    def bisect(cc: Conditions, cstep: int) -> float:
+        """The least feasible time found on one grid, from `ceiling` down (a time infeasible
+        on one grid may not be on a finer one, so each grid starts from `lo` again)."""
+        nonlocal spent
+        top, low = ceiling, lo
+        for _ in range(COARSE_STEPS):
+            if top - low <= 1e-3 * top or spent + cstep > allowed or time.perf_counter() >= deadline:
+                break
+            mid = math.sqrt(low * top) if low > 0 else top / 2
+            spent += cstep
+            if feasible(cc, mid):
+                top = mid
+            else:
+                low = mid
+        return top
+
+    top = bisect(cc, cstep)
+    plan = plan_at(cc, top)
+    if plan is not None:
+        near = [np.arange(max(0, b - k + 1), min(L, b + k)) for b in cuts[list(plan[0][1:-1])]]
+        fine = restrict(cz, np.unique(np.concatenate([cuts, *near])))
+        top = min(top, bisect(fine, int(dp_work(fine) * LAST_BACKWARD_WORK) + 1))
+    return min(hi, top), spent, True
 
 
 def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
@@ -602,11 +681,17 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
             ) -> tuple[float, int]:
     """A bound at least `lower_ms` (a bound of `c`) from the DP with the cross-stage
     conditions as well, bisected between `lower_ms` and `upper_ms` (the best plan found) within
-    `max_work`, first just below `upper_ms` where the gap is under PROBE_GAP (a small gap is
-    proven in a step or two); and the work spent. `upper_ms` itself when no plan of `c` is
-    that fast (not tested when `upper_feasible`: a plan of `c` takes that long). Stops at `deadline`
-    (`time.perf_counter()`), the wall-clock safety net, with the bound so far. Node groups
-    only where four steps of them fit `max_work` (they cost 2-9x)."""
+    `max_work`; and the work spent. Where the gap is under PROBE_GAP, it probes just below
+    `upper_ms` first (a small gap is proven in a step or two). Where `max_work` affords fewer
+    steps than bisection needs to come within PROOF_GAP, the work left over from whole steps
+    bisects DPs restricted to some cuts (`_narrow`): if they have a plan a little above
+    `upper_ms` but none PROOF_GAP below it, the first step probes there (one step proves the
+    1 %); else it bisects as it would without them (aiming the step below a restricted
+    plan's time gained on some instances and lost as much on others: not kept). `upper_ms`
+    itself when no plan of `c` is that fast (not tested when `upper_feasible`: a plan of `c`
+    takes that long). Stops at `deadline` (`time.perf_counter()`), the wall-clock safety net,
+    with the bound so far. Node groups only where four steps of them fit `max_work` (they
+    cost 2-9x)."""
     cz = replace(c, cross_stage=True)
     step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
     if c.grouped and 4 * step > max_work:
@@ -616,17 +701,27 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     lo, hi = lower_ms, upper_ms
     if hi <= lo or not math.isfinite(hi):
         return lo, 0
-    probes = [1e-3, 1e-2]
     first = not upper_feasible
+    steps = (int(max_work // step) if math.isfinite(max_work) else 1 << 30) - int(first)
+    scarce = step <= max_work and steps < _steps_to_prove(lo, hi)
+    probes = [1e-3, PROOF_GAP]
+    if scarce and not first:
+        # the work no full step can use (at most COARSE_SHARE) finds where plans of `cz` are
+        hi_c, spent, informative = _narrow(
+            cz, lo, hi, min(COARSE_SHARE * max_work, max_work - steps * step), deadline)
+        if informative and hi_c >= hi * (1 - PROOF_GAP):
+            probes = [PROOF_GAP]  # none 1 % below the plan, one a little above: try the 1 %
+        else:
+            scarce = False  # the 1 % cannot be proven, or nothing says it can: bisect
     while hi - lo > rel_tol * hi and spent + step <= max_work and time.perf_counter() < deadline:
         mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
         if first:
             mid = hi  # no plan of this microbatch size may be as fast as the best found
             first = False
-        elif hi - lo < PROBE_GAP * hi:  # a small gap: first just below the plan
-            while probes:
-                near = hi * (1 - probes.pop(0))
-                if near > mid:
+        elif scarce or hi - lo < PROBE_GAP * hi:
+            while probes:  # just below the plan
+                near = upper_ms * (1 - probes.pop(0))
+                if mid < near < hi:
                     mid = near
                     break
         spent += step
@@ -637,6 +732,6 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
-__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
+__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
            "replica_choices", "transfer_ms"]
 

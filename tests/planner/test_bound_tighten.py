@@ -10,8 +10,15 @@ import random
 import pytest
 
 from planner.cost import layer_table
-from planner.formats import PlanOptions
-from planner.search.bound import conditions, hop_bytes, lower_bound, tighten
+from planner.formats import Cluster, PlanOptions
+from planner.search.bound import (
+    LAST_BACKWARD_WORK,
+    conditions,
+    dp_work,
+    hop_bytes,
+    lower_bound,
+    tighten,
+)
 from tests.planner.cpsat_reference import brute_force
 from tests.planner.test_search import random_cluster, random_profile
 
@@ -20,6 +27,7 @@ REL = 1e-9
 
 @pytest.mark.slow
 def test_tightened_bound_holds_against_brute_force() -> None:
+    """Unlimited, and on work for one or two steps."""
     raised = 0
     for seed in range(30):
         rng = random.Random(seed)
@@ -41,4 +49,80 @@ def test_tightened_bound_holds_against_brute_force() -> None:
         assert got <= ref.iteration_ms * (1 + REL), f"seed {seed}: {got} above the optimum {ref.iteration_ms}"
         assert spent > 0 or got >= ref.iteration_ms * 1.5 * (1 - 1e-4) or first.bound_ms >= ref.iteration_ms * 1.5
         raised += got > first.bound_ms * 1.01
+        step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
+        for steps in (1, 2):  # a scarce budget: probes first where a step may prove 1 %
+            budget = steps * step + step // 2
+            got, spent = tighten(c, 0.0, ref.iteration_ms, max_work=budget, upper_feasible=True)
+            assert spent <= budget
+            assert got <= ref.iteration_ms * (1 + REL), f"seed {seed}: {got} above the optimum"
     assert raised >= 2, raised
+
+
+def test_a_restricted_dp_is_feasible_only_where_the_full_one_is() -> None:
+    """`restrict` keeps only some cut positions: every plan it admits is one the full DP
+    admits, so it is never feasible where the full DP is not, and with every cut it is the
+    full DP."""
+    import numpy as np
+
+    from planner.search.bound import feasible, restrict
+
+    checked = 0
+    for seed in range(16):
+        rng = random.Random(seed)
+        profile = random_profile(rng, rng.randint(4, 9), dag=rng.random() < 0.5)
+        cluster = random_cluster(rng, mixed=False, max_nodes=2)
+        table = layer_table(profile)
+        c = conditions(table, cluster, "sgd", rng.choice(["1f1b", "gpipe", "zb-h1"]), 16, 2,
+                       hop_bytes(table))
+        L = c.L
+        first, _ = lower_bound(c, upper_ms=1e9)
+        if first is None:  # nothing fits memory
+            continue
+        checked += 1
+        inner = sorted(rng.sample(range(1, L), rng.randint(0, L - 1)))
+        cuts = np.array([0, *inner, L])
+        full = restrict(c, np.arange(L + 1))
+        for T in (first.bound_ms * f for f in (0.9, 1.0001, 1.2, 1.5, 3.0)):
+            assert feasible(full, T) == feasible(c, T)
+            if feasible(restrict(c, cuts), T):
+                assert feasible(c, T), f"seed {seed}: restricted feasible at {T}, full not"
+    assert checked >= 8, checked
+
+
+def test_a_scarce_budget_narrows_on_restricted_dps_and_stays_below_the_dp_bound(monkeypatch) -> None:
+    """On 60-80 layers and 16 devices, with work for two to four steps: the restricted DPs run (their work
+    is the remainder no full step could use) and the result never exceeds the bound the same
+    DP reaches with unlimited work (every raise of it is a time at which the full DP has no
+    plan)."""
+    import planner.search.bound as bound_mod
+
+    narrowed = 0
+    real = bound_mod._narrow
+
+    def counting(*args, **kwargs):
+        nonlocal narrowed
+        out = real(*args, **kwargs)
+        narrowed += out[1] > 0
+        return out
+
+    monkeypatch.setattr(bound_mod, "_narrow", counting)
+    for seed in range(8):
+        rng = random.Random(100 + seed)
+        profile = random_profile(rng, rng.randint(60, 80), dag=rng.random() < 0.5)
+        per_node = rng.choice([1, 8])
+        cluster = Cluster(nodes=16 // per_node, devices_per_node=per_node, device_memory_gb=80,
+                          intra_node_gb_per_s=rng.choice([1, 300]), inter_node_gb_per_s=rng.choice([0.5, 10]))
+        table = layer_table(profile)
+        c = conditions(table, cluster, "sgd", rng.choice(["1f1b", "gpipe"]), 16, 2, hop_bytes(table))
+        first, _ = lower_bound(c, upper_ms=1e9)
+        if first is None:
+            continue
+        upper = first.bound_ms * rng.choice([1.005, 1.05, 1.3])
+        full, _ = tighten(c, 0.0, upper, max_work=float("inf"), upper_feasible=True)
+        step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
+        for steps in (2, 3, 4):
+            budget = steps * step + int(0.99 * step)
+            got, spent = tighten(c, 0.0, upper, max_work=budget, upper_feasible=True)
+            assert spent <= budget
+            assert got <= full * (1 + 1e-3), f"seed {seed}: {got} above the DP's own bound {full}"
+    assert narrowed >= 3, narrowed
