@@ -612,6 +612,8 @@ def restrict(c: Conditions, cuts: np.ndarray) -> Conditions:
     restriction, not a relaxation. Every plan of it is a plan of `c` meeting the same
     conditions, so where it is feasible at T, `c` is too: its smallest feasible T is an upper
     estimate of `c`'s, at about (len(cuts) / L)^2 of the work."""
+    cuts = np.asarray(cuts)
+    assert cuts[0] == 0 and cuts[-1] == c.L and bool(np.all(np.diff(cuts) > 0)), "cuts: 0 < ... < L"
     vs = tuple(Variant(v.tp, v.recompute, v.Fp[cuts], v.Bp[cuts], v.Pp[cuts], v.Ap[cuts])
                for v in c.variants)
     return replace(
@@ -668,7 +670,10 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
         return top
 
     top = bisect(cc, cstep)
-    plan = plan_at(cc, top)
+    plan = None
+    if spent + cstep <= allowed:  # the restricted plan to refine around (one DP more)
+        spent += cstep
+        plan = plan_at(cc, top)
     if plan is not None:
         near = [np.arange(max(0, b - k + 1), min(L, b + k)) for b in cuts[list(plan[0][1:-1])]]
         fine = restrict(cz, np.unique(np.concatenate([cuts, *near])))
@@ -705,7 +710,9 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     steps = (int(max_work // step) if math.isfinite(max_work) else 1 << 30) - int(first)
     scarce = step <= max_work and steps < _steps_to_prove(lo, hi)
     probes = [1e-3, PROOF_GAP]
-    if scarce and not first:
+    if first:
+        scarce = False  # this microbatch size may have no plan as fast: bisect as before
+    if scarce:
         # the work no full step can use (at most COARSE_SHARE) finds where plans of `cz` are
         hi_c, spent, informative = _narrow(
             cz, lo, hi, min(COARSE_SHARE * max_work, max_work - steps * step), deadline)

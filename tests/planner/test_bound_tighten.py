@@ -6,6 +6,7 @@ fall below the bound it starts from, and raise it on some instances."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_tightened_bound_holds_against_brute_force() -> None:
 def test_a_restricted_dp_is_feasible_only_where_the_full_one_is() -> None:
     """`restrict` keeps only some cut positions: every plan it admits is one the full DP
     admits, so it is never feasible where the full DP is not, and with every cut it is the
-    full DP."""
+    full DP (chains and DAGs, recomputed variants, the cross-stage conditions)."""
     import numpy as np
 
     from planner.search.bound import feasible, restrict
@@ -73,7 +74,8 @@ def test_a_restricted_dp_is_feasible_only_where_the_full_one_is() -> None:
         cluster = random_cluster(rng, mixed=False, max_nodes=2)
         table = layer_table(profile)
         c = conditions(table, cluster, "sgd", rng.choice(["1f1b", "gpipe", "zb-h1"]), 16, 2,
-                       hop_bytes(table))
+                       hop_bytes(table), recompute=rng.random() < 0.5)
+        c = replace(c, cross_stage=rng.random() < 0.5)  # DAG skips and last backwards too
         L = c.L
         first, _ = lower_bound(c, upper_ms=1e9)
         if first is None:  # nothing fits memory
