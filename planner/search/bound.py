@@ -706,12 +706,10 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     lo, hi = lower_ms, upper_ms
     if hi <= lo or not math.isfinite(hi):
         return lo, 0
-    first = not upper_feasible
-    steps = (int(max_work // step) if math.isfinite(max_work) else 1 << 30) - int(first)
-    scarce = step <= max_work and steps < _steps_to_prove(lo, hi)
+    first = not upper_feasible  # this microbatch size may have no plan as fast: bisect
+    steps = int(max_work // step) if math.isfinite(max_work) else 1 << 30
+    scarce = not first and step <= max_work and steps < _steps_to_prove(lo, hi)
     probes = [1e-3, PROOF_GAP]
-    if first:
-        scarce = False  # this microbatch size may have no plan as fast: bisect as before
     if scarce:
         # the work no full step can use (at most COARSE_SHARE) finds where plans of `cz` are
         hi_c, spent, informative = _narrow(
