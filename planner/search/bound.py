@@ -598,6 +598,11 @@ PROBE_GAP = 0.1  # below this gap `tighten` probes just below the plan first, ab
 PROOF_GAP = 0.0099  # the gap issue 10 asks to prove (1 %), a hair inside it
 
 
+def tighten_step_work(c: Conditions) -> int:
+    """The work of one feasibility test with the cross-stage conditions (`tighten`)."""
+    return int(dp_work(c) * LAST_BACKWARD_WORK) + 1
+
+
 def _steps_to_prove(lo: float, hi: float) -> int:
     """Geometric bisection steps from [lo, hi] until the interval is within PROOF_GAP."""
     if lo <= 0:
@@ -642,7 +647,7 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
     while L // k >= 2:
         cuts = np.unique(np.r_[np.arange(0, L, k), L])
         cc = restrict(cz, cuts)
-        cstep = int(dp_work(cc) * LAST_BACKWARD_WORK) + 1
+        cstep = tighten_step_work(cc)
         if 2 * COARSE_STEPS * cstep <= allowed:
             break
         k *= 2
@@ -677,7 +682,7 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
     if plan is not None:
         near = [np.arange(max(0, b - k + 1), min(L, b + k)) for b in cuts[list(plan[0][1:-1])]]
         fine = restrict(cz, np.unique(np.concatenate([cuts, *near])))
-        top = min(top, bisect(fine, int(dp_work(fine) * LAST_BACKWARD_WORK) + 1))
+        top = min(top, bisect(fine, tighten_step_work(fine)))
     return min(hi, top), spent, True
 
 
@@ -698,10 +703,10 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     with the bound so far. Node groups only where four steps of them fit `max_work` (they
     cost 2-9x)."""
     cz = replace(c, cross_stage=True)
-    step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
+    step = tighten_step_work(c)
     if c.grouped and 4 * step > max_work:
         cz = replace(cz, grouped=False)
-        step = int(dp_work(cz) * LAST_BACKWARD_WORK) + 1
+        step = tighten_step_work(cz)
     spent = 0
     lo, hi = lower_ms, upper_ms
     if hi <= lo or not math.isfinite(hi):
@@ -738,5 +743,5 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
 
 
 __all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
-           "replica_choices", "transfer_ms"]
+           "replica_choices", "tighten_step_work", "transfer_ms"]
 

@@ -8,17 +8,19 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from planner.cost import layer_table
 from planner.formats import Cluster, PlanOptions
 from planner.search.bound import (
-    LAST_BACKWARD_WORK,
     conditions,
-    dp_work,
+    feasible,
     hop_bytes,
     lower_bound,
+    restrict,
     tighten,
+    tighten_step_work,
 )
 from tests.planner.cpsat_reference import brute_force
 from tests.planner.test_search import random_cluster, random_profile
@@ -50,7 +52,7 @@ def test_tightened_bound_holds_against_brute_force() -> None:
         assert got <= ref.iteration_ms * (1 + REL), f"seed {seed}: {got} above the optimum {ref.iteration_ms}"
         assert spent > 0 or got >= ref.iteration_ms * 1.5 * (1 - 1e-4) or first.bound_ms >= ref.iteration_ms * 1.5
         raised += got > first.bound_ms * 1.01
-        step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
+        step = tighten_step_work(c)
         for steps in (1, 2):  # a scarce budget: probes first where a step may prove 1 %
             budget = steps * step + step // 2
             got, spent = tighten(c, 0.0, ref.iteration_ms, max_work=budget, upper_feasible=True)
@@ -63,10 +65,6 @@ def test_a_restricted_dp_is_feasible_only_where_the_full_one_is() -> None:
     """`restrict` keeps only some cut positions: every plan it admits is one the full DP
     admits, so it is never feasible where the full DP is not, and with every cut it is the
     full DP (chains and DAGs, recomputed variants, the cross-stage conditions)."""
-    import numpy as np
-
-    from planner.search.bound import feasible, restrict
-
     checked = 0
     for seed in range(16):
         rng = random.Random(seed)
@@ -121,7 +119,7 @@ def test_a_scarce_budget_narrows_on_restricted_dps_and_stays_below_the_dp_bound(
             continue
         upper = first.bound_ms * rng.choice([1.005, 1.05, 1.3])
         full, _ = tighten(c, 0.0, upper, max_work=float("inf"), upper_feasible=True)
-        step = int(dp_work(c) * LAST_BACKWARD_WORK) + 1
+        step = tighten_step_work(c)
         for steps in (2, 3, 4):
             budget = steps * step + int(0.99 * step)
             got, spent = tighten(c, 0.0, upper, max_work=budget, upper_feasible=True)
