@@ -1,0 +1,129 @@
+"""The bound's conditions are necessary: every plan, simulated by `evaluate()`, meets them at
+its own iteration time. So `feasible(c, T)` must hold at every plan's T, with and without the
+cross-stage conditions (`tighten`'s, the prefix's hops included). This checks the DP plan by
+plan, far more sharply than comparing its bound with one optimum: thousands of random plans
+(splits, replica counts, recomputation) on 16 devices, 16 microbatches, slow and fast links,
+tight and generous memory, chains and DAGs, 1F1B, GPipe and ZB-H1."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from planner.build import evaluate
+from planner.cost import layer_table
+from planner.formats import Cluster, PlanOptions
+from planner.partition import Candidate, StageChoice
+from planner.search.bound import conditions, feasible, hop_bytes, lower_bound, tighten
+from tests.planner.cpsat_reference import brute_force
+from tests.planner.helpers import chain_profile
+from tests.planner.helpers import cluster as make_cluster
+from tests.planner.test_search import random_profile
+
+REL = 1e-9
+
+
+def _random_plan(rng: random.Random, L: int, D: int, m: int, mb: int) -> Candidate:
+    S = rng.randint(1, min(L, D, 6))
+    cuts = sorted(rng.sample(range(1, L), S - 1))
+    bounds = [0, *cuts, L]
+    left = D - S  # one device each, the rest spread at random (not all of them used)
+    reps = [1] * S
+    for s in rng.sample(range(S), S):
+        extra = rng.randint(0, min(left, m - 1))
+        reps[s] += extra
+        left -= extra
+    stages, rank = [], 0
+    for s in range(S):
+        stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(range(rank, rank + reps[s])),
+                                  recompute=rng.random() < 0.3))
+        rank += reps[s]
+    return Candidate(tuple(stages), mb, m)
+
+
+def _neighbour(rng: random.Random, cand: Candidate, L: int, D: int, m: int) -> Candidate | None:
+    """One cut moved, one replica more or less on one stage, or one recompute flag flipped."""
+    bounds = [0, *[s.stop for s in cand.stages]]
+    reps = [s.replicas for s in cand.stages]
+    rc = [s.recompute for s in cand.stages]
+    S = len(reps)
+    move = rng.randrange(3)
+    if move == 0 and S > 1:
+        k = rng.randint(1, S - 1)
+        bounds[k] += rng.choice([-1, 1])
+        if not bounds[k - 1] < bounds[k] < bounds[k + 1]:
+            return None
+    elif move == 1:
+        k = rng.randrange(S)
+        reps[k] += rng.choice([-1, 1])
+        if not 1 <= reps[k] <= m or sum(reps) > D:
+            return None
+    else:
+        k = rng.randrange(S)
+        rc[k] = not rc[k]
+    stages, rank = [], 0
+    for s in range(S):
+        stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(range(rank, rank + reps[s])), recompute=rc[s]))
+        rank += reps[s]
+    return Candidate(tuple(stages), cand.microbatch_size, m)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
+    """Random plans, each improved by hill climbing under `evaluate()` so that many are near
+    the best and the conditions near binding; every fitting plan visited is checked."""
+    checked = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        profile = random_profile(rng, rng.randint(5, 10), dag=rng.random() < 0.5)
+        nodes, per = rng.choice([(16, 1), (4, 4), (2, 8)])
+        cluster = Cluster(nodes=nodes, devices_per_node=per, device_memory_gb=rng.choice([3, 8, 80]),
+                          intra_node_gb_per_s=rng.choice([10, 300]),
+                          inter_node_gb_per_s=rng.choice([0.5, 1, 25]), latency_us=rng.choice([0, 50]))
+        options = PlanOptions(global_batch=32, microbatch_size=2, optimizer="sgd", schedule=schedule)
+        table = layer_table(profile)
+        L, D = table.num_layers, cluster.num_devices
+        c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
+        cz = replace(c, cross_stage=True)
+        seen: set[tuple] = set()
+        for _ in range(4):
+            cand, best = _random_plan(rng, L, D, 16, 2), float("inf")
+            for _ in range(40):
+                nxt = _neighbour(rng, cand, L, D, 16) if best < float("inf") else cand
+                if nxt is None:
+                    continue
+                key = tuple((s.start, s.stop, s.replicas, s.recompute) for s in nxt.stages)
+                ev = evaluate(table, cluster, nxt, options)
+                if ev.fits and key not in seen:
+                    seen.add(key)
+                    T = ev.iteration_ms * (1 + REL)
+                    assert feasible(c, T), f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP says none can"
+                    assert feasible(cz, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the cross-stage DP "
+                                             "says none can")
+                    checked += 1
+                score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
+                if score <= best:
+                    cand, best = nxt, score
+    assert checked >= 150, checked
+
+
+def test_the_tightened_bound_counts_every_hop_memory_forces_before_a_stage() -> None:
+    """Five layers of 1.5 GB of parameters on devices of 4 GB: every layer is a stage of its
+    own, so a microbatch crosses four slow links (125 ms each) to reach the last, slowest
+    stage (4 microbatches x 150 ms), and its gradient comes back over them. The per-stage
+    conditions alone count only the hop into a stage (tightened, they reach 1679 ms of the
+    optimum's 1804.5); with the prefix's hops they prove the optimum."""
+    profile = chain_profile([1.0] * 4 + [200.0], params=[int(1.5e9)] * 5, act=[1000] * 5,
+                            out=[int(5e8)] * 5)
+    cl = make_cluster(nodes=5, per_node=1, memory_gb=4.0, intra=1.0, inter=1.0)
+    options = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd")
+    table = layer_table(profile)
+    c = conditions(table, cl, "sgd", "1f1b", 8, 2, hop_bytes(table))
+    first, _ = lower_bound(c, upper_ms=1e6)
+    assert first is not None
+    ref = brute_force(profile, cl, options, [2])
+    assert ref.candidate is not None and len(ref.candidate.stages) == 5
+    got, _ = tighten(c, first.bound_ms, ref.iteration_ms, max_work=float("inf"))
+    assert ref.iteration_ms * (1 - 1e-3) <= got <= ref.iteration_ms * (1 + REL)
