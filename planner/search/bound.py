@@ -156,6 +156,9 @@ class Conditions:
     # any change of seed moves where the local search ends, both ways), on when the bound is
     # tightened after the search
     cross_stage: bool = False
+    # with cross_stage, the hops of the stages before each stage (`_prefix_hops`): about one
+    # DP without node groups more per step, so `tighten` drops them where steps are scarce
+    prefix_hops: bool = True
 
     @property
     def tmax(self) -> int:
@@ -400,16 +403,19 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
 def _behind(mask: np.ndarray, table: np.ndarray, dd: np.ndarray, starts: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray]:
     """The suffix (`table`, (J, D+1): g or z of each next layer) behind each replica count
-    where `mask` (J, Ra, D+1) allows it, `dd` (Ra,) its devices (the suffix has d - dd):
-    (J, Ra, D+1); and per replica choice the least over the replica counts of its n
+    where `mask` (Ra, J, D+1) allows it, `dd` (Ra,) its devices (the suffix has d - dd):
+    (Ra, J, D+1); and per replica choice the least over the replica counts of its n
     (consecutive from `starts`): (choices, J, D+1)."""
     J, width = table.shape
-    per_r = np.full((J, len(dd), width), np.inf)
-    for a, k in enumerate(dd):  # shifted slices: much cheaper than a gather
-        if k < width:
-            per_r[:, a, k:] = table[:, :width - k]
-    per_r[~mask] = np.inf
-    return per_r, np.ascontiguousarray(np.minimum.reduceat(per_r, starts, axis=1).transpose(1, 0, 2))
+    padded = np.concatenate([np.full((J, width - 1), np.inf), table], axis=1)
+    # shifted[s] = the table shifted right by width - 1 - s (inf shifted in)
+    shifted = np.lib.stride_tricks.sliding_window_view(padded, width, axis=1).transpose(1, 0, 2)
+    per_r = np.where(mask, shifted[width - 1 - dd], np.inf)
+    ends = [*starts[1:], len(dd)]
+    out = np.empty((len(starts), J, width))
+    for q, (a, b) in enumerate(zip(starts, ends, strict=True)):  # (np.minimum.reduceat: 3x slower)
+        out[q] = per_r[a] if b == a + 1 else per_r[a:b].min(axis=0)
+    return per_r, out
 
 
 def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
@@ -436,7 +442,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     zb = c.schedule == "zb-h1"
     tmax = c.tmax
     tmin = min(x.tp for x in c.variants)
-    pre = _prefix_hops(c, T) if cross else None
+    pre = _prefix_hops(c, T) if cross and c.prefix_hops else None
     per_variant = []  # per variant: the replica choices it can use and what depends on them only
     for v in c.variants:
         keep = c.rs * v.tp <= D
@@ -514,7 +520,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
             # suffix is the best behind any r of that n that fits (`replica_choices`)
             room = c.memory_bytes - (params * c.static_coef + transient)  # (J,): for activations
             cap = np.divide(room, act, out=np.where(room >= 0, np.inf, -1.0), where=act > 0)
-            fits = (inflight[None, :, :] <= cap[:, None, None]) & nonzero[:, None, None] & valida[None]
+            fits = (inflight[:, None, :] <= cap[None, :, None]) & nonzero[None, :, None] & valida[:, None, :]
 
             f2, c2, w2 = fwd[None, :, None], crit[None, :, None], wgt[None, :, None]
 
@@ -530,7 +536,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                 K = int(np.searchsorted(dda, P - e_next, side="right"))  # the r that fit the group
                 if K:
                     rows = np.arange(int(np.searchsorted(starts, K)))  # the choices with one of them
-                    sub = (fits[:, :K], dda[:K], starts[rows])
+                    sub = (fits[:K], dda[:K], starts[rows])
                     per_r, nxt = _behind(sub[0], gj[:, :, e_next], *sub[1:])
                     moves.append((rows, nxt, _behind(sub[0], zj[:, :, e_next], *sub[1:])[1] if cross else None,
                                   np.ones(len(rows), dtype=int), dd[rows] + e_next, e_next, per_r))
@@ -573,8 +579,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                             ri, jj = divmod(int(k[d]), J)
                             q = int(rows[sel[ri]])  # the choice; its r whose suffix was taken:
                             end = int(starts[q + 1]) if q + 1 < len(starts) else len(ra)
-                            members = slice(int(starts[q]), min(end, per_r.shape[1]))
-                            a = int(starts[q]) + int(np.argmin(per_r[jj, members, d]))
+                            members = slice(int(starts[q]), min(end, per_r.shape[0]))
+                            a = int(starts[q]) + int(np.argmin(per_r[members, jj, d]))
                             nxt_e = e_next if e_next is not None else int(gj_arg[jj, int(idxa[a, d])])
                             choice[(i, int(d), int(e))] = (int(j[jj]), int(ra[a]), v.tp, v.recompute, nxt_e)
                     best[:, e] = np.where(better, vbest, best[:, e])
@@ -630,10 +636,10 @@ def feasible(c: Conditions, T: float) -> bool:
 # (replica choice, last layer, devices) arrays, fitted on our 2-core machine (107 us and
 # 16 ns; within 25 % on the plan-quality profiles). Counting it keeps the bound's bisection
 # inside the deterministic budget. Looking up the suffix behind every replica count of a
-# choice's n (`_behind`) raised both by 40 % and 24 %, fitted side by side on 8 profiles
-# (88.7 -> 124.7 us, 16.1 -> 20.0 ns).
-DP_ITER_WORK = 60.0
-DP_CELL_WORK = 1 / 120
+# choice's n (`_behind`) made a DP 17 % slower (median of 16 DPs on 8 profiles, timed side
+# by side with the DP before it): both scaled by 1.17.
+DP_ITER_WORK = 50.0
+DP_CELL_WORK = 1 / 128
 
 
 def dp_work(c: Conditions) -> int:
@@ -726,7 +732,8 @@ def tighten_step_work(c: Conditions) -> int:
     suffix DP with them, and the prefix DP (`_prefix_hops`), which costs about one DP without
     node groups (measured 1.6-2.0x the DP without the cross-stage conditions, on resnet50,
     gnmt, chain200 and densenet121)."""
-    return int(dp_work(c) * LAST_BACKWARD_WORK + dp_work(replace(c, grouped=False))) + 1
+    prefix = dp_work(replace(c, grouped=False)) if c.prefix_hops else 0
+    return int(dp_work(c) * LAST_BACKWARD_WORK + prefix) + 1
 
 
 def _steps_to_prove(lo: float, hi: float) -> int:
@@ -827,9 +834,11 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     itself when no plan of `c` is that fast (not tested when `upper_feasible`: a plan of `c`
     takes that long). Stops at `deadline` (`time.perf_counter()`), the wall-clock safety net,
     with the bound so far. Node groups only where four steps of them fit `max_work` (they
-    cost 2-9x)."""
-    cz = replace(c, cross_stage=True)
-    step = tighten_step_work(c)
+    cost 2-9x); the prefix's hops (`_prefix_hops`, about one DP more per step) only where
+    `max_work` affords the steps to prove the 1 % with them (on hundreds of layers the steps
+    are few and `_narrow` needs them more)."""
+    cz = replace(c, cross_stage=True, prefix_hops=False)
+    step = tighten_step_work(cz)
     if c.grouped and 4 * step > max_work:
         cz = replace(cz, grouped=False)
         step = tighten_step_work(cz)
@@ -837,6 +846,10 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     lo, hi = lower_ms, upper_ms
     if hi <= lo or not math.isfinite(hi):
         return lo, 0
+    with_hops = replace(cz, prefix_hops=True)
+    if not math.isfinite(max_work) or max_work // tighten_step_work(with_hops) >= _steps_to_prove(lo, hi):
+        # the prefix's hops where the work affords the steps to prove the 1 % with them
+        cz, step = with_hops, tighten_step_work(with_hops)
     first = not upper_feasible  # this microbatch size may have no plan as fast: bisect
     steps = int(max_work // step) if math.isfinite(max_work) else 1 << 30
     scarce = not first and step <= max_work and steps < _steps_to_prove(lo, hi)
