@@ -23,7 +23,8 @@ def adjacent_bytes(table: LayerTable) -> list[int]:
 
 
 def _replica_choices(m: int, max_r: int) -> np.ndarray:
-    """For each distinct ceil(m / r), the smallest r giving it (all-reduce grows with r)."""
+    """For each distinct ceil(m / r), the smallest r giving it (all-reduce grows with r, and
+    it uses the fewest devices; memory is priced with the largest r, `StageBounds`)."""
     out, seen = [], set()
     for r in range(1, max_r + 1):
         k = -(-m // r)
@@ -51,6 +52,11 @@ class StageBounds:
         k = OPTIMIZER_EXTRA_COPIES[options.optimizer]
         rs = np.arange(1, D + 1, dtype=float) if all_replicas else _replica_choices(m, D)
         mk = np.ceil(m / rs)
+        # memory is priced with the largest r of each n: it holds the fewest in flight, so a
+        # stage with any r of that n fits if one does (the smallest r alone did not: r = 5
+        # can fit where r = 4 cannot, with the same n = 4 of m = 16)
+        every = np.arange(1, D + 1, dtype=float)
+        rh = np.array([every[np.ceil(m / every) == k].max() for k in mk])
         # a stage with more replicas than the largest node has devices spans nodes (inter-node)
         per_node = max(s.devices for s in cluster.node_specs())
         fast = (max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) if per_node > 1
@@ -78,6 +84,7 @@ class StageBounds:
         self.options, self.devices, self.vmax = options, devices, vmax
         self.L, self.D, self.m, self.F, self.B, self.P, self.A, self.k = L, D, m, F, B, P, A, k
         self.rs, self.mk, self.mem, self.total, self.link, self.half = rs, mk, mem, total, link, half
+        self.rh = rh
         self.later_stages, self.ar_coef, self.ar_lat = later_stages, ar_coef, ar_lat
 
     def ok(self, T: float, z: int, dp: np.ndarray) -> np.ndarray:
@@ -97,7 +104,7 @@ class StageBounds:
             inflight = mk[None, :]
         else:
             later = later_stages[z]
-            inflight = np.ceil(np.minimum(m, rs[None, :] + later) / rs[None, :])
+            inflight = np.ceil(np.minimum(m, self.rh[None, :] + later) / self.rh[None, :])
         fits = (params * (2 + k))[:, None] + (A[z] - A[a])[:, None] * inflight <= mem
         ar = params[:, None] * ar_coef[None, :] + ar_lat[None, :]  # (z, R)
         # P1: first forward in, the stage busy, then the backward out or its all-reduce

@@ -1,6 +1,7 @@
 """The bound's conditions are necessary: every plan, simulated by `evaluate()`, meets them at
 its own iteration time. So `feasible(c, T)` must hold at every plan's T, with and without the
-cross-stage conditions (`tighten`'s, the prefix's hops included). This checks the DP plan by
+cross-stage conditions (`tighten`'s, the prefix's hops included), and so must the layer-only
+DP of `planner.search.large` for the plans it covers (no recomputation, 1F1B or GPipe). This checks the DP plan by
 plan, far more sharply than comparing its bound with one optimum: thousands of random plans
 (splits, replica counts, recomputation) on 16 devices, 16 microbatches, slow and fast links,
 tight and generous memory, chains and DAGs, 1F1B, GPipe and ZB-H1."""
@@ -17,6 +18,7 @@ from planner.cost import layer_table
 from planner.formats import Cluster, PlanOptions
 from planner.partition import Candidate, StageChoice
 from planner.search.bound import conditions, feasible, hop_bytes, lower_bound, tighten
+from planner.search.large import StageBounds, _dp_plan
 from tests.planner.cpsat_reference import brute_force
 from tests.planner.helpers import chain_profile
 from tests.planner.helpers import cluster as make_cluster
@@ -87,6 +89,7 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
         L, D = table.num_layers, cluster.num_devices
         c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
         cz = replace(c, cross_stage=True)
+        layer_only = StageBounds(table, cluster, options, 2)  # `large.py`: no recomputation, no W
         seen: set[tuple] = set()
         for _ in range(4):
             cand, best = _random_plan(rng, L, D, 16, 2), float("inf")
@@ -102,6 +105,9 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
                     assert feasible(c, T), f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP says none can"
                     assert feasible(cz, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the cross-stage DP "
                                              "says none can")
+                    if schedule != "zb-h1" and not any(st.recompute for st in nxt.stages):
+                        assert _dp_plan(layer_only, T) is not None, (
+                            f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP says none can")
                     checked += 1
                 score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
                 if score <= best:
