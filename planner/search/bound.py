@@ -602,10 +602,6 @@ def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | No
     return replace(c, pessimistic=True, variants=vs, grouped=False) if vs else None
 
 
-def m_of(c: Conditions) -> int:
-    return c.m
-
-
 def plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
     with np.errstate(invalid="ignore"):
         g, choice = _suffix_dp(c, T, want_plan=True)
