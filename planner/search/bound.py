@@ -316,6 +316,22 @@ def _group_size(c: Conditions) -> int:
     return c.per_node if c.grouped and c.per_node > 1 and c.intra_gbps > c.inter_gbps else 1
 
 
+def _stage_costs(c: Conditions, v: Variant, lo, hi, share: np.ndarray, zb: bool):
+    """Per microbatch, of stages [lo, hi) run as `v` (one side an index, the other an array):
+    forward, critical backward (the whole backward, or B under zb-h1, recomputation's
+    forward included), W, their sum, parameter bytes and activation bytes kept in flight."""
+    fwd = v.Fp[hi] - v.Fp[lo]
+    full = v.Bp[hi] - v.Bp[lo]
+    if zb:
+        wgt = full + fwd if v.recompute else full * share
+        crit = full - full * share + (fwd if v.recompute else 0.0)
+    else:
+        wgt = np.zeros_like(full)
+        crit = full + (fwd if v.recompute else 0.0)
+    act = (c.kept_lo[hi] - c.kept_lo[lo]) if v.recompute else (v.Ap[hi] - v.Ap[lo])
+    return fwd, crit, wgt, fwd + crit + wgt, v.Pp[hi] - v.Pp[lo], act
+
+
 def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
     """X[i, k]: the least sum of hop transfers (fastest link) of a prefix of stages covering
     layers [0, i) on at most k devices, each of its stages meeting at T the conditions that
@@ -366,17 +382,7 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
         for v, rs, n, ar_gbps, valid, before, w, inflight in per_variant:
             if len(rs) == 0:
                 continue
-            fwd = v.Fp[b] - v.Fp[a]  # (A,)
-            full = v.Bp[b] - v.Bp[a]
-            if zb:
-                wgt = full + fwd if v.recompute else full * share
-                crit = full - full * share + (fwd if v.recompute else 0.0)
-            else:
-                wgt = np.zeros_like(full)
-                crit = full + (fwd if v.recompute else 0.0)
-            comp = fwd + crit + wgt
-            params = v.Pp[b] - v.Pp[a]
-            act = (c.kept_lo[b] - c.kept_lo[a]) if v.recompute else (v.Ap[b] - v.Ap[a])
+            fwd, crit, wgt, comp, params, act = _stage_costs(c, v, a, b, share, zb)
             transient = peak if v.recompute else 0.0
             mem_ok = (params * c.static_coef + transient)[None, :] + act[None, :] * inflight <= c.memory_bytes
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
@@ -501,17 +507,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight) in per_variant:
             if len(rs) == 0:
                 continue
-            fwd = v.Fp[j] - v.Fp[i]  # (J,)
-            full = v.Bp[j] - v.Bp[i]
-            if zb:
-                wgt = full + fwd if v.recompute else full * share
-                crit = full - full * share + (fwd if v.recompute else 0.0)
-            else:
-                wgt = np.zeros_like(full)
-                crit = full + (fwd if v.recompute else 0.0)
-            comp = fwd + crit + wgt
-            params = v.Pp[j] - v.Pp[i]
-            act = (c.kept_lo[j] - c.kept_lo[i]) if v.recompute else (v.Ap[j] - v.Ap[i])
+            fwd, crit, wgt, comp, params, act = _stage_costs(c, v, i, j, share, zb)
             transient = peak if v.recompute else 0.0
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, J)
