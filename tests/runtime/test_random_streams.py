@@ -63,3 +63,15 @@ def test_resume_continues_the_same_streams(run, tmp_path):
     assert rc == 0, err
     resumed = torch.load(tmp_path / "resumed" / "model.pt")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_seed_forward_seeds_the_cpu_stream_as_manual_seed_does():
+    """seed_forward sets the CPU generator exactly as torch.manual_seed(stream_seed(...)) would
+    (it only skips the lazy seeds of uninitialised accelerator backends)."""
+    from runtime.rng import seed_forward, stream_seed
+
+    torch.manual_seed(stream_seed(0, 3, 1, 5))
+    want = torch.rand(16)
+    torch.manual_seed(123)  # some other state first
+    seed_forward(0, 3, 1, 5)
+    assert torch.equal(torch.rand(16), want)
