@@ -20,17 +20,33 @@ BLOCKS = int(os.environ.get("PIPEPLAN_SLEEP_BLOCKS", "4"))
 DIM = int(os.environ.get("PIPEPLAN_SLEEP_DIM", "16"))
 
 
+def wait_ms(ms: float) -> None:
+    """Wait exactly `ms` milliseconds: `time.sleep` until SPIN_MS before the deadline, then spin.
+    A plain `time.sleep` wakes 0.1-0.2 ms late on a virtual machine, which would make every
+    layer longer than its nominal time. PIPEPLAN_SLEEP_SPIN_MS (default 1) sets the spin;
+    0 waits with `time.sleep` alone."""
+    deadline = time.perf_counter() + ms / 1e3
+    spin_s = float(os.environ.get("PIPEPLAN_SLEEP_SPIN_MS", "1")) / 1e3
+    if spin_s <= 0:
+        time.sleep(ms / 1e3)
+        return
+    if ms / 1e3 > spin_s:
+        time.sleep(ms / 1e3 - spin_s)
+    while time.perf_counter() < deadline:
+        pass
+
+
 class Wait(torch.autograd.Function):
     """Identity; sleeps F ms forward and 2F ms backward."""
 
     @staticmethod
     def forward(ctx, x):  # noqa: ANN001, ANN205
-        time.sleep(f_ms() / 1e3)
+        wait_ms(f_ms())
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        time.sleep(2 * f_ms() / 1e3)
+        wait_ms(2 * f_ms())
         return grad
 
 

@@ -18,17 +18,33 @@ BLOCKS = int(os.environ.get("PIPEPLAN_SLEEP_BLOCKS", "4"))
 DIM = int(os.environ.get("PIPEPLAN_SLEEP_DIM", "16"))
 
 
+def wait_ms(ms: float) -> None:
+    """Wait exactly `ms` milliseconds: `time.sleep` until SPIN_MS before the deadline, then spin.
+    A plain `time.sleep` wakes 0.1-0.2 ms late on a virtual machine, which would make every
+    layer longer than its nominal time. PIPEPLAN_SLEEP_SPIN_MS (default 1) sets the spin;
+    0 waits with `time.sleep` alone."""
+    deadline = time.perf_counter() + ms / 1e3
+    spin_s = float(os.environ.get("PIPEPLAN_SLEEP_SPIN_MS", "1")) / 1e3
+    if spin_s <= 0:
+        time.sleep(ms / 1e3)
+        return
+    if ms / 1e3 > spin_s:
+        time.sleep(ms / 1e3 - spin_s)
+    while time.perf_counter() < deadline:
+        pass
+
+
 class WaitInput(torch.autograd.Function):
     """Identity on the activations; sleeps F ms forward and B ms backward."""
 
     @staticmethod
     def forward(ctx, x):  # noqa: ANN001, ANN205
-        time.sleep(F_MS / 1e3)
+        wait_ms(F_MS)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        time.sleep(B_MS / 1e3)
+        wait_ms(B_MS)
         return grad
 
 
@@ -41,7 +57,7 @@ class WaitWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        time.sleep(W_MS / 1e3)
+        wait_ms(W_MS)
         return grad
 
 
