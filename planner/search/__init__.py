@@ -67,6 +67,7 @@ __all__ = ["solve", "solve_detailed"]
 WORK_PER_SECOND = 140_000
 DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
 TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound (plans unchanged)
+WIDE_SHARE = 0.25  # more work after the search, for its compound moves (never a worse plan)
 DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
 OPTIMAL_GAP = 1e-6
 
@@ -308,7 +309,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         seeds += [Structure(b, x.bounds, x.replicas, 0).with_stages(x.bounds, x.replicas, x.tp)
                   for x in found if x is not None]
     budget = Budget(total_work - dp_spent, deadline)
-    ev.work_limit = int(1.3 * budget.work)  # the placement passes may overrun the search a little
+    wide_work = int(WIDE_SHARE * budget.work)  # the compound moves after the search (local._widen)
+    ev.work_limit = int(1.3 * (budget.work + wide_work))  # placement passes may overrun a little
     placed: list[tuple[Score, Candidate]] = []  # local optima placed every way (small clusters)
     several = len(cluster.node_specs()) > 1
 
@@ -318,7 +320,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             if c is not None:
                 placed.append((s, c))
 
-    best, best_s = iterated_search(seeds, ev, table, D, budget, options.seed, visit)
+    best, best_s = iterated_search(seeds, ev, table, D, budget, options.seed, visit, wide_work)
     cand = None
     if best is not None:
         best_s, cand = ev.scored(best)

@@ -2,9 +2,13 @@
 
 Moves: shift a stage boundary by 1, 2, 4, ... layers; merge two adjacent stages; split a stage
 at its balanced point (and one layer either side); move a replica from one stage to another;
-add or drop a replica; double or halve every stage's replicas; a stage's tensor-parallel degree one step up or down; change the placement policy; the next microbatch size up or down. Steepest descent to a local optimum, then
-iterated kicks (a few random moves from a seeded generator) and descent again, for as long as
-the budget of simulated actions lasts. The budget, not the clock, ends the search, so the same
+add or drop a replica; double or halve every stage's replicas; a stage's tensor-parallel degree
+one step up or down; change the placement policy; the next microbatch size up or down. Steepest
+descent to a local optimum, then iterated kicks (a few random moves from a seeded generator) and
+descent again, for as long as the budget of simulated actions lasts. Then, on a share of work of
+its own, the same once more with compound moves (`wide_moves`: two of the moves above at once)
+where no single move improves: the plateaus of slow links, where one stage or hop sets the time
+and no single move changes it. The budget, not the clock, ends the search, so the same
 input gives the same plan on an idle or a loaded machine; the wall-clock deadline is only a
 safety net.
 """
@@ -113,6 +117,42 @@ def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Stru
                 yield replace(st, microbatch_size=ev.sizes[j])
 
 
+def wide_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
+    """Moves `descend` tries only where no move of `neighbours` improves (compound ones, each
+    two of those at once): two adjacent boundaries shifted together, each by up to 2 layers;
+    two adjacent stages merged (the larger replica count) and the devices this frees given to
+    another stage; a stage's replicas set to any other count that changes the microbatches
+    each replica runs (the smallest r of each ceil(m / r): a node's worth of replicas at once)."""
+    b, r, t = list(st.bounds), list(st.replicas), list(st.degrees)
+    S = len(r)
+    for k in range(1, S - 1):
+        for d1 in (-2, -1, 1, 2):
+            for d2 in (-2, -1, 1, 2):
+                nb = b.copy()
+                nb[k] += d1
+                nb[k + 1] += d2
+                if nb[k - 1] < nb[k] < nb[k + 1] < nb[k + 2]:
+                    yield st.with_stages(nb, r)
+    for k in range(S - 1):
+        if t[k] != t[k + 1]:
+            continue
+        nb, nt = b[: k + 1] + b[k + 2:], t[: k + 1] + t[k + 2:]
+        nr = r[:k] + [max(r[k], r[k + 1])] + r[k + 2:]
+        freed = min(r[k], r[k + 1]) * t[k]  # devices
+        for j in range(S - 1):
+            if j != k and freed % nt[j] == 0:
+                gr = nr.copy()
+                gr[j] += freed // nt[j]
+                yield st.with_stages(nb, gr, nt)
+    m = ev.options.global_batch // st.microbatch_size
+    free = ev.cluster.num_devices - st.num_devices
+    levels = sorted({-(-m // n) for n in range(1, m + 1)})
+    for k in range(S):
+        for x in levels:
+            if abs(x - r[k]) > 1 and (x - r[k]) * t[k] <= free:
+                yield st.with_stages(b, r[:k] + [x] + r[k + 1:])
+
+
 class Budget:
     """Simulated actions the search may spend, and a wall-clock safety net."""
 
@@ -124,8 +164,9 @@ class Budget:
 
 
 def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int,
-            budget: Budget) -> tuple[Structure, Score]:
-    """Steepest descent from `start` until no move improves or the budget is spent."""
+            budget: Budget, wide: bool = False) -> tuple[Structure, Score]:
+    """Steepest descent from `start` until no move improves or the budget is spent; with
+    `wide`, where no move of `neighbours` improves, the best improving `wide_moves` one."""
     cur, cur_s = start, ev(start)
     while not budget.spent(ev):
         wider = _doubled(cur, ev)  # idle devices: a wider pipeline first, without a full scan
@@ -139,6 +180,13 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
                 best, best_s = nb, s
             if budget.spent(ev):
                 break
+        if best is None and wide and not budget.spent(ev):
+            for nb in wide_moves(cur, ev):
+                s = ev(nb)
+                if s.better_than(best_s):
+                    best, best_s = nb, s
+                if budget.spent(ev):
+                    break
         if best is None:
             break
         cur, cur_s = best, best_s
@@ -164,11 +212,13 @@ def kick(st: Structure, rng: random.Random, table: LayerTable, ev: Evaluator,
 
 def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
                     num_devices: int, budget: Budget, seed: int,
-                    visit: Callable[[Structure], None] | None = None
-                    ) -> tuple[Structure | None, Score | None]:
+                    visit: Callable[[Structure], None] | None = None,
+                    wide_work: int = 0) -> tuple[Structure | None, Score | None]:
     """Descent from every start (best start first), then kicks until the budget is spent: from
     the best plan of each microbatch size in turn (one size: from the best plan), a size
-    resting once 200 kicks in a row did not improve it. `visit` sees every local optimum."""
+    resting once 200 kicks in a row did not improve it. `visit` sees every local optimum.
+    Then, on `wide_work` more, the same from each size's best plan with `wide_moves` as well
+    (`_widen`): what the first part found is unchanged, so the plan is never worse for it."""
     rng = random.Random(seed)
     best, best_s = None, None
     bests: dict[int, tuple[Structure, Score]] = {}  # per microbatch size
@@ -209,6 +259,19 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
         keep(got, s)
         if s.better_than(best_s):
             best, best_s = got, s
+    best, best_s = _kicks(bests, best, best_s, ev, table, num_devices, budget, rng, visit, keep)
+    if wide_work > 0 and best is not None:
+        best, best_s = _widen(bests, best, best_s, ev, table, num_devices,
+                              Budget(ev.work + wide_work, budget.deadline), rng, visit, keep)
+    return best, best_s
+
+
+def _kicks(bests: dict[int, tuple[Structure, Score]], best: Structure | None,
+           best_s: Score | None, ev: Evaluator, table: LayerTable, num_devices: int,
+           budget: Budget, rng: random.Random, visit: Callable[[Structure], None] | None,
+           keep: Callable[[Structure, Score], bool], wide: bool = False
+           ) -> tuple[Structure | None, Score | None]:
+    """Kicks and descents until the budget is spent, the microbatch sizes taking turns."""
     stall: dict[int, int] = {}
     turn = 0
     while best is not None and not budget.spent(ev):
@@ -217,7 +280,7 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
             break
         b = sizes[turn % len(sizes)]
         turn += 1
-        got, s = descend(kick(bests[b][0], rng, table, ev), ev, table, num_devices, budget)
+        got, s = descend(kick(bests[b][0], rng, table, ev), ev, table, num_devices, budget, wide)
         if visit is not None:
             visit(got)
         improved = keep(got, s)
@@ -228,6 +291,27 @@ def iterated_search(starts: list[Structure], ev: Evaluator, table: LayerTable,
         if s.better_than(best_s):
             best, best_s = got, s
     return best, best_s
+
+
+def _widen(bests: dict[int, tuple[Structure, Score]], best: Structure, best_s: Score,
+           ev: Evaluator, table: LayerTable, num_devices: int, budget: Budget,
+           rng: random.Random, visit: Callable[[Structure], None] | None,
+           keep: Callable[[Structure, Score], bool]) -> tuple[Structure, Score]:
+    """Each size's best plan descends once more with `wide_moves`, then kicks do (the plateaus
+    where one move changes nothing and two do: a merge that frees a device another stage
+    needs, a stage's replicas from 4 to 8, two boundaries moved together)."""
+    for b in sorted(bests):
+        if budget.spent(ev):
+            break
+        got, s = descend(bests[b][0], ev, table, num_devices, budget, wide=True)
+        if visit is not None:
+            visit(got)
+        keep(got, s)
+        if s.better_than(best_s):
+            best, best_s = got, s
+    got, s = _kicks(bests, best, best_s, ev, table, num_devices, budget, rng, visit, keep,
+                    wide=True)
+    return (got, s) if got is not None and s is not None else (best, best_s)
 
 
 def _key(s: Score) -> tuple[float, float, int, int]:
