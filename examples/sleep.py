@@ -23,10 +23,10 @@ DIM = int(os.environ.get("PIPEPLAN_SLEEP_DIM", "16"))
 def wait_ms(ms: float) -> None:
     """Wait exactly `ms` milliseconds: `time.sleep` until SPIN_MS before the deadline, then spin.
     A plain `time.sleep` wakes 0.1-0.2 ms late on a virtual machine, which would make every
-    layer longer than its nominal time. PIPEPLAN_SLEEP_SPIN_MS (default 1) sets the spin;
+    layer longer than its nominal time. PIPEPLAN_SLEEP_SPIN_MS (default 0.2) sets the spin;
     0 waits with `time.sleep` alone."""
     deadline = time.perf_counter() + ms / 1e3
-    spin_s = float(os.environ.get("PIPEPLAN_SLEEP_SPIN_MS", "1")) / 1e3
+    spin_s = float(os.environ.get("PIPEPLAN_SLEEP_SPIN_MS", "0.2")) / 1e3
     if spin_s <= 0:
         time.sleep(ms / 1e3)
         return
