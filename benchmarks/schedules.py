@@ -122,6 +122,9 @@ def main() -> None:
     model = str(ROOT / "examples" / "sleep_zb.py")
     ideal = {"1f1b": m * 3 * f + (p - 1) * 3 * f, "zb-h1": m * 3 * f + (p - 1) * (f + f - f)}
     measured: dict[str, list[float]] = {s: [] for s in ideal}
+    # the run's own time of a stage's F + B + W per microbatch (mean over ranks): the layers'
+    # waits and the runtime's work around each compute, without the messages between ranks
+    stage_ms: dict[str, list[float]] = {s: [] for s in ideal}
     torch_ms: dict[str, list[float]] = {s: [] for s in ideal}
     predicted: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -138,14 +141,20 @@ def main() -> None:
             for schedule in ideal:
                 _run("-m", "runtime", str(tmp / f"{schedule}.json"), "--model", model, "--steps",
                      str(args.steps), "--report", str(tmp / "report.json"), env=env)
-                measured[schedule].append(json.loads((tmp / "report.json").read_text())["iteration_ms"])
+                report = json.loads((tmp / "report.json").read_text())
+                measured[schedule].append(report["iteration_ms"])
+                stage_ms[schedule].append(statistics.mean(
+                    r["fwd_ms_per_microbatch"] + r["bwd_ms_per_microbatch"] for r in report["ranks"]))
                 if not args.no_torch:
                     torch_ms[schedule].append(run_torch(schedule, env, m, 2, args.steps, tmp))
     rows = []
     for s in ideal:
         med = statistics.median(measured[s])
+        at_stage = ideal[s] * statistics.median(stage_ms[s]) / (3 * f)  # F = B = W
         rows.append({"schedule": s, "ideal_ms": ideal[s], "measured_ms": measured[s],
                      "median_ms": med, "ratio_to_ideal": med / ideal[s],
+                     "stage_ms": stage_ms[s], "ideal_at_measured_stage_ms": at_stage,
+                     "ratio_to_ideal_at_measured_stage": med / at_stage,
                      "predicted_ms": predicted[s], "prediction_error": predicted[s] / med - 1,
                      "torch_ms": torch_ms[s],
                      "torch_median_ms": statistics.median(torch_ms[s]) if torch_ms[s] else None})
@@ -153,11 +162,13 @@ def main() -> None:
     gain = {"theoretical_ms": ideal["1f1b"] - ideal["zb-h1"], "measured_ms": one - zb,
             "share_of_theoretical": (one - zb) / (ideal["1f1b"] - ideal["zb-h1"])}
     header = ("schedule", "ideal ms", "measured ms (median)", "runs", "measured/ideal",
+              "F+B+W measured ms", "measured / ideal at that stage time",
               "predicted ms", "predicted/measured - 1", "torch ms (median)")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         lines.append(f"| {r['schedule']} | {r['ideal_ms']:.1f} | {r['median_ms']:.1f} | "
                      f"{', '.join(f'{x:.1f}' for x in r['measured_ms'])} | {r['ratio_to_ideal']:.3f} | "
+                     f"{statistics.median(r['stage_ms']):.2f} | {r['ratio_to_ideal_at_measured_stage']:.3f} | "
                      f"{r['predicted_ms']:.1f} | {r['prediction_error']:+.3f} | "
                      + (f"{r['torch_median_ms']:.1f} |" if r["torch_median_ms"] is not None else "- |"))
     print("\n".join(lines))
