@@ -22,7 +22,7 @@ def adjacent_bytes(table: LayerTable) -> list[int]:
     return out
 
 
-def _replica_choices(m: int, max_r: int) -> np.ndarray:
+def replica_choices(m: int, max_r: int) -> np.ndarray:
     """For each distinct ceil(m / r), the smallest r giving it (all-reduce grows with r, and
     it uses the fewest devices; memory is priced with the largest r, `StageBounds`)."""
     out, seen = [], set()
@@ -50,7 +50,7 @@ class StageBounds:
         P = np.array(table.param_prefix_bytes, dtype=float)
         A = np.array(table.activation_prefix_bytes, dtype=float) * scale
         k = OPTIMIZER_EXTRA_COPIES[options.optimizer]
-        rs = np.arange(1, D + 1, dtype=float) if all_replicas else _replica_choices(m, D)
+        rs = np.arange(1, D + 1, dtype=float) if all_replicas else replica_choices(m, D)
         mk = np.ceil(m / rs)
         # memory is priced with the largest r of each n: it holds the fewest in flight, so a
         # stage with any r of that n fits if one does (the smallest r alone did not: r = 5

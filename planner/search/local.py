@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from planner.cost import LayerTable
+from planner.search.large import replica_choices
 from planner.search.space import Evaluator, Score, Structure
 
 
@@ -146,7 +147,7 @@ def wide_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
                 yield st.with_stages(nb, gr, nt)
     m = ev.options.global_batch // st.microbatch_size
     free = ev.cluster.num_devices - st.num_devices
-    levels = sorted({-(-m // n) for n in range(1, m + 1)})
+    levels = [int(x) for x in replica_choices(m, m)]
     for k in range(S):
         for x in levels:
             if abs(x - r[k]) > 1 and (x - r[k]) * t[k] <= free:
@@ -173,24 +174,27 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
         if wider is not None and ev(wider).better_than(cur_s):
             cur, cur_s = wider, ev(wider)
             continue
-        best, best_s = None, cur_s
-        for nb in neighbours(cur, table, ev):
-            s = ev(nb)
-            if s.better_than(best_s):
-                best, best_s = nb, s
-            if budget.spent(ev):
-                break
+        best, best_s = _best_move(neighbours(cur, table, ev), cur_s, ev, budget)
         if best is None and wide and not budget.spent(ev):
-            for nb in wide_moves(cur, ev):
-                s = ev(nb)
-                if s.better_than(best_s):
-                    best, best_s = nb, s
-                if budget.spent(ev):
-                    break
+            best, best_s = _best_move(wide_moves(cur, ev), cur_s, ev, budget)
         if best is None:
             break
         cur, cur_s = best, best_s
     return cur, cur_s
+
+
+def _best_move(moves: Iterator[Structure], score: Score, ev: Evaluator, budget: Budget
+               ) -> tuple[Structure | None, Score]:
+    """The best of `moves` better than `score` (None if none is), scanned until the budget
+    is spent."""
+    best, best_s = None, score
+    for nb in moves:
+        s = ev(nb)
+        if s.better_than(best_s):
+            best, best_s = nb, s
+        if budget.spent(ev):
+            break
+    return best, best_s
 
 
 def _doubled(st: Structure, ev: Evaluator) -> Structure | None:
