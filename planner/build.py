@@ -29,7 +29,12 @@ from planner.formats import (
     digest,
 )
 from planner.partition import Candidate
-from planner.schedules import generate, plan_schedule_fields, zb_h1_memory_deferrals
+from planner.schedules import (
+    generate,
+    memory_representatives,
+    plan_schedule_fields,
+    zb_h1_memory_deferrals,
+)
 from planner.simulator import Simulation, simulate_costs
 from planner.units import format_bytes
 
@@ -72,13 +77,16 @@ class Evaluation:
 
 
 def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options: PlanOptions,
-             devices: Sequence[Device] | None = None) -> Evaluation:
+             devices: Sequence[Device] | None = None, record: bool = True) -> Evaluation:
     """Cost model + schedule + simulation for one candidate (what every method is judged by).
-    `devices` (`cluster.devices()`) may be passed by a caller that evaluates many candidates."""
+    `devices` (`cluster.devices()`) may be passed by a caller that evaluates many candidates;
+    without `record` the simulation keeps no events (the search: same times and memory)."""
     candidate.check(table.num_layers, cluster.num_devices)
     costs = pipeline_costs(table, cluster, candidate, options.optimizer, devices)
-    sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, candidate.num_microbatches,
-                                         schedule_deferrals(costs, options.schedule)))
+    m = candidate.num_microbatches
+    sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, m,
+                                         schedule_deferrals(costs, options.schedule)),
+                         record, memory_representatives(costs.stage_devices, m))
     memory = tuple(max(sim.peak_memory_bytes[d] for d in devs) for devs in costs.stage_devices)
     return Evaluation(candidate, costs, sim, memory)
 

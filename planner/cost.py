@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from planner.errors import PipeplanError
@@ -59,6 +59,16 @@ class LayerTable:
     saved_input_bytes: tuple[int, ...] = ()
     tp: tuple[TPTable, ...] = ()
     loss_activation_bytes: int = 0  # the loss's saved bytes, inside the last layer's activations  # per profiled tensor-parallel degree > 1
+    # per (what, start, stop): the stage totals that scan every tensor (`_memo`); the search
+    # asks for the same stages thousands of times
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def _memo(self, what: str, start: int, stop: int, fn):
+        key = (what, start, stop)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = fn(start, stop)
+        return got
 
     @property
     def num_layers(self) -> int:
@@ -86,6 +96,9 @@ class LayerTable:
         return self.bwd_weight_prefix_ms[stop] - self.bwd_weight_prefix_ms[start]
 
     def weight_grad_bytes(self, start: int, stop: int) -> int:
+        return self._memo("weight_grad_bytes", start, stop, self._weight_grad_bytes)
+
+    def _weight_grad_bytes(self, start: int, stop: int) -> int:
         """Gradients a stage of layers start..stop-1 keeps from B until W at the intermediates
         where weights join the input path (split backward): each layer's, less the outputs'
         gradients of layers whose outputs all leave the stage (the stage keeps those as its
@@ -100,6 +113,9 @@ class LayerTable:
         return total
 
     def output_bytes(self, start: int, stop: int) -> int:
+        return self._memo("output_bytes", start, stop, self._output_bytes)
+
+    def _output_bytes(self, start: int, stop: int) -> int:
         """Bytes of the tensors layers start..stop-1 produce for later layers, each once: what a
         stage ending there sends on, and the gradients it receives back."""
         return sum(t.nbytes for t in self.tensors if start <= t.producer < stop and t.consumers[-1] >= stop)
@@ -108,6 +124,9 @@ class LayerTable:
         return self.activation_prefix_bytes[i + 1] - self.activation_prefix_bytes[i]
 
     def recompute_bytes(self, start: int, stop: int) -> tuple[int, int]:
+        return self._memo("recompute_bytes", start, stop, self._recompute_bytes)
+
+    def _recompute_bytes(self, start: int, stop: int) -> tuple[int, int]:
         """Recomputation of layers start..stop-1, each its own checkpointed block: (bytes kept
         per microbatch = every tensor the blocks read, each once, plus on the last stage what
         the loss saves, since the loss runs outside the blocks; bytes one block's recomputed

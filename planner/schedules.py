@@ -26,6 +26,7 @@ counts in its generator (`params["deferred_w"]`, one per stage).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from planner.actions import Action, parse_actions
 from planner.cost import PipelineCosts, rank_memory_peak, warmup_1f1b
@@ -39,7 +40,24 @@ EXPLICIT_LIMIT_ACTIONS = 20_000  # above this many actions in total, plans store
 def replica_actions(name: str, stage: int, stage_replicas: Sequence[int], replica: int,
                     num_microbatches: int, deferred: int | None = None) -> list[Action]:
     """The actions of replica `replica` of stage `stage` (`stage_replicas[s]` = r_s); ZB-H1
-    defers `deferred` W's (None: `zb_h1_deferred_w`)."""
+    defers `deferred` W's (None: `zb_h1_deferred_w`). A new list each call (the search
+    generates the same ones thousands of times: they are kept, `_replica_actions`)."""
+    if num_microbatches > CACHED_MICROBATCHES:
+        return _make_replica_actions(name, stage, stage_replicas, replica, num_microbatches, deferred)
+    return list(_replica_actions(name, stage, tuple(stage_replicas), replica, num_microbatches, deferred))
+
+
+CACHED_MICROBATCHES = 256  # the cache holds at most 2048 lists of at most 3 x this many actions
+
+
+@lru_cache(maxsize=2048)
+def _replica_actions(name: str, stage: int, stage_replicas: tuple[int, ...], replica: int,
+                     num_microbatches: int, deferred: int | None) -> tuple[Action, ...]:
+    return tuple(_make_replica_actions(name, stage, stage_replicas, replica, num_microbatches, deferred))
+
+
+def _make_replica_actions(name: str, stage: int, stage_replicas: Sequence[int], replica: int,
+                          num_microbatches: int, deferred: int | None) -> list[Action]:
     mbs = list(range(replica, num_microbatches, stage_replicas[stage]))
     F = [Action(stage, "F", j) for j in mbs]
     B = [Action(stage, "B", j) for j in mbs]
@@ -57,6 +75,20 @@ def replica_actions(name: str, stage: int, stage_replicas: Sequence[int], replic
         if deferred is None:
             deferred = zb_h1_deferred_w(num_microbatches, stage_replicas, stage, replica)
         return with_deferred_w(out, deferred)
+    return out
+
+
+def memory_representatives(stage_devices: Sequence[Sequence[int]], num_microbatches: int
+                           ) -> dict[int, int]:
+    """Per rank, a rank of its stage whose generated actions hold the same memory: replicas of
+    a stage with as many microbatches run the same kinds of action in the same order (on other
+    microbatch ids), so the simulator counts one memory peak per stage and microbatch count."""
+    out: dict[int, int] = {}
+    for devs in stage_devices:
+        r = len(devs)
+        for k, rank in enumerate(devs):
+            # replicas k < m % r run one microbatch more than the rest
+            out[rank] = devs[0] if k < num_microbatches % r or num_microbatches % r == 0 else devs[-1]
     return out
 
 

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple
 
 from planner.actions import Action
 from planner.cost import PipelineCosts, Send, rank_memory_peak
 from planner.formats import Plan
+
+_mb, _kind = attrgetter("mb"), attrgetter("kind")
 
 
 class Event(NamedTuple):
@@ -58,9 +62,12 @@ class Simulation:
         return len(self.busy_ms)
 
 
-def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]]) -> Simulation:
+def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]],
+                   record: bool = True, same_memory: Mapping[int, int] | None = None) -> Simulation:
     """Simulate `schedule` (rank -> actions) with `costs`; a schedule that cannot run raises the
-    validator's ScheduleError."""
+    validator's ScheduleError. Without `record`, `events` stays empty (the search needs only
+    the times and the memory: a third less work). `same_memory`: per rank, a rank whose
+    actions hold the same memory (`planner.schedules.memory_representatives`), counted once."""
     S, m = costs.num_stages, costs.num_microbatches
     stage_of_rank = {r: s for s, devs in enumerate(costs.stage_devices) for r in devs}
     producers: list[list[tuple[int, float]]] = [[] for _ in range(S)]
@@ -68,14 +75,18 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
     for (s, t), send in costs.sends.items():
         producers[t].append((s, send.ms))
         consumers[s].append((t, send.ms))
-    M = max(m, 1 + max((a.mb for acts in schedule.values() for a in acts), default=0))
+    M = max(m, 1 + max(map(_mb, chain.from_iterable(schedule.values())), default=0))
+    # keys of the actions each one waits for, less the microbatch: (stage * 3 + kind) * M
+    wait_f = [[(p * 3 * M, ms) for p, ms in producers[s]] for s in range(S)]
+    wait_b = [[((c * 3 + 1) * M, ms) for c, ms in consumers[s]] for s in range(S)]
 
     # end time per action, keyed (stage * 3 + kind) * M + mb with kind F 0, B 1, W 2
     end: dict[int, float] = {}
+    get = end.get
     waiters: dict[int, list[int]] = {}
     pos = {r: 0 for r in schedule}
     free = {r: 0.0 for r in schedule}
-    split = {r: any(a.kind == "W" for a in acts) for r, acts in schedule.items()}
+    split = {r: "W" in map(_kind, acts) for r, acts in schedule.items()}
     bw_split = [costs.bwd_split(s) for s in range(S)]
     busy = {r: 0.0 for r in schedule}
     events: list[Event] = []
@@ -84,36 +95,39 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
     while stack:
         r = stack.pop()
         acts = schedule[r]
+        n = len(acts)
         i = pos[r]
         t_free = free[r]
-        while i < len(acts):
+        spent = busy[r]
+        bdur = [b for b, _ in bw_split] if split[r] else bwd
+        while i < n:
             a = acts[i]
-            s, j = a.stage, a.mb
+            s, j, kind = a.stage, a.mb, a.kind
             ready = t_free
             missing = -1
-            if a.kind == "F":
-                for p, ms in producers[s]:
-                    e = end.get((p * 3) * M + j)
+            if kind == "F":
+                for base, ms in wait_f[s]:
+                    e = get(base + j)
                     if e is None:
-                        missing = (p * 3) * M + j
+                        missing = base + j
                         break
                     if e + ms > ready:
                         ready = e + ms
                 dur = fwd[s]
-                key = (s * 3) * M + j
-            elif a.kind == "B":
-                e = end.get((s * 3) * M + j)
+                key = s * 3 * M + j
+            elif kind == "B":
+                e = get(s * 3 * M + j)
                 if e is None:
-                    missing = (s * 3) * M + j
+                    missing = s * 3 * M + j
                 else:
-                    for c, ms in consumers[s]:
-                        e = end.get((c * 3 + 1) * M + j)
+                    for base, ms in wait_b[s]:
+                        e = get(base + j)
                         if e is None:
-                            missing = (c * 3 + 1) * M + j
+                            missing = base + j
                             break
                         if e + ms > ready:
                             ready = e + ms
-                dur = bw_split[s][0] if split[r] else bwd[s]
+                dur = bdur[s]
                 key = (s * 3 + 1) * M + j
             else:
                 if (s * 3 + 1) * M + j not in end:
@@ -125,14 +139,16 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
                 break
             t_free = ready + dur
             end[key] = t_free
-            busy[r] += dur
-            events.append(Event(r, str(a), a.kind, s, j, ready, t_free))
+            spent += dur
+            if record:
+                events.append(Event(r, str(a), kind, s, j, ready, t_free))
             i += 1
             woken = waiters.pop(key, None)
             if woken:
                 stack.extend(woken)
         pos[r] = i
         free[r] = t_free
+        busy[r] = spent
 
     if any(pos[r] < len(acts) for r, acts in schedule.items()):
         from planner.validate import validate
@@ -141,7 +157,7 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
         raise AssertionError("simulation stuck but the validator found no problem")  # pragma: no cover
 
     tp_f, tp_b = getattr(costs, "tp_comm_fwd_ms", ()), getattr(costs, "tp_comm_bwd_ms", ())
-    if tp_f:  # a TP stage's all-reduces, at the end of each forward/backward (inside it)
+    if tp_f and record:  # a TP stage's all-reduces, at the end of each forward/backward (inside it)
         for e in list(events):
             c = tp_f[e.stage] if e.kind == "F" else tp_b[e.stage] if e.kind == "B" else 0.0
             if c > 0:
@@ -153,13 +169,19 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
             continue
         start = max(free.get(d, 0.0) for d in devs)
         for d in devs:
-            events.append(Event(d, f"allreduce {s}", "allreduce", s, -1, start, start + ar))
+            if record:
+                events.append(Event(d, f"allreduce {s}", "allreduce", s, -1, start, start + ar))
             free[d] = start + ar
             comm[d] += ar
     makespan = max(free.values(), default=0.0)
     idle = {r: makespan - busy[r] - comm[r] for r in schedule}
     total = makespan * len(schedule)
-    held = {r: rank_memory_peak(acts, costs) for r, acts in schedule.items()}
+    held: dict[int, tuple[int, float]] = {}
+    for r in schedule:
+        rep = same_memory.get(r, r) if same_memory is not None else r
+        if rep not in held:
+            held[rep] = rank_memory_peak(schedule[rep], costs)
+        held[r] = held[rep]
     peak = {r: held[r][0] for r in schedule}
     memory = {r: costs.static_memory_bytes[stage_of_rank[r]] + held[r][1]
               for r in schedule if r in stage_of_rank}

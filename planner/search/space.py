@@ -21,6 +21,12 @@ from planner.partition import Candidate, StageChoice
 STYLES = ("packed", "aligned")
 EVERY_PLACEMENT = 12  # devices up to which every node placement of a structure is scored
 PLACEMENTS_PER_STRUCTURE = 64
+# the work of one evaluation against the units of the whole budget (about one simulated action
+# each, `planner.search.WORK_PER_SECOND`): since the search's simulations keep no events and
+# share the schedules and per-stage table scans (`evaluate(record=False)`), an evaluation takes
+# 0.53x the time it did when the units were fitted (300 candidates x 18 instance-schedules,
+# timed side by side, identical results)
+EVAL_WORK = 0.6
 TIME_TOL = 1e-9  # relative: two times this close are equal (prefer fewer devices, stages)
 
 
@@ -202,6 +208,7 @@ class Evaluator:
         self.work_limit = 2**62  # set by the search: placement passes stop here
         self.evaluations = 0
         self.sizes = sizes or []  # the microbatch sizes the search may move between
+        self.cache_extra: dict[object, object] = {}  # what move generators derive from the table
 
     def __call__(self, st: Structure) -> Score:
         return self.scored(st)[0]
@@ -248,7 +255,7 @@ class Evaluator:
         scores better. That is the best choice of recomputation for these stages and devices:
         recomputing adds time and never makes the simulated iteration shorter, and a stage's
         memory does not depend on whether another stage recomputes."""
-        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices)
+        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices, record=False)
         self._count(cand)
         score = self._score(ev, st.num_devices, st.num_stages)
         if score.fits or not self.options.allow_recompute:
@@ -261,7 +268,7 @@ class Evaluator:
         rc = Candidate(tuple(replace(x, recompute=x.recompute or s in over)
                              for s, x in enumerate(cand.stages)),
                        cand.microbatch_size, cand.num_microbatches)
-        ev2 = evaluate(self.table, self.cluster, rc, self.options, self.devices)
+        ev2 = evaluate(self.table, self.cluster, rc, self.options, self.devices, record=False)
         self._count(rc)
         score2 = self._score(ev2, st.num_devices, st.num_stages)
         return (score2, rc) if score2.better_than(score) else (score, cand)
@@ -271,8 +278,8 @@ class Evaluator:
         # search for each stage's W deferral, about as much again), plus per-stage and
         # per-device costing (about 1.6 actions' time per device, measured)
         per_mb = 5 if self.options.schedule == "zb-h1" else 2
-        self.work += per_mb * cand.num_microbatches * len(cand.stages) + 4 * len(cand.stages) \
-            + 100 + 2 * sum(len(s.devices) for s in cand.stages)
+        self.work += int(EVAL_WORK * (per_mb * cand.num_microbatches * len(cand.stages) + 4 * len(cand.stages)
+                                      + 100 + 2 * sum(len(s.devices) for s in cand.stages)))
         self.evaluations += 1
 
     def _score(self, ev: Evaluation, devices: int, stages: int) -> Score:
