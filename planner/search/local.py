@@ -6,9 +6,10 @@ add or drop a replica; double or halve every stage's replicas; a stage's tensor-
 one step up or down; change the placement policy; the next microbatch size up or down. Steepest
 descent to a local optimum, then iterated kicks (a few random moves from a seeded generator) and
 descent again, for as long as the budget of simulated actions lasts. Then, on a share of work of
-its own, the same once more with compound moves (`wide_moves`: two of the moves above at once)
-where no single move improves: the plateaus of slow links, where one stage or hop sets the time
-and no single move changes it. The budget, not the clock, ends the search, so the same
+its own, the same once more with compound moves (`wide_moves`: two of the moves above at once,
+and every boundary re-split for new replica counts) where no single move improves: the plateaus
+of slow links and tight memory, where one stage or hop sets the time and no single move
+changes it. The budget, not the clock, ends the search, so the same
 input gives the same plan on an idle or a loaded machine; the wall-clock deadline is only a
 safety net.
 """
@@ -22,6 +23,7 @@ from dataclasses import replace
 
 from planner.cost import LayerTable
 from planner.search.large import replica_choices
+from planner.search.resplit import resplit_moves
 from planner.search.space import Evaluator, Score, Structure
 
 
@@ -119,11 +121,14 @@ def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Stru
 
 
 def wide_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
-    """Moves `descend` tries only where no move of `neighbours` improves (compound ones, each
-    two of those at once): two adjacent boundaries shifted together, each by up to 2 layers;
+    """Moves `descend` tries only where no move of `neighbours` improves (compound ones): the
+    structure's boundaries re-split for its replica counts or a few others (`resplit_moves`:
+    where memory binds, a replica more deepens the warm-up of every stage before it, and only
+    moving their boundaries too makes it fit); two adjacent boundaries shifted together, each by up to 2 layers;
     two adjacent stages merged (the larger replica count) and the devices this frees given to
     another stage; a stage's replicas set to any other count that changes the microbatches
     each replica runs (the smallest r of each ceil(m / r): a node's worth of replicas at once)."""
+    yield from resplit_moves(st, ev)
     b, r, t = list(st.bounds), list(st.replicas), list(st.degrees)
     S = len(r)
     for k in range(1, S - 1):
