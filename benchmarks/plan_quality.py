@@ -115,10 +115,11 @@ def cached_least_memory(cache: dict[str, float], pname: str, cname: str, profile
 # ---------------------------------------------------------------- the independent search
 
 
-def _candidate(bounds: list[int], reps: list[int], b: int, m: int) -> Candidate:
+def _candidate(bounds: list[int], reps: list[int], b: int, m: int,
+               recompute: frozenset[int] = frozenset()) -> Candidate:
     stages, rank = [], 0
-    for a, z, r in zip(bounds, bounds[1:], reps, strict=False):
-        stages.append(StageChoice(a, z, tuple(range(rank, rank + r))))
+    for k, (a, z, r) in enumerate(zip(bounds, bounds[1:], reps, strict=False)):
+        stages.append(StageChoice(a, z, tuple(range(rank, rank + r)), recompute=k in recompute))
         rank += r
     return Candidate(tuple(stages), b, m)
 
@@ -126,7 +127,9 @@ def _candidate(bounds: list[int], reps: list[int], b: int, m: int) -> Candidate:
 def random_search(profile: Profile, cluster: Cluster, options: PlanOptions, sizes: list[int],
                   seconds: float, seed: int = 0, allow_idle: bool = False) -> dict:
     """Random (split, replicas, microbatch size) on consecutive ranks + hill climbing, judged by
-    `evaluate()`. With `allow_idle` False, a stage that computes nothing is not allowed."""
+    `evaluate()`. With `allow_idle` False, a stage that computes nothing is not allowed. A
+    split that overflows memory is scored once more with recomputation on the stages that
+    overflow (where the options allow it): on tight memory most plans need it."""
     table = layer_table(profile)
     L, D = table.num_layers, cluster.num_devices
     rng = random.Random(seed)
@@ -138,7 +141,13 @@ def random_search(profile: Profile, cluster: Cluster, options: PlanOptions, size
         if not allow_idle and any(table.compute_ms(a, z) <= 0 for a, z in zip(bounds, bounds[1:], strict=False)):
             return math.inf
         evals += 1
-        ev = evaluate(table, cluster, _candidate(bounds, reps, b, options.global_batch // b), options)
+        m = options.global_batch // b
+        ev = evaluate(table, cluster, _candidate(bounds, reps, b, m), options)
+        if not ev.fits and options.allow_recompute:
+            over = frozenset(k for k, (need, lim) in enumerate(
+                zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes, strict=True)) if need > lim)
+            evals += 1
+            ev = evaluate(table, cluster, _candidate(bounds, reps, b, m, over), options)
         return ev.iteration_ms if ev.fits else math.inf
 
     t0 = time.perf_counter()
