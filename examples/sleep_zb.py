@@ -5,8 +5,9 @@ Zero-bubble schedules overlap the W's with the pipeline's bubbles. Environment:
 PIPEPLAN_SLEEP_F_MS (10), PIPEPLAN_SLEEP_B_MS (= F), PIPEPLAN_SLEEP_W_MS (= F),
 PIPEPLAN_SLEEP_BLOCKS (4), PIPEPLAN_SLEEP_DIM (16)."""
 
+import importlib.util
 import os
-import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,20 +19,16 @@ BLOCKS = int(os.environ.get("PIPEPLAN_SLEEP_BLOCKS", "4"))
 DIM = int(os.environ.get("PIPEPLAN_SLEEP_DIM", "16"))
 
 
-def wait_ms(ms: float) -> None:
-    """Wait exactly `ms` milliseconds: `time.sleep` until SPIN_MS before the deadline, then spin.
-    A plain `time.sleep` wakes 0.1-0.2 ms late on a virtual machine, which would make every
-    layer longer than its nominal time. PIPEPLAN_SLEEP_SPIN_MS (default 0.2) sets the spin;
-    0 waits with `time.sleep` alone."""
-    deadline = time.perf_counter() + ms / 1e3
-    spin_s = float(os.environ.get("PIPEPLAN_SLEEP_SPIN_MS", "0.2")) / 1e3
-    if spin_s <= 0:
-        time.sleep(ms / 1e3)
-        return
-    if ms / 1e3 > spin_s:
-        time.sleep(ms / 1e3 - spin_s)
-    while time.perf_counter() < deadline:
-        pass
+def _sibling(name: str):  # noqa: ANN202
+    """The example file `name` next to this one (model files are imported by path, not as a
+    package): its waits are this model's too."""
+    spec = importlib.util.spec_from_file_location(f"pipeplan_example_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+wait_ms = _sibling("sleep").wait_ms  # sleep to 0.2 ms before the deadline, then spin
 
 
 class WaitInput(torch.autograd.Function):

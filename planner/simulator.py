@@ -88,6 +88,7 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
     free = {r: 0.0 for r in schedule}
     split = {r: "W" in map(_kind, acts) for r, acts in schedule.items()}
     bw_split = [costs.bwd_split(s) for s in range(S)]
+    b_only = [b for b, _ in bw_split]  # a B where the rank's backward is split
     busy = {r: 0.0 for r in schedule}
     events: list[Event] = []
     fwd, bwd = costs.fwd_ms, costs.bwd_ms
@@ -99,7 +100,7 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
         i = pos[r]
         t_free = free[r]
         spent = busy[r]
-        bdur = [b for b, _ in bw_split] if split[r] else bwd
+        bdur = b_only if split[r] else bwd
         while i < n:
             a = acts[i]
             s, j, kind = a.stage, a.mb, a.kind

@@ -320,7 +320,8 @@ def _widen(bests: dict[int, tuple[Structure, Score]], best: Structure, best_s: S
             best, best_s = got, s
     got, s = _kicks(bests, best, best_s, ev, table, num_devices, budget, rng, visit, keep,
                     wide=True)
-    return (got, s) if got is not None and s is not None else (best, best_s)
+    assert got is not None and s is not None  # it starts from `best`, which is not None
+    return got, s
 
 
 def _key(s: Score) -> tuple[float, float, int, int]:

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from planner.cost import OPTIMIZER_EXTRA_COPIES, microbatch_scale, warmup_1f1b
-from planner.formats import GB, crossing_bytes
+from planner.cost import OPTIMIZER_EXTRA_COPIES, microbatch_scale, transfer_ms, warmup_1f1b
+from planner.formats import crossing_bytes
 from planner.search.space import Evaluator, Structure
 
 MAX_LAYERS = 400  # above this many layers the DP (stages x layers^2 cells) is not run
@@ -57,7 +57,7 @@ def _tables(ev: Evaluator, b: int) -> dict[str, np.ndarray]:
         cut[1:L] = crossing_bytes(spans, L)
         c = ev.cluster
         gbps = min(c.inter_node_gb_per_s, c.intra_node_gb_per_s)
-        hop = np.where(cut > 0, cut * scale / (gbps * GB) * 1e3 + c.latency_us / 1e3, 0.0)
+        hop = np.array([transfer_ms(x * scale, gbps, c.latency_us) for x in cut])
         got = ev.cache_extra[key] = {
             "X": hop,
             "F": np.array(t.fwd_prefix_ms) * scale,
