@@ -84,12 +84,12 @@ def resplit(ev: Evaluator, b: int, replicas: list[int], hops: bool = False) -> t
     coef = 2 + OPTIMIZER_EXTRA_COPIES[opts.optimizer]
     i, j = np.triu_indices(L + 1, 1)  # every stage [i, j)
     comp = (p["C"][j] - p["C"][i]) / speed
+    busy = comp > 0 if t.compute_ms(0, L) > 0 else np.ones_like(comp, dtype=bool)  # no 0-ms stage
     if hops:  # every microbatch waits for its transfers in and out (1F1B does not hide them)
         comp = comp + p["X"][i] + p["X"][j]
     fwd = (p["F"][j] - p["F"][i]) / speed
     static = (p["P"][j] - p["P"][i]) * coef
     act, kept, transient = p["A"][j] - p["A"][i], p["K"][i, j], p["T"][i, j]
-    busy = comp > 0 if t.compute_ms(0, L) > 0 else np.ones_like(comp, dtype=bool)
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((S, L + 1), dtype=int)

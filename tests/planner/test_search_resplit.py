@@ -110,3 +110,17 @@ def test_resplit_leaves_a_memory_plateau() -> None:
     scores = [ev(nb) for nb in resplit_moves(st, ev)]
     best = min(s.objective_ms for s in scores if s.fits)
     assert best <= 0.72 * start.objective_ms, best
+
+
+def test_resplit_gives_no_stage_that_computes_nothing() -> None:
+    """A 0-ms layer (an embedding, as in GNMT) next to slow transfers: priced with the
+    transfers, the layer alone still costs something, but it computes nothing and the search
+    would reject such a stage, so the DP never proposes one."""
+    from tests.planner.helpers import chain_profile, cluster
+
+    profile = chain_profile([0.0, 1.0, 1.0, 1.0], bwd=[0.0, 2.0, 2.0, 2.0], out=[10**9] * 4)
+    options = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd", schedule="1f1b")
+    ev = Evaluator(layer_table(profile), cluster(nodes=1, per_node=4, intra=1.0, inter=1.0), options)
+    for hops in (False, True):
+        got = resplit(ev, 2, [1, 1, 1], hops)
+        assert got is not None and got[1] >= 2, got  # layer 0 never alone
