@@ -46,6 +46,19 @@ memory or time forces the layers before a slow stage into several stages on slow
 first microbatch reaches it, and the last gradient leaves it, only through all of those hops
 (vgg16 on 16 devices at 1 GB/s, tight memory: 26.7 % -> 1.9 %).
 
+Last, on the work `tighten` has left, the same with each microbatch's last backward on its own
+(`Conditions.per_microbatch`): microbatch q runs on replica q mod r of every stage (in order),
+so the backward of q on stage k ends no earlier than E_{k+1}(q) + x_k + B_k, where E_{k+1}(q)
+is when it ended on the next stage, and no earlier than H(i) + (floor(q / r) + 1)(F + B), the
+work of q's replica up to q; and that replica runs the backward of q and of every later
+microbatch it has before the layers before it and the all-reduce can end:
+T >= E_{k+1}(q) + x_k + (its microbatches from q on) B_k + max(Tl(i), AR). The DP keeps, per
+suffix, the least E of each q on its own (a relaxation: each entry may come from a different
+suffix), priced per replica count (the least over the counts of one n). Where tight memory
+leaves a replicated stage few microbatches, the one that sets the time is often not the last
+(the GPT example, 16 devices, tight: 857.9 -> 927.6 ms against the 932.7 optimum). A step
+costs about m / 2 steps without it, so it runs only after that bisection has ended.
+
 A stage may run in several ways (`Variant`): at any TP degree the search may use (the shard's
 measured time plus its TP all-reduces, the shard's bytes) and, where memory binds, recomputed
 (the forward once more in B; memory = the tensors its layers read first plus one layer's
