@@ -49,7 +49,7 @@ from planner.search.bound import (
 )
 from planner.search.diagnose import check_transfers, infeasible_error
 from planner.search.large import dp_lower_bound
-from planner.search.local import Budget, iterated_search
+from planner.search.local import SPLIT_ONE_SHARE, Budget, iterated_search
 from planner.search.space import (
     Evaluator,
     Score,
@@ -310,7 +310,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                   for x in found if x is not None]
     budget = Budget(total_work - dp_spent, deadline)
     wide_work = int(WIDE_SHARE * budget.work)  # the compound moves after the search (local._widen)
-    ev.work_limit = int(1.3 * (budget.work + wide_work))  # placement passes may overrun a little
+    # placement passes may overrun a little; the last descent (`local.SPLIT_ONE_SHARE`) comes after
+    ev.work_limit = int(1.3 * (budget.work + (1 + SPLIT_ONE_SHARE) * wide_work))
     placed: list[tuple[Score, Candidate]] = []  # local optima placed every way (small clusters)
     several = len(cluster.node_specs()) > 1
 

@@ -524,7 +524,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         after = np.floor((c.m - 1 - qv[None, :]) / ra[:, None]) + 1
         klass = np.searchsorted(starts, np.arange(len(ra)), side="right") - 1  # (Ra,): its choice
         per_variant.append((v, rs, n[:, None, None], dd, flat_link, ar_gbps, w[:, None, :],
-                            (ra, starts, dda, valida, idxa, np.maximum(inflight, 1)), (mine, after)))
+                            (ra, starts, dda, valida, idxa, np.maximum(inflight, 1)), (mine, after, klass)))
     for i in range(L - 1, -1, -1):
         j = np.arange(i + 1, L + 1)
         J = len(j)
@@ -554,7 +554,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         best = np.full((D + 1, P + 1), np.inf)
         best_z = np.full((D + 1, P + 1), np.inf)
         best_zv = np.full((D + 1, P + 1, M), np.inf)
-        for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight), (mine, after) \
+        for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight), (mine, after, klass) \
                 in per_variant:
             if len(rs) == 0:
                 continue
