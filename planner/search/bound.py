@@ -956,6 +956,18 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
+PER_MICROBATCH_CELLS = 3e7  # the largest per-microbatch array `_per_microbatch` builds (8 bytes each)
+
+
+def per_microbatch_cells(c: Conditions) -> int:
+    """The entries of the largest array of a DP with each microbatch's last backward: the
+    suffix table (layers x devices x node group x microbatches), or one layer's transitions
+    (replica counts x layers x devices x microbatches)."""
+    table = (c.L + 1) * (c.D + 1) * (_group_size(c) + 1) * c.m
+    step = min(c.D, c.m) * c.L * (c.D + 1) * c.m
+    return max(table, step)
+
+
 def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float, rel_tol: float,
                     deadline: float) -> tuple[float, int]:
     """`tighten`'s second part, on the work it left: the same conditions and each
@@ -967,6 +979,8 @@ def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float,
     microbatches before it (the GPT example on 16 devices, tight memory: 857.9 -> 927.6 ms,
     against a plan of 932.7)."""
     cv = replace(cz, per_microbatch=True)
+    if per_microbatch_cells(cv) > PER_MICROBATCH_CELLS:
+        return lo, 0  # its arrays would not fit memory (a long --time-limit on a large instance)
     step = tighten_step_work(cv)
     spent = 0
     hi = upper_ms

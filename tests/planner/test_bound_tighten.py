@@ -163,3 +163,22 @@ def test_per_microbatch_conditions_hold_against_brute_force_and_raise_the_bound(
         raised += with_q > without * 1.01
     assert checked >= 30, checked
     assert raised >= 2, raised  # 3 of the 60 seeds here (5020, 5023, 5034), by 1.3-4.6 %
+
+
+def test_per_microbatch_conditions_skip_arrays_too_large(monkeypatch) -> None:
+    """A long --time-limit on a large instance could afford the per-microbatch DP, whose arrays
+    grow with layers x devices x microbatches: above PER_MICROBATCH_CELLS it is not run (no
+    work spent, the bound as it was), below it runs."""
+    import planner.search.bound as bound_mod
+
+    rng = random.Random(7)
+    profile = random_profile(rng, 6, dag=False)
+    cluster = Cluster(nodes=1, devices_per_node=4, device_memory_gb=80, intra_node_gb_per_s=1,
+                      inter_node_gb_per_s=1)
+    table = layer_table(profile)
+    c = replace(conditions(table, cluster, "sgd", "1f1b", 16, 2, hop_bytes(table)), cross_stage=True)
+    cells = bound_mod.per_microbatch_cells(replace(c, per_microbatch=True))
+    monkeypatch.setattr(bound_mod, "PER_MICROBATCH_CELLS", cells - 1)
+    assert _per_microbatch(c, 1.0, 100.0, float("inf"), 1e-4, float("inf")) == (1.0, 0)
+    monkeypatch.setattr(bound_mod, "PER_MICROBATCH_CELLS", cells)
+    assert _per_microbatch(c, 1.0, 100.0, float("inf"), 1e-4, float("inf"))[1] > 0
