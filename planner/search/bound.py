@@ -425,38 +425,42 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
     return np.minimum.accumulate(X, axis=1)
 
 
-def _behind(mask: np.ndarray, table: np.ndarray, dd: np.ndarray, starts: np.ndarray
-            ) -> tuple[np.ndarray, np.ndarray]:
+def _per_count(mask: np.ndarray, table: np.ndarray, dd: np.ndarray) -> np.ndarray:
     """The suffix (`table`, (J, D+1): g or z of each next layer) behind each replica count
     where `mask` (Ra, J, D+1) allows it, `dd` (Ra,) its devices (the suffix has d - dd):
-    (Ra, J, D+1); and per replica choice the least over the replica counts of its n
-    (consecutive from `starts`): (choices, J, D+1)."""
+    (Ra, J, D+1)."""
     J, width = table.shape
     padded = np.concatenate([np.full((J, width - 1), np.inf), table], axis=1)
     # shifted[s] = the table shifted right by width - 1 - s (inf shifted in)
     shifted = np.lib.stride_tricks.sliding_window_view(padded, width, axis=1).transpose(1, 0, 2)
-    per_r = np.where(mask, shifted[width - 1 - dd], np.inf)
-    ends = [*starts[1:], len(dd)]
-    out = np.empty((len(starts), J, width))
-    for q, (a, b) in enumerate(zip(starts, ends, strict=True)):  # (np.minimum.reduceat: 3x slower)
-        out[q] = per_r[a] if b == a + 1 else per_r[a:b].min(axis=0)
-    return per_r, out
-
-
-def _behind_each(mask: np.ndarray, table: np.ndarray, dd: np.ndarray) -> np.ndarray:
-    """`_behind`'s suffix behind each replica count, of a table with one entry per
-    microbatch, (J, D+1, M): (Ra, J, D+1, M)."""
-    J, width, M = table.shape
-    flat = table.transpose(2, 0, 1).reshape(M * J, width)
-    per_r, _ = _behind(np.tile(mask, (1, M, 1)), flat, dd, np.zeros(1, dtype=int))
-    return per_r.reshape(len(dd), M, J, width).transpose(0, 2, 3, 1)
+    return np.where(mask, shifted[width - 1 - dd], np.inf)
 
 
 def _class_min(per_r: np.ndarray, starts: np.ndarray, choices: int) -> np.ndarray:
     """Per replica choice, the least of `per_r` (Ra', ...) over its replica counts (those of
     its n, consecutive from `starts`; only the first Ra' of all exist here): (choices, ...)."""
     ends = [*starts[1:choices], len(per_r)]
-    return np.stack([per_r[a:min(b, len(per_r))].min(axis=0) for a, b in zip(starts[:choices], ends, strict=True)])
+    out = np.empty((choices, *per_r.shape[1:]))
+    for q, (a, b) in enumerate(zip(starts[:choices], ends, strict=True)):  # (np.minimum.reduceat: 3x slower)
+        b = min(b, len(per_r))
+        out[q] = per_r[a] if b == a + 1 else per_r[a:b].min(axis=0)
+    return out
+
+
+def _behind(mask: np.ndarray, table: np.ndarray, dd: np.ndarray, starts: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """`_per_count`, and per replica choice the least over the replica counts of its n
+    (consecutive from `starts`): (choices, J, D+1)."""
+    per_r = _per_count(mask, table, dd)
+    return per_r, _class_min(per_r, starts, len(starts))
+
+
+def _behind_each(mask: np.ndarray, table: np.ndarray, dd: np.ndarray) -> np.ndarray:
+    """`_per_count` of a table with one entry per microbatch, (J, D+1, M): (Ra, J, D+1, M)."""
+    J, width, M = table.shape
+    flat = table.transpose(2, 0, 1).reshape(M * J, width)
+    per_r = _per_count(np.tile(mask, (1, M, 1)), flat, dd)
+    return per_r.reshape(len(dd), M, J, width).transpose(0, 2, 3, 1)
 
 
 def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
@@ -549,8 +553,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
         gj_arg = gj.argmin(axis=2)
         zj = z[j]
         zj_any = zj.min(axis=2)
-        zvj = zv[j]
-        zvj_any = zvj.min(axis=2)
+        zvj = zv[j] if vec else None
+        zvj_any = zvj.min(axis=2) if vec else None
         best = np.full((D + 1, P + 1), np.inf)
         best_z = np.full((D + 1, P + 1), np.inf)
         best_zv = np.full((D + 1, P + 1, M), np.inf)
@@ -616,12 +620,12 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                     t_stage = np.maximum(t_stage, end_b + np.maximum(Tl[into][:, None, :],
                                                                      ar[rows][:, :, None]))
                 if vec:
-                    # per replica count (Ra'; its choice `of`): microbatch q's gradient from
-                    # the next stage, then the backward of q and of every later microbatch of
-                    # q's replica; and when q's backward ends, for the stage before. Each the
-                    # least over the replica counts of a choice (the plan has one of them)
+                    # per replica count (Ra'; its choice `of`, a row: `rows` counts from 0):
+                    # microbatch q's gradient from the next stage, then the backward of q and
+                    # of every later microbatch of q's replica; and when q's backward ends, for
+                    # the stage before. Each the least over the replica counts of a choice
                     Ra = len(nxt_zv)
-                    of = np.searchsorted(rows, klass[:Ra])  # row of each replica count's choice
+                    of = klass[:Ra]
                     back = nxt_zv + np.where(last_j, hop[of][:, :, None], 0.0)[..., None]  # (Ra, J, D+1, M)
                     tail = _class_min((back + c2[..., None] * after[:Ra, None, None, :]).max(axis=3),
                                       starts[rows], len(rows))

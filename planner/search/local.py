@@ -38,6 +38,12 @@ def _balanced_split(table: LayerTable, a: int, z: int) -> int:
     return best
 
 
+def _split_positions(table: LayerTable, a: int, z: int) -> list[int]:
+    """Where a split of stage [a, z) is tried: its balanced point and one layer either side."""
+    mid = _balanced_split(table, a, z)
+    return [p for p in sorted({mid - 1, mid, mid + 1}) if a < p < z]
+
+
 def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Structure]:
     """Every move from `st` (recomputation is not a move: `Evaluator` gives every structure
     the best recomputation for it)."""
@@ -68,11 +74,8 @@ def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Stru
         a, z = b[k], b[k + 1]
         if z - a < 2:
             continue
-        mid = _balanced_split(table, a, z)
         tps = t[:k] + [t[k], t[k]] + t[k + 1:]
-        for p in sorted({mid - 1, mid, mid + 1}):
-            if not a < p < z:
-                continue
+        for p in _split_positions(table, a, z):
             nb = b[: k + 1] + [p] + b[k + 1:]
             if r[k] >= 2:
                 h = r[k] // 2
@@ -161,10 +164,10 @@ def wide_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
 
 def split_one_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
     """The last tier of compound moves, in one descent from the best plan after `_widen`, where
-    neither `neighbours` nor `wide_moves` improves: one replica split off a stage (`[1, r - 1]` or `[r - 1, 1]` at its balanced
-    point), alone or with a replica less on another stage. The GPT example on 16 devices,
-    tight memory: its embedding on one device beside the first block on seven, 943.1 -> 932.7
-    ms, the brute-force optimum. (Among the single moves, or beside the other compound ones,
+    neither `neighbours` nor `wide_moves` improves: one replica split off a stage (`[1, r - 1]`
+    or `[r - 1, 1]` at its balanced point, `_split_positions`), alone or with a replica less on
+    another stage. The GPT example on 16 devices, tight memory: its embedding on one device
+    beside the first block on seven, 943.1 -> 932.7 ms, the brute-force optimum. (Among the single moves, or beside the other compound ones,
     they changed where the search ends on other instances, up to 22 % worse on 11 of 64; as a
     last tier inside `_widen`, gnmt_large 4x4 1.2 % worse: where kicks go from there changes.)"""
     b, r, t = list(st.bounds), list(st.replicas), list(st.degrees)
@@ -174,10 +177,7 @@ def split_one_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
         if z - a < 2 or r[k] < 3:
             continue
         tps = t[:k] + [t[k], t[k]] + t[k + 1:]
-        mid = _balanced_split(ev.table, a, z)
-        for p in sorted({mid - 1, mid, mid + 1}):
-            if not a < p < z:
-                continue
+        for p in _split_positions(ev.table, a, z):
             nb = b[: k + 1] + [p] + b[k + 1:]
             for pair in ([1, r[k] - 1], [r[k] - 1, 1]):
                 nr = r[:k] + pair + r[k + 1:]
