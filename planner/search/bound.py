@@ -322,6 +322,7 @@ class BoundPlan:
     replicas: tuple[int, ...]
     tp: tuple[int, ...] = ()
     recompute: tuple[bool, ...] = ()
+    seed: bool = True  # whether the search may start from it
 
 
 def _group_size(c: Conditions) -> int:

@@ -1,15 +1,22 @@
 """A lower bound for instances too large for the round-trip DP of `bound.py` (its cost grows
 with layers^2 x devices): a DP over layers only that minimises the devices used, with per-stage
 conditions that need no device count (written for the first CP-SAT planner; see
-`dp_lower_bound`). Cheaper and looser; its plan is a seed of the search."""
+`dp_lower_bound`). Cheaper and looser; where no stage recomputes, its plan is a seed of the
+search. Where stages may recompute, a stage meets its conditions plain or recomputed (with
+them the 1000-layer chain on 16 devices at 1 GB/s is bounded at 450 ms, not the 251 ms of the
+work alone, against a 709-ms plan), and a stage's link out carries what the next stage's
+first layer reads from it, a DAG's skips included (ResNet-101 on 128 devices: 411.1 -> 412.9
+ms, a 416.1-ms plan). Its DPs count their work (`layer_dp_work`) in the bound's share."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, transfer_ms
 from planner.formats import GB, Cluster, PlanOptions
-from planner.search.bound import BoundPlan
+from planner.search.bound import BoundPlan, hop_bytes, least_latency_us
 
 
 def adjacent_bytes(table: LayerTable) -> list[int]:
@@ -38,7 +45,7 @@ class StageBounds:
     """The per-stage conditions of `dp_lower_bound` at a target time T (internal)."""
 
     def __init__(self, table: LayerTable, cluster: Cluster, options: PlanOptions,
-                 microbatch_size: int, all_replicas: bool = False) -> None:
+                 microbatch_size: int, all_replicas: bool = False, recompute: bool = False) -> None:
         L, D = table.num_layers, cluster.num_devices
         m = options.global_batch // microbatch_size
         scale = microbatch_size / table.batch_size
@@ -49,6 +56,17 @@ class StageBounds:
         B = np.array(table.bwd_prefix_ms) * scale / vmax
         P = np.array(table.param_prefix_bytes, dtype=float)
         A = np.array(table.activation_prefix_bytes, dtype=float) * scale
+        # a recomputed stage keeps at least the tensors its layers read first (their inputs,
+        # `bound.conditions`' kept_lo) per microbatch in flight, and while a layer's backward
+        # runs, that layer's activations less its inputs (`bound.conditions`' layer_act)
+        first = np.zeros(L + 1)
+        for t in table.tensors:
+            first[min(t.consumers) + 1] += t.nbytes * scale
+        own = np.array(table.saved_input_bytes or [0] * L, dtype=float)
+        own[-1:] += table.loss_activation_bytes
+        self.K = np.cumsum(first)
+        self.act_one = np.maximum(np.diff(np.array(table.activation_prefix_bytes, dtype=float)) - own, 0.0) * scale
+        self.recompute = recompute
         k = OPTIMIZER_EXTRA_COPIES[options.optimizer]
         rs = np.arange(1, D + 1, dtype=float) if all_replicas else replica_choices(m, D)
         mk = np.ceil(m / rs)
@@ -62,13 +80,14 @@ class StageBounds:
         fast = (max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) if per_node > 1
                 else cluster.inter_node_gb_per_s) * GB  # one device per node: every link crosses
         bw = np.where(rs <= per_node, fast, cluster.inter_node_gb_per_s * GB)
-        lat = cluster.latency_us / 1e3
+        lat_us = least_latency_us(cluster)
+        lat = lat_us / 1e3
         total = F[L] + B[L]
         # the stage's own links, both ways (adjacent tensors), at the fastest bandwidth it may use
         adj = adjacent_bytes(table)
         def both_ways(gbps: float) -> np.ndarray:
             return np.array([0.0 if z in (0, L) else
-                             2 * transfer_ms(scale * adj[z], gbps, cluster.latency_us)
+                             2 * transfer_ms(scale * adj[z], gbps, lat_us)
                              for z in range(L + 1)])
 
         # a stage with at least as many replicas as the largest node has devices cannot share a
@@ -85,6 +104,12 @@ class StageBounds:
         self.L, self.D, self.m, self.F, self.B, self.P, self.A, self.k = L, D, m, F, B, P, A, k
         self.rs, self.mk, self.mem, self.total, self.link, self.half = rs, mk, mem, total, link, half
         self.rh = rh
+        # the stage [a, z)'s link out, both ways: whatever holds layer z receives the tensors
+        # [a, z) produced that z reads (`bound.hop_bytes`; in a DAG more than the adjacent
+        # tensor: a block's skip), per replica choice at the bandwidth `link` uses
+        self.hop = hop_bytes(table) * scale
+        self.gbps = np.where(rs >= per_node, cluster.inter_node_gb_per_s, fast / GB)
+        self.lat = lat
         self.later_stages, self.ar_coef, self.ar_lat = later_stages, ar_coef, ar_lat
 
     def ok(self, T: float, z: int, dp: np.ndarray) -> np.ndarray:
@@ -96,7 +121,6 @@ class StageBounds:
                     self.ar_coef, self.ar_lat)
         options = self.options
         a = np.arange(z)
-        comp = (F[z] - F[a]) + (B[z] - B[a])  # (z,)
         params = P[z] - P[a]
         # in flight on replica 0: ceil(min(m, U) / r), U = replicas from here to the end,
         # at least r plus one device per `mem` of the later layers' static memory
@@ -105,12 +129,7 @@ class StageBounds:
         else:
             later = later_stages[z]
             inflight = np.ceil(np.minimum(m, self.rh[None, :] + later) / self.rh[None, :])
-        fits = (params * (2 + k))[:, None] + (A[z] - A[a])[:, None] * inflight <= mem
         ar = params[:, None] * ar_coef[None, :] + ar_lat[None, :]  # (z, R)
-        # P1: first forward in, the stage busy, then the backward out or its all-reduce
-        p1 = F[a][:, None] + half[a] + mk[None, :] * comp[:, None] \
-            + np.maximum(ar, B[a][:, None] + half[a])
-        # the first microbatch's round trip, then the stage's remaining backwards
         # 1F1B warm-up w <= ceil(min(m, U) / r) with U <= D - dp[a]: the devices left
         # after the fewest the layers before can use at this T
         left = np.where(np.isfinite(dp[a]), D - dp[a], D)
@@ -118,14 +137,30 @@ class StageBounds:
                                                / rs[None, :]))
         if options.schedule == "gpipe":
             w_hi = mk[None, :] + 0 * w_hi
-        p2 = total + link[a] + link[z][None, :] + (mk[None, :] - 1) * (B[z] - B[a])[:, None] \
-            + (mk[None, :] - w_hi) * (F[z] - F[a])[:, None]
-        # the last microbatch through this stage's replica, to the end and back, then
-        # this stage's all-reduce
-        p3 = F[L] + (mk[None, :] - 1) * (F[z] - F[a])[:, None] \
-            + (mk[None, :] - w_hi) * (B[z] - B[a])[:, None] \
-            + (B[L] - B[a])[:, None] + half[a] + link[z][None, :] + ar
-        ok = (p1 <= T) & (p2 <= T) & (p3 <= T) & fits
+        hz = self.hop[:z, z][:, None]  # (z, 1)
+        out = np.where(hz > 0, 2 * (hz / (self.gbps[None, :] * GB) * 1e3 + self.lat), 0.0) \
+            if z < L else np.zeros((z, len(rs)))  # (z, R)
+        fwd = (F[z] - F[a])[:, None]
+        static = (params * (2 + k))[:, None]
+        ok = np.zeros((z, len(rs)), dtype=bool)
+        # plain, and where stages may recompute, recomputed: its forward once more in its
+        # backward, its layers' inputs kept and one layer's activations while it runs
+        for again, kept in ((0.0, (A[z] - A[a])[:, None] * inflight),) + (
+                ((1.0, (self.K[z] - self.K[a])[:, None] * inflight
+                  + np.maximum.accumulate(self.act_one[:z][::-1])[::-1][:, None]),)
+                if self.recompute else ()):
+            bwd = (B[z] - B[a])[:, None] + again * fwd
+            # P1: first forward in, the stage busy, then the backward out or its all-reduce
+            p1 = F[a][:, None] + half[a] + mk[None, :] * (fwd + bwd) \
+                + np.maximum(ar, B[a][:, None] + half[a])
+            # the first microbatch's round trip, then the stage's remaining backwards
+            p2 = total + again * fwd + link[a] + out + (mk[None, :] - 1) * bwd \
+                + (mk[None, :] - w_hi) * fwd
+            # the last microbatch through this stage's replica, to the end and back, then
+            # this stage's all-reduce
+            p3 = F[L] + (mk[None, :] - 1) * fwd + (mk[None, :] - w_hi) * bwd \
+                + (B[L] - B[a])[:, None] + again * fwd + half[a] + out + ar
+            ok |= (p1 <= T) & (p2 <= T) & (p3 <= T) & (static + kept <= mem)
         return ok
 
 
@@ -158,7 +193,8 @@ def _dp_plan(sb: StageBounds, T: float) -> tuple[list[int], list[int]] | None:
 
 def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
                    microbatch_size: int, upper_ms: float, rel_tol: float = 2e-3,
-                   max_steps: int = 30) -> BoundPlan | None:
+                   max_steps: int = 30, recompute: bool = False, max_work: float = math.inf
+                   ) -> tuple[BoundPlan | None, int]:
     """The smallest T for which some split and replica vector (at most D devices) satisfies,
     for every stage [a, z) with r replicas, on the fastest devices with the largest memory:
 
@@ -168,7 +204,9 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     - `C(0, L) + (ceil(m / r) - 1) Bwd(a, z) + (ceil(m / r) - w) Fwd(a, z) <= T` (the first
       microbatch's round trip, then the stage's steady state and remaining backwards; plus the
       stage's own two links both ways, inter-node when the stage has at least as many
-      replicas as the largest node has devices), with `w` an upper bound of its 1F1B warm-up:
+      replicas as the largest node has devices: into it the tensor layer a - 1 gives layer a,
+      out of it every tensor of [a, z) that layer z reads), with `w` an upper bound of its
+      1F1B warm-up:
       `ceil(min(m, D - dp(a)) / r)`, `dp(a)` the fewest devices the layers before can use,
     - `Fwd(0, L) + (ceil(m / r) - 1) Fwd(a, z) + (ceil(m / r) - w) Bwd(a, z) + Bwd(a, L)
       + AR(a, z, r) <= T` (the replica's last microbatch reaches it after its other forwards
@@ -179,22 +217,39 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
 
     Every plan satisfies these at its own iteration time (communication only adds), so the
     result is a lower bound of the optimum; bisection to `rel_tol` or `max_steps` (the bound
-    stays valid, only looser). None: nothing fits."""
-    sb = StageBounds(table, cluster, options, microbatch_size)
+    stays valid, only looser), and the work spent (`layer_dp_work` per DP; it stops before
+    passing `max_work`, with the bound so far). None: nothing fits, or not two DPs in
+    `max_work`. With `recompute` (stages may recompute), a stage meets the conditions plain
+    or recomputed (its forward once more in its backward; its layers' inputs kept and one
+    layer's activations while it runs)."""
+    sb = StageBounds(table, cluster, options, microbatch_size, recompute=recompute)
+    step = layer_dp_work(sb.L, len(sb.rs), recompute)
+    spent = 0
+    if 2 * step > max_work:
+        return None, 0
 
     def feasible(T: float):
+        nonlocal spent
+        spent += step
         return _dp_plan(sb, T)
+
+    def affords() -> bool:
+        return spent + step <= max_work
 
     lo = max(sb.m * sb.total * sb.vmax / sum(d.speed for d in sb.devices), sb.total)
     hi = max(upper_ms, lo)
-    plan = feasible(hi)
+    if math.isfinite(hi):
+        plan = feasible(hi)
+    else:  # no plan known: double from lo until one meets the conditions (below it, none does)
+        hi = 2 * lo
+        while (plan := feasible(hi)) is None and affords() and hi < lo * 2 ** 20:
+            lo, hi = hi, 2 * hi
     if plan is None:
-        return None
-    low_plan = feasible(lo)
-    if low_plan is not None:
+        return None, spent
+    if affords() and (low_plan := feasible(lo)) is not None:
         hi, plan = lo, low_plan
     for _ in range(max_steps):
-        if hi - lo <= rel_tol * hi:
+        if hi - lo <= rel_tol * hi or not affords():
             break
         mid = (lo + hi) / 2
         mid_plan = feasible(mid)
@@ -202,4 +257,18 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
             hi, plan = mid, mid_plan
         else:
             lo = mid
-    return BoundPlan(float(lo), tuple(int(x) for x in plan[0]), tuple(int(x) for x in plan[1]))
+    return BoundPlan(float(lo), tuple(int(x) for x in plan[0]), tuple(int(x) for x in plan[1])), spent
+
+
+# The work of one `_dp_plan` (in the search's units, `planner.search.local.Budget`, about 7 us
+# each): ~7 per layer and one per 310 (stage start, stage end, replica choice) cells, fitted on
+# 176- to 1250-layer profiles on our 2-core machine (11-189 ms per DP); 1.75x with recomputed
+# stages (two sets of conditions per cell)
+LAYER_DP_ITER_WORK = 7.0
+LAYER_DP_CELL_WORK = 1 / 310
+RECOMPUTE_DP_FACTOR = 1.75
+
+
+def layer_dp_work(num_layers: int, choices: int, recompute: bool) -> int:
+    work = LAYER_DP_ITER_WORK * num_layers + LAYER_DP_CELL_WORK * num_layers * (num_layers + 1) / 2 * choices
+    return int(work * (RECOMPUTE_DP_FACTOR if recompute else 1.0)) + 1

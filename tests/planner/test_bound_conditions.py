@@ -1,7 +1,8 @@
 """The bound's conditions are necessary: every plan, simulated by `evaluate()`, meets them at
 its own iteration time. So `feasible(c, T)` must hold at every plan's T, with and without the
 cross-stage conditions (`tighten`'s, the prefix's hops included), and so must the layer-only
-DP of `planner.search.large` for the plans it covers (no recomputation, 1F1B or GPipe). This checks the DP plan by
+DP of `planner.search.large` for the plans it covers (1F1B or GPipe; without its recomputed
+variant, only plans that recompute nothing). This checks the DP plan by
 plan, far more sharply than comparing its bound with one optimum: thousands of random plans
 (splits, replica counts, recomputation) on 16 devices, 16 microbatches, slow and fast links,
 tight and generous memory, chains and DAGs, 1F1B, GPipe and ZB-H1."""
@@ -18,7 +19,7 @@ from planner.cost import layer_table
 from planner.formats import Cluster, PlanOptions
 from planner.partition import Candidate, StageChoice
 from planner.search.bound import conditions, feasible, hop_bytes, lower_bound, tighten
-from planner.search.large import StageBounds, _dp_plan
+from planner.search.large import StageBounds, _dp_plan, dp_lower_bound
 from tests.planner.cpsat_reference import brute_force
 from tests.planner.helpers import chain_profile
 from tests.planner.helpers import cluster as make_cluster
@@ -90,6 +91,7 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
         c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
         cz = replace(c, cross_stage=True)
         layer_only = StageBounds(table, cluster, options, 2)  # `large.py`: no recomputation, no W
+        layer_rc = StageBounds(table, cluster, options, 2, recompute=True)  # stages may recompute
         seen: set[tuple] = set()
         for _ in range(4):
             cand, best = _random_plan(rng, L, D, 16, 2), float("inf")
@@ -108,6 +110,10 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
                     if schedule != "zb-h1" and not any(st.recompute for st in nxt.stages):
                         assert _dp_plan(layer_only, T) is not None, (
                             f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP says none can")
+                    if schedule != "zb-h1":
+                        assert _dp_plan(layer_rc, T) is not None, (
+                            f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP with "
+                            "recomputation says none can")
                     checked += 1
                 score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
                 if score <= best:
@@ -133,3 +139,42 @@ def test_the_tightened_bound_counts_every_hop_memory_forces_before_a_stage() -> 
     assert ref.candidate is not None and len(ref.candidate.stages) == 5
     got, _ = tighten(c, first.bound_ms, ref.iteration_ms, max_work=float("inf"))
     assert ref.iteration_ms * (1 - 1e-3) <= got <= ref.iteration_ms * (1 + REL)
+
+
+def test_the_layer_only_dp_bounds_plans_that_fit_only_by_recomputing() -> None:
+    """Four layers whose activations (2 GB each per microbatch) do not fit 3 GB devices more
+    than once, with 1 MB between them: no stage fits without recomputation, so the layer-only
+    DP without it has no plan at all; with its recomputed variant it has one, and its bound
+    holds for the exhaustive optimum (every plan recomputes)."""
+    profile = chain_profile([10.0, 20.0, 30.0, 40.0], params=[1000] * 4, act=[int(2e9)] * 4,
+                            out=[int(1e6)] * 4, batch_size=2)
+    cl = make_cluster(nodes=1, per_node=4, memory_gb=3.0, intra=10.0, inter=10.0)
+    options = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd")
+    table = layer_table(profile)
+    assert _dp_plan(StageBounds(table, cl, options, 2), 1e9) is None
+    ref = brute_force(profile, cl, options, [2])
+    assert ref.candidate is not None and all(s.recompute for s in ref.candidate.stages)
+    found, spent = dp_lower_bound(table, cl, options, 2, ref.iteration_ms * 4, rel_tol=1e-6,
+                                  recompute=True)
+    assert found is not None and spent > 0
+    assert found.bound_ms <= ref.iteration_ms * (1 + REL)
+    plain, _ = dp_lower_bound(table, cl, options, 2, ref.iteration_ms * 4, recompute=False)
+    assert plain is None
+
+
+def test_the_layer_only_dp_counts_a_skip_tensor_at_the_cut_it_crosses() -> None:
+    """Four layers of 1 GB of parameters on two 5 GB devices at 1 GB/s: only the split [0, 2),
+    [2, 4) fits, and layer 0's 500 MB output goes past layer 1 to layer 2, so every microbatch
+    sends it across the cut and its gradient back (1 s). The adjacent tensor at the cut is 1 KB:
+    priced with that alone, the layer-only DP's bound would not see the hop; with the tensors
+    the next stage's first layer reads from the stage (`bound.hop_bytes`) it does, and stays
+    below the exhaustive optimum."""
+    profile = chain_profile([10.0] * 4, params=[int(1e9)] * 4, act=[1000] * 4,
+                            out=[int(5e8), 1000, 1000, 1000], skips=[(0, 2)], batch_size=2)
+    cl = make_cluster(nodes=2, per_node=1, memory_gb=5.0, intra=1.0, inter=1.0)
+    options = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd")
+    ref = brute_force(profile, cl, options, [2])
+    assert ref.candidate is not None and [s.stop for s in ref.candidate.stages] == [2, 4]
+    found, _ = dp_lower_bound(layer_table(profile), cl, options, 2, ref.iteration_ms * 4, rel_tol=1e-6)
+    assert found is not None
+    assert 1000.0 < found.bound_ms <= ref.iteration_ms * (1 + REL)
