@@ -43,6 +43,10 @@ from planner.errors import PipeplanError
 
 SIZES = [256, 4096, 65536, 262144, 1 << 20, 4 << 20]  # bytes per message
 IDLE_MS = 2.0  # how long a receiver has been blocked before a cold message arrives
+# all-reduces per size, per --rounds. Ten calibrations of 4 ranks on our 2 cores, alternating
+# 15 and 60 rounds: bandwidth 2.77-3.15 / 2.82-3.07 GB/s, all-reduce efficiency 0.38-0.53 /
+# 0.39-0.47; five more with 60 rounds and 3x the all-reduces: efficiency 0.37-0.43
+AR_ROUNDS = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nominal", help="a cluster.json with the nominal figures to print beside")
     p.add_argument("--memory-gb", type=float, help="usable memory per device to write instead "
                    "of the measured one")
-    p.add_argument("--rounds", type=int, default=15, help="messages per size (default 15)")
+    p.add_argument("--rounds", type=int, default=60,
+                   help="messages per size (default 60; all-reduces: 3x as many)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a rank waits for a peer before it gives up (default 120)")
     return p
@@ -274,7 +279,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
         for nbytes in (1 << 20, 4 << 20):
             t = torch.ones(nbytes // 4, device=device)
             ms = []
-            for _ in range(max(args.rounds, 10) + 3):
+            for _ in range(AR_ROUNDS * max(args.rounds, 10) + 3):
                 if me in group_ranks:
                     _sync(torch, device)
                     t0 = time.perf_counter()
