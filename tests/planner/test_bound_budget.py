@@ -67,3 +67,30 @@ def test_the_search_reports_its_dp_work_within_its_share():
     again = solve_detailed(prof, cl, opts)[1]
     assert (again["objective"], again["bound"], again["work"]) == \
         (info["objective"], info["bound"], info["work"])
+
+
+def test_the_layer_only_dp_cut_short_is_still_a_bound_within_its_work():
+    """`large.dp_lower_bound` counts `layer_dp_work` per DP: given a few DPs' work it stops
+    there with a bound no higher than the full bisection's, and below two DPs it does not run."""
+    from planner.search.large import dp_lower_bound, layer_dp_work, replica_choices
+
+    for seed in range(6):
+        rng = random.Random(seed)
+        n = rng.randint(20, 60)
+        prof = chain_profile([rng.uniform(0.1, 2.0) for _ in range(n)],
+                             params=[rng.randint(10**6, 10**8) for _ in range(n)],
+                             out=[rng.randint(10**5, 10**7) for _ in range(n)])
+        cl = cluster(nodes=4, per_node=4, intra=10.0, inter=1.0, latency_us=5.0)
+        options = PlanOptions(global_batch=32, microbatch_size=2, optimizer="sgd")
+        table = layer_table(prof)
+        recompute = seed % 2 == 1
+        step = layer_dp_work(n, len(replica_choices(16, 16)), recompute)
+        full, spent_full = dp_lower_bound(table, cl, options, 2, math.inf, rel_tol=1e-6,
+                                          recompute=recompute)
+        cut, spent_cut = dp_lower_bound(table, cl, options, 2, math.inf, rel_tol=1e-6,
+                                        recompute=recompute, max_work=4 * step)
+        assert full is not None and cut is not None
+        assert spent_full > 4 * step >= spent_cut >= 2 * step
+        assert cut.bound_ms <= full.bound_ms * (1 + 1e-12)
+        assert dp_lower_bound(table, cl, options, 2, math.inf, recompute=recompute,
+                              max_work=2 * step - 1) == (None, 0)
