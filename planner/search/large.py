@@ -240,9 +240,12 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     hi = max(upper_ms, lo)
     if math.isfinite(hi):
         plan = feasible(hi)
-    else:  # no plan known: double from lo until one meets the conditions (below it, none does)
-        hi = 2 * lo
-        while (plan := feasible(hi)) is None and affords() and hi < lo * 2 ** 20:
+    else:  # no plan known: double from lo until one meets the conditions (below it none
+        # does); none within the work or 2^30 x lo (nothing fits memory at any time): None
+        hi, start = 2 * lo, lo
+        while (plan := feasible(hi)) is None:
+            if not affords() or hi > start * 2 ** 30:
+                return None, spent
             lo, hi = hi, 2 * hi
     if plan is None:
         return None, spent
@@ -257,7 +260,11 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
             hi, plan = mid, mid_plan
         else:
             lo = mid
-    return BoundPlan(float(lo), tuple(int(x) for x in plan[0]), tuple(int(x) for x in plan[1])), spent
+    return _bound_plan(lo, plan), spent
+
+
+def _bound_plan(bound_ms: float, plan: tuple[list[int], list[int]]) -> BoundPlan:
+    return BoundPlan(float(bound_ms), tuple(int(x) for x in plan[0]), tuple(int(x) for x in plan[1]))
 
 
 # The work of one `_dp_plan` (in the search's units, `planner.search.local.Budget`, about 7 us

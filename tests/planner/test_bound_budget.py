@@ -94,3 +94,14 @@ def test_the_layer_only_dp_cut_short_is_still_a_bound_within_its_work():
         assert cut.bound_ms <= full.bound_ms * (1 + 1e-12)
         assert dp_lower_bound(table, cl, options, 2, math.inf, recompute=recompute,
                               max_work=2 * step - 1) == (None, 0)
+
+
+def test_the_layer_only_dp_with_no_plan_known_ends_when_nothing_fits():
+    """No upper time and no work limit, and a layer larger than every device: it gives up
+    after doubling its time 30 times instead of for ever."""
+    from planner.search.large import dp_lower_bound
+
+    prof = chain_profile([1.0, 1.0], params=[10**6, 10**11])
+    options = PlanOptions(global_batch=32, microbatch_size=2, optimizer="sgd")
+    found, spent = dp_lower_bound(layer_table(prof), cluster(nodes=2, per_node=2), options, 2, math.inf)
+    assert found is None and spent > 0
