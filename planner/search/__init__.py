@@ -130,7 +130,7 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
         if any(v.tp > 1 for v in c.variants) or options.schedule == "zb-h1":
             return [], 0, c, False  # the layer-only DP knows neither TP nor B / W
         found, spent = dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3,
-                                      recompute=rc, max_work=work)
+                                      recompute=rc, max_work=work, hops=hops)
         if rc and found is not None:
             # its plan may not fit memory: a bound, not a seed (as a seed it moved the search
             # both ways: densenet121 16x1 tight +29 %, nasnetalarge 4x4 tight -11 %)

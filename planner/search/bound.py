@@ -262,19 +262,12 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
     # the backward after a stage's last B: zb-h1 defers W's, so only the first stage's W (a
     # whole backward of layer 0, `first_bwd_lo`) is sure to follow it; else every backward
     HB = np.zeros(L + 1) if schedule == "zb-h1" else _min_prefix([v.Bp for v in variants])
-    kept = np.zeros(L + 1)
-    for t in table.tensors:
-        kept[min(t.consumers) + 1] += t.nbytes * scale  # a kept tensor counted at its first reader
-    # what one recomputed block holds during its backward (cost.LayerTable.recompute_bytes):
-    # its activations less its inputs (kept already) and, on the last layer, the loss's
-    own = np.array(table.saved_input_bytes or [0] * L, dtype=float)
-    own[-1:] += table.loss_activation_bytes
-    layer_act = np.maximum(np.diff(np.array(table.activation_prefix_bytes, dtype=float)) - own, 0.0) * scale
+    kept_lo, layer_act = recompute_prefixes(table, scale)
     return Conditions(
         L=L, D=D, m=m, schedule=schedule, rs=np.array(rs, dtype=float), n=np.array(n, dtype=float),
         variants=tuple(variants),
         Cp=np.array(table.fwd_prefix_ms) + Bu, Wshare_num=Wp, Wshare_den=Bu, HF=HF, HB=HB,
-        kept_lo=np.cumsum(kept), layer_act=layer_act,
+        kept_lo=kept_lo, layer_act=layer_act,
         first_bwd_lo=min(float(v.Bp[1] - v.Bp[0]) for v in variants) if L else 0.0,
         hop_ms=hop_ms, into_ms=into, per_node=per_node,
         skip_ms=skip_round_trips(table, scale, HF, HB, lambda b: ms(b, fast)),
@@ -282,6 +275,22 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
         memory_bytes=max(d.memory_bytes for d in devices),
         intra_gbps=fast, inter_gbps=cluster.inter_node_gb_per_s, latency_us=lat, grouped=True,
     )
+
+
+def recompute_prefixes(table: LayerTable, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """What recomputed stages hold, at microbatch `scale`: per microbatch in flight, the
+    tensors its layers read first (prefix over layers, each tensor counted at its first
+    reader: a stage's inputs at least), (L+1,); and while a layer's backward runs, what that
+    recomputed layer holds (`cost.LayerTable.recompute_bytes`): its activations less its
+    inputs (kept already) and, on the last layer, the loss's, (L,)."""
+    L = table.num_layers
+    kept = np.zeros(L + 1)
+    for t in table.tensors:
+        kept[min(t.consumers) + 1] += t.nbytes * scale
+    own = np.array(table.saved_input_bytes or [0] * L, dtype=float)
+    own[-1:] += table.loss_activation_bytes
+    layer_act = np.maximum(np.diff(np.array(table.activation_prefix_bytes, dtype=float)) - own, 0.0) * scale
+    return np.cumsum(kept), layer_act
 
 
 def skip_round_trips(table: LayerTable, scale: float, HF: np.ndarray, HB: np.ndarray,

@@ -14,19 +14,9 @@ import math
 
 import numpy as np
 
-from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable, transfer_ms
+from planner.cost import OPTIMIZER_EXTRA_COPIES, LayerTable
 from planner.formats import GB, Cluster, PlanOptions
-from planner.search.bound import BoundPlan, hop_bytes, least_latency_us
-
-
-def adjacent_bytes(table: LayerTable) -> list[int]:
-    """`out[z]` = bytes of the tensors produced by layer z-1 and used by layer z: they cross
-    any stage boundary at z into the very next stage, so they bound its traffic from below."""
-    out = [0] * (table.num_layers + 1)
-    for t in table.tensors:
-        if t.producer >= 0 and t.producer + 1 in t.consumers:
-            out[t.producer + 1] += t.nbytes
-    return out
+from planner.search.bound import BoundPlan, hop_bytes, least_latency_us, recompute_prefixes
 
 
 def replica_choices(m: int, max_r: int) -> np.ndarray:
@@ -45,7 +35,8 @@ class StageBounds:
     """The per-stage conditions of `dp_lower_bound` at a target time T (internal)."""
 
     def __init__(self, table: LayerTable, cluster: Cluster, options: PlanOptions,
-                 microbatch_size: int, all_replicas: bool = False, recompute: bool = False) -> None:
+                 microbatch_size: int, all_replicas: bool = False, recompute: bool = False,
+                 hops: np.ndarray | None = None) -> None:
         L, D = table.num_layers, cluster.num_devices
         m = options.global_batch // microbatch_size
         scale = microbatch_size / table.batch_size
@@ -56,16 +47,9 @@ class StageBounds:
         B = np.array(table.bwd_prefix_ms) * scale / vmax
         P = np.array(table.param_prefix_bytes, dtype=float)
         A = np.array(table.activation_prefix_bytes, dtype=float) * scale
-        # a recomputed stage keeps at least the tensors its layers read first (their inputs,
-        # `bound.conditions`' kept_lo) per microbatch in flight, and while a layer's backward
-        # runs, that layer's activations less its inputs (`bound.conditions`' layer_act)
-        first = np.zeros(L + 1)
-        for t in table.tensors:
-            first[min(t.consumers) + 1] += t.nbytes * scale
-        own = np.array(table.saved_input_bytes or [0] * L, dtype=float)
-        own[-1:] += table.loss_activation_bytes
-        self.K = np.cumsum(first)
-        self.act_one = np.maximum(np.diff(np.array(table.activation_prefix_bytes, dtype=float)) - own, 0.0) * scale
+        # a recomputed stage keeps at least the tensors its layers read first per microbatch in
+        # flight, and while a layer's backward runs, that layer's activations less its inputs
+        self.K, self.act_one = recompute_prefixes(table, scale)
         self.recompute = recompute
         k = OPTIMIZER_EXTRA_COPIES[options.optimizer]
         rs = np.arange(1, D + 1, dtype=float) if all_replicas else replica_choices(m, D)
@@ -80,20 +64,20 @@ class StageBounds:
         fast = (max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s) if per_node > 1
                 else cluster.inter_node_gb_per_s) * GB  # one device per node: every link crosses
         bw = np.where(rs <= per_node, fast, cluster.inter_node_gb_per_s * GB)
-        lat_us = least_latency_us(cluster)
-        lat = lat_us / 1e3
+        lat = least_latency_us(cluster) / 1e3
         total = F[L] + B[L]
-        # the stage's own links, both ways (adjacent tensors), at the fastest bandwidth it may use
-        adj = adjacent_bytes(table)
-        def both_ways(gbps: float) -> np.ndarray:
-            return np.array([0.0 if z in (0, L) else
-                             2 * transfer_ms(scale * adj[z], gbps, lat_us)
-                             for z in range(L + 1)])
-
-        # a stage with at least as many replicas as the largest node has devices cannot share a
-        # node with its neighbour: both its links cross nodes (cost.link_kind), (L + 1, R)
-        link = np.where(rs[None, :] >= per_node, both_ways(cluster.inter_node_gb_per_s)[:, None],
-                        both_ways(fast / GB)[:, None])
+        # a stage's links, both ways, per replica choice: a stage with at least as many
+        # replicas as the largest node has devices cannot share a node with its neighbour, so
+        # both its links cross nodes (cost.link_kind); else the fastest link it may use. Into
+        # [a, z) at least what layer a reads from layer a - 1; out of it what layer z reads
+        # from [a, z) (`bound.hop_bytes`: in a DAG more than the adjacent tensor, e.g. a
+        # ResNet block's input to its add), in `ok`
+        self.hop = (hop_bytes(table) if hops is None else hops) * scale
+        self.gbps = np.where(rs >= per_node, cluster.inter_node_gb_per_s, fast / GB)
+        self.lat = lat
+        into = np.zeros(L + 1)
+        into[1:L] = self.hop[np.arange(L - 1), np.arange(1, L)]
+        link = self.both_ways(into[:, None])  # (L + 1, R)
 
         later_stages = np.ceil((P[L] - P) * (2 + k) / mem)  # stages at least, after layer z
         ar_coef = np.where(rs > 1, 2 * (rs - 1) / rs / bw * 1e3, 0.0)  # per parameter byte
@@ -104,13 +88,11 @@ class StageBounds:
         self.L, self.D, self.m, self.F, self.B, self.P, self.A, self.k = L, D, m, F, B, P, A, k
         self.rs, self.mk, self.mem, self.total, self.link, self.half = rs, mk, mem, total, link, half
         self.rh = rh
-        # the stage [a, z)'s link out, both ways: whatever holds layer z receives the tensors
-        # [a, z) produced that z reads (`bound.hop_bytes`; in a DAG more than the adjacent
-        # tensor: a block's skip), per replica choice at the bandwidth `link` uses
-        self.hop = hop_bytes(table) * scale
-        self.gbps = np.where(rs >= per_node, cluster.inter_node_gb_per_s, fast / GB)
-        self.lat = lat
         self.later_stages, self.ar_coef, self.ar_lat = later_stages, ar_coef, ar_lat
+
+    def both_ways(self, nbytes: np.ndarray) -> np.ndarray:
+        """A transfer of `nbytes` (..., 1) and its gradient back, per replica choice (..., R)."""
+        return np.where(nbytes > 0, 2 * (nbytes / (self.gbps * GB) * 1e3 + self.lat), 0.0)
 
     def ok(self, T: float, z: int, dp: np.ndarray) -> np.ndarray:
         """(z, R) booleans: stage [a, z) on rs[i] replicas meets every condition at T, given
@@ -137,9 +119,7 @@ class StageBounds:
                                                / rs[None, :]))
         if options.schedule == "gpipe":
             w_hi = mk[None, :] + 0 * w_hi
-        hz = self.hop[:z, z][:, None]  # (z, 1)
-        out = np.where(hz > 0, 2 * (hz / (self.gbps[None, :] * GB) * 1e3 + self.lat), 0.0) \
-            if z < L else np.zeros((z, len(rs)))  # (z, R)
+        out = self.both_ways(self.hop[:z, z][:, None]) if z < L else np.zeros((z, len(rs)))
         fwd = (F[z] - F[a])[:, None]
         static = (params * (2 + k))[:, None]
         ok = np.zeros((z, len(rs)), dtype=bool)
@@ -193,8 +173,8 @@ def _dp_plan(sb: StageBounds, T: float) -> tuple[list[int], list[int]] | None:
 
 def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
                    microbatch_size: int, upper_ms: float, rel_tol: float = 2e-3,
-                   max_steps: int = 30, recompute: bool = False, max_work: float = math.inf
-                   ) -> tuple[BoundPlan | None, int]:
+                   max_steps: int = 30, recompute: bool = False, max_work: float = math.inf,
+                   hops: np.ndarray | None = None) -> tuple[BoundPlan | None, int]:
     """The smallest T for which some split and replica vector (at most D devices) satisfies,
     for every stage [a, z) with r replicas, on the fastest devices with the largest memory:
 
@@ -221,8 +201,9 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     passing `max_work`, with the bound so far). None: nothing fits, or not two DPs in
     `max_work`. With `recompute` (stages may recompute), a stage meets the conditions plain
     or recomputed (its forward once more in its backward; its layers' inputs kept and one
-    layer's activations while it runs)."""
-    sb = StageBounds(table, cluster, options, microbatch_size, recompute=recompute)
+    layer's activations while it runs). `hops`: `bound.hop_bytes(table)`, if the caller has it.
+    """
+    sb = StageBounds(table, cluster, options, microbatch_size, recompute=recompute, hops=hops)
     step = layer_dp_work(sb.L, len(sb.rs), recompute)
     spent = 0
     if 2 * step > max_work:
