@@ -12,7 +12,11 @@ clusters of several nodes, the best plan's stages placed anew: every node placem
 clusters, and CP-SAT's placement that moves the fewest bytes across nodes (`planner.cpsat`). The plan returned is the best under `evaluate()`; its bound is the smallest
 of the per-size bounds, so it holds for every microbatch size tried. Each per-size bound is
 then tightened (`bound.tighten`: the cross-stage conditions, between it and the plan found)
-on TIGHTEN_SHARE more work: the plan is already chosen, so this only moves the bound. Where
+on TIGHTEN_SHARE more work: the plan is already chosen, so this only moves the bound. Where a
+bound is still below the plan, every plan that bound's DP allows at the plan's time (else at
+1 % below it) is simulated at every placement, if they are few enough for EXHAUST_SHARE more
+work (`exhaust.py`): that gives the optimum and proves it (or proves the 1 %), and a plan
+faster than the search's is taken. Where
 the DP was too large to bisect before the search and nothing found fits memory, the search
 runs once more from the DP's memory-safe plan (`_memory_rescue`).
 
@@ -37,17 +41,22 @@ from planner.formats import Cluster, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
 from planner.search.bound import (
+    PER_MICROBATCH_CELLS,
+    PROOF_GAP,
     BoundPlan,
     Conditions,
     conditions,
     dp_work,
     hop_bytes,
     lower_bound,
+    per_microbatch_cells,
     plan_at,
     safe_conditions,
     tighten,
+    tighten_step_work,
 )
 from planner.search.diagnose import check_transfers, infeasible_error
+from planner.search.exhaust import exhaust
 from planner.search.large import dp_lower_bound
 from planner.search.local import SPLIT_ONE_SHARE, Budget, iterated_search
 from planner.search.space import (
@@ -67,6 +76,7 @@ __all__ = ["solve", "solve_detailed"]
 WORK_PER_SECOND = 140_000
 DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
 TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound (plans unchanged)
+EXHAUST_SHARE = 0.6  # more work after that, to simulate every plan the bound allows (`exhaust`)
 WIDE_SHARE = 0.25  # more work after the search, for its compound moves (never a worse plan)
 DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
 OPTIMAL_GAP = 1e-6
@@ -173,6 +183,43 @@ def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_w
                 out.append(Structure(b, bounds, reps, 0).with_stages(bounds, reps, tps))
                 break
     return out, work
+
+
+def proof_conditions(c: Conditions) -> Conditions:
+    """`c` with every condition the bound has: the cross-stage ones, the prefix's hops and,
+    where its arrays are not too large, each microbatch's last backward."""
+    cz = replace(c, cross_stage=True, prefix_hops=True, per_microbatch=True)
+    return cz if per_microbatch_cells(cz) <= PER_MICROBATCH_CELLS else replace(cz, per_microbatch=False)
+
+
+def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], obj: float,
+                 ev: Evaluator, cluster: Cluster, max_work: float, deadline: float
+                 ) -> tuple[tuple[Score, Candidate] | None, int]:
+    """Per microbatch size whose bound is below the plan's time `obj`: every plan the DP
+    allows at `obj` simulated (`exhaust`), which proves the optimum; where too many, at 1 %
+    below it, which proves the 1 %. Raises `bounds` in place; the best plan found faster than
+    `obj` (None if none), and the work spent (at most about `max_work`, one DP at most more)."""
+    spent = 0
+    found: tuple[Score, Candidate] | None = None
+    for b, c in conds.items():
+        if c is None or bounds[b] >= obj * (1 - OPTIMAL_GAP):
+            continue
+        cz = proof_conditions(c)
+        for T in (obj, obj * (1 - PROOF_GAP)):
+            left = max_work - spent
+            if bounds[b] >= T * (1 - OPTIMAL_GAP) or 2 * tighten_step_work(cz) > left \
+                    or time.perf_counter() >= deadline:
+                break
+            got = exhaust(cz, T, b, ev, cluster, left, deadline)
+            spent += got.work
+            if got.best is not None and got.best[0].objective_ms < obj * (1 - OPTIMAL_GAP) \
+                    and (found is None or got.best[0].better_than(found[0])):
+                found = got.best
+            proven = got.bound(T)
+            if proven is not None:
+                bounds[b] = max(bounds[b], proven)
+                break
+    return found, spent
 
 
 def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
@@ -370,6 +417,12 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                             upper_feasible=b == cand.microbatch_size)
         bounds[b] = max(bounds[b], got)
         tighten_work += used
+    if options.objective == "iteration":
+        found, exhaust_work = _exhaust_all(conds, bounds, obj, ev, cluster, EXHAUST_SHARE * total_work, deadline)
+        tighten_work += exhaust_work
+        if found is not None and found[0].better_than(best_s):
+            best_s, cand = found
+            obj = best_s.objective_ms
     bound = min(bounds.values())
     if options.objective != "iteration":
         bound = 0.0

@@ -473,11 +473,12 @@ def _behind_each(mask: np.ndarray, table: np.ndarray, dd: np.ndarray) -> np.ndar
     return per_r.reshape(len(dd), M, J, width).transpose(0, 2, 3, 1)
 
 
-def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
+def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdges | None = None):
     """g[i, d, e]: the smallest round trip of a suffix of stages starting at layer i on exactly
     d devices that meets every condition at T (inf: none), its first stage in a node group of
     e devices (the stages joined to it by fast hops; e = `_group_size` for a group no stage may
-    join; e = 0 only for the empty suffix). With `want_plan`, also the choices.
+    join; e = 0 only for the empty suffix). With `want_plan`, also the choices; with `edges`,
+    every stage it allows (`StageEdges`).
 
     Every placement maps to a path of this DP (its maximal runs of intra-node hops are groups
     of at most a node's devices), so the DP's smallest T is a bound on every placement. Each
@@ -646,6 +647,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
                                                   + mine[:Ra, None, None, :] * (f2 + c2)[..., None]),
                                        starts[rows], len(rows))
                 ok = (t_stage <= T) & np.isfinite(nxt)
+                if edges is not None:
+                    edges.record(i, ok, rows, per_r, starts, ra, j, v.tp)
                 val = np.where(ok, rt, np.inf)
                 for e in np.unique(e_new):  # fold into best[:, e]: replica-major, then j
                     sel = np.nonzero(e_new == e)[0]
@@ -675,6 +678,39 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False):
     return g, choice
 
 
+class TooManyStages(Exception):
+    """`StageEdges` reached its cap: the DP allows too many stages to enumerate its plans."""
+
+
+class StageEdges:
+    """Every stage the DP allows at T (`_suffix_dp(edges=...)`), for `exhaust`: `by_state[(i,
+    d)]` = {(j, r, tp)}: a stage of layers [i, j) with r replicas of TP degree tp, first of a
+    suffix on d devices, whose conditions hold behind the best suffix of its replica choice
+    (a relaxation: the suffix actually taken may be slower) and whose own suffix (j, d - r
+    tp) exists. Every plan meeting the conditions at T is a path of these (its node groups
+    and recomputation aside)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.count = cap, 0
+        self.by_state: dict[tuple[int, int], set[tuple[int, int, int]]] = {}
+
+    def record(self, i: int, ok: np.ndarray, rows: np.ndarray, per_r: np.ndarray,
+               starts: np.ndarray, ra: np.ndarray, j: np.ndarray, tp: int) -> None:
+        """The allowed entries `ok` (choice rows, J, D+1) of one transition of `_suffix_dp`:
+        each replica count of an allowed choice whose suffix exists (`per_r` finite)."""
+        for ri, jj, d in zip(*np.nonzero(ok), strict=True):
+            q = int(rows[ri])
+            end = int(starts[q + 1]) if q + 1 < len(starts) else len(ra)
+            for a in range(int(starts[q]), min(end, per_r.shape[0])):
+                if np.isfinite(per_r[a, jj, d]):
+                    here = self.by_state.setdefault((i, int(d)), set())
+                    before = len(here)
+                    here.add((int(j[jj]), int(ra[a]), tp))
+                    self.count += len(here) - before
+                    if self.count > self.cap:
+                        raise TooManyStages
+
+
 def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | None:
     """`c` with memory priced pessimistically, no recomputed variants (the search adds
     recomputation itself) and, with `degree`, every stage at that TP degree: the DP's plan
@@ -702,6 +738,14 @@ def plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
         rcs.append(rc)
         i, d = j, d - r * t
     return tuple(bounds), tuple(reps), tuple(tps), tuple(rcs)
+
+
+def allowed_stages(c: Conditions, T: float, cap: int) -> StageEdges:
+    """Every stage the DP allows at T (`StageEdges`); raises `TooManyStages` past `cap`."""
+    edges = StageEdges(cap)
+    with np.errstate(invalid="ignore"):  # inf * 0 where no suffix exists: masked anyway
+        _suffix_dp(c, T, edges=edges)
+    return edges
 
 
 def feasible(c: Conditions, T: float) -> bool:
@@ -1013,6 +1057,6 @@ def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
-__all__ = ["BoundPlan", "Conditions", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
+__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
            "replica_choices", "tighten_step_work", "transfer_ms"]
 

@@ -10,7 +10,7 @@ a device that does no work is a device the user pays for.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 
 from planner.build import Evaluation, evaluate
@@ -273,13 +273,16 @@ class Evaluator:
         score2 = self._score(ev2, st.num_devices, st.num_stages)
         return (score2, rc) if score2.better_than(score) else (score, cand)
 
-    def _count(self, cand: Candidate) -> None:
-        # simulated actions (F and B per microbatch and stage; ZB-H1: F, B and W, and the
-        # search for each stage's W deferral, about as much again), plus per-stage and
-        # per-device costing (about 1.6 actions' time per device, measured)
+    def simulation_work(self, num_microbatches: int, stages: int, devices: int) -> int:
+        """The work of one evaluation: simulated actions (F and B per microbatch and stage;
+        ZB-H1: F, B and W, and the search for each stage's W deferral, about as much again),
+        plus per-stage and per-device costing (about 1.6 actions' time per device, measured)."""
         per_mb = 5 if self.options.schedule == "zb-h1" else 2
-        self.work += int(EVAL_WORK * (per_mb * cand.num_microbatches * len(cand.stages) + 4 * len(cand.stages)
-                                      + 100 + 2 * sum(len(s.devices) for s in cand.stages)))
+        return int(EVAL_WORK * (per_mb * num_microbatches * stages + 4 * stages + 100 + 2 * devices))
+
+    def _count(self, cand: Candidate) -> None:
+        self.work += self.simulation_work(cand.num_microbatches, len(cand.stages),
+                                          sum(len(s.devices) for s in cand.stages))
         self.evaluations += 1
 
     def _score(self, ev: Evaluation, devices: int, stages: int) -> Score:
@@ -308,13 +311,15 @@ class Evaluator:
 
 
 def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int,
-                    degrees: tuple[int, ...] | None = None
-                    ) -> Iterator[tuple[tuple[int, ...], ...]]:
+                    degrees: tuple[int, ...] | None = None, canonical: bool = False
+                    ) -> Generator[tuple[tuple[int, ...], ...], None, int]:
     """Every way to take each stage's replicas from the nodes (a device count per node per
     stage, a multiple of the stage's TP degree: a TP group stays in one node; which devices of
-    a node does not matter), up to `limit` of them, in a fixed order.
-    Placements that give every stage the same set of nodes as one already yielded are skipped
-    (the cost model sees only those sets)."""
+    a node does not matter), up to `limit` of them, in a fixed order; returns how many it
+    enumerated (duplicates included). Placements that give every stage the same set of nodes
+    as one already yielded are skipped (the cost model sees only those sets). With
+    `canonical`, orders of nodes of one class that no stage used before are not enumerated
+    (they only repeat a placement: every key is still reached, fewer duplicates)."""
     devs = cluster.devices()
     per_node: dict[int, list[int]] = {}
     for d in devs:
@@ -329,9 +334,14 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int,
 
     degrees = degrees or (1,) * len(replicas)
 
-    def vectors(r: int, free: list[int], k: int, t: int, room: list[int] | None = None):
+    full = [len(per_node[n]) for n in nodes]
+
+    def vectors(r: int, free: list[int], k: int, t: int, room: list[int] | None = None,
+                caps: dict[int, int] | None = None):
         """Device counts per node from node k on: r replicas of t devices each (`room[k]`:
-        the groups of t that nodes k.. can still take; no branch that cannot place them all)."""
+        the groups of t that nodes k.. can still take; no branch that cannot place them all).
+        With `canonical`, nodes no stage has used yet are interchangeable within their class:
+        their counts do not increase from one to the next (`caps`: the last of each class)."""
         if room is None:
             room = [0] * (len(free) + 1)
             for n in range(len(free) - 1, -1, -1):
@@ -341,8 +351,13 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int,
         if k == len(free):
             yield ()
             return
-        for v in range(min(r, free[k] // t), -1, -1):
-            for rest in vectors(r - v, free, k + 1, t, room):
+        top = min(r, free[k] // t)
+        fresh = canonical and free[k] == full[k]
+        if fresh and caps is not None and node_class[k] in caps:
+            top = min(top, caps[node_class[k]])
+        for v in range(top, -1, -1):
+            nxt = {**(caps or {}), node_class[k]: v} if fresh else caps
+            for rest in vectors(r - v, free, k + 1, t, room, nxt):
                 yield (v * t, *rest)
 
     def rec(s: int, free: list[int], acc: list[tuple[int, ...]]):
@@ -384,4 +399,21 @@ def node_placements(replicas: tuple[int, ...], cluster: Cluster, limit: int,
                 return
             yield from rec(s + 1, [f - v for f, v in zip(free, vec, strict=True)], acc + [vec])
 
-    yield from rec(0, [len(per_node[n]) for n in nodes], [])
+    yield from rec(0, list(full), [])
+    return count
+
+
+def every_node_placement(replicas: tuple[int, ...], cluster: Cluster, limit: int,
+                         degrees: tuple[int, ...] | None = None
+                         ) -> tuple[list[tuple[tuple[int, ...], ...]] | None, int]:
+    """Every distinct node placement (`node_placements`, without the orders of nodes no stage
+    had used before, which only repeat one), or None where `limit` cut it short; and the
+    placements enumerated, duplicates included."""
+    gen = node_placements(replicas, cluster, limit, degrees, canonical=True)
+    out = []
+    while True:
+        try:
+            out.append(next(gen))
+        except StopIteration as stop:
+            count = stop.value
+            return (out if count < limit else None), count

@@ -16,7 +16,7 @@ import pytest
 
 from planner.build import evaluate
 from planner.cost import layer_table
-from planner.formats import Cluster, PlanOptions
+from planner.formats import Cluster, PlanOptions, Profile
 from planner.partition import Candidate, StageChoice
 from planner.search.bound import conditions, feasible, hop_bytes, lower_bound, tighten
 from planner.search.large import StageBounds, _dp_plan, dp_lower_bound
@@ -26,6 +26,17 @@ from tests.planner.helpers import cluster as make_cluster
 from tests.planner.test_search import random_profile
 
 REL = 1e-9
+
+
+def random_setting(rng: random.Random, schedule: str) -> tuple[Profile, Cluster, PlanOptions]:
+    """5-10 layers (chain or DAG); 16 devices as 16 x 1, 4 x 4 or 2 x 8, tight to generous
+    memory, slow and fast links; 16 microbatches of 2, SGD."""
+    profile = random_profile(rng, rng.randint(5, 10), dag=rng.random() < 0.5)
+    nodes, per = rng.choice([(16, 1), (4, 4), (2, 8)])
+    cluster = Cluster(nodes=nodes, devices_per_node=per, device_memory_gb=rng.choice([3, 8, 80]),
+                      intra_node_gb_per_s=rng.choice([10, 300]),
+                      inter_node_gb_per_s=rng.choice([0.5, 1, 25]), latency_us=rng.choice([0, 50]))
+    return profile, cluster, PlanOptions(global_batch=32, microbatch_size=2, optimizer="sgd", schedule=schedule)
 
 
 def _random_plan(rng: random.Random, L: int, D: int, m: int, mb: int) -> Candidate:
@@ -80,12 +91,7 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
     checked = 0
     for seed in range(8):
         rng = random.Random(seed)
-        profile = random_profile(rng, rng.randint(5, 10), dag=rng.random() < 0.5)
-        nodes, per = rng.choice([(16, 1), (4, 4), (2, 8)])
-        cluster = Cluster(nodes=nodes, devices_per_node=per, device_memory_gb=rng.choice([3, 8, 80]),
-                          intra_node_gb_per_s=rng.choice([10, 300]),
-                          inter_node_gb_per_s=rng.choice([0.5, 1, 25]), latency_us=rng.choice([0, 50]))
-        options = PlanOptions(global_batch=32, microbatch_size=2, optimizer="sgd", schedule=schedule)
+        profile, cluster, options = random_setting(rng, schedule)
         table = layer_table(profile)
         L, D = table.num_layers, cluster.num_devices
         c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)

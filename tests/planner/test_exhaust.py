@@ -1,0 +1,168 @@
+"""The proof by enumeration (`planner.search.exhaust`) against independent references: every
+plan `evaluate()` simulates at most T is among the plans the DP allows at T (hill-climbed
+random plans, as in test_bound_conditions), and simulating those finds the brute-force
+optimum (tests/planner/cpsat_reference.py) and proves nothing is faster, on uniform,
+hierarchical and mixed clusters."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from planner.build import evaluate
+from planner.cost import layer_table
+from planner.formats import Cluster, PlanOptions
+from planner.search import needs_recompute_variant, proof_conditions
+from planner.search.bound import allowed_stages, conditions, hop_bytes
+from planner.search.exhaust import allowed_plans, exhaust, interchangeable_devices
+from planner.search.space import (
+    Evaluator,
+    Structure,
+    candidate_of,
+    every_node_placement,
+    node_placements,
+)
+from tests.planner.cpsat_reference import brute_force
+from tests.planner.test_bound_conditions import REL, _neighbour, _random_plan, random_setting
+from tests.planner.test_search import random_instance, random_profile
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_every_plan_at_most_T_is_one_the_dp_allows(schedule: str) -> None:
+    """Random plans improved by hill climbing (many near the best, the conditions near
+    binding); at T = the median and the largest time among the fitting ones, every stage of
+    every fitting plan of time at most T is one the DP allows (`allowed_stages`), and at the
+    median, where they are few enough, the plan is among `allowed_plans(T)` (split and
+    replicas; recomputation is the evaluator's choice)."""
+    checked = 0
+    for seed in range(6):
+        rng = random.Random(100 + seed)
+        profile, cluster, options = random_setting(rng, schedule)
+        table = layer_table(profile)
+        L, D = table.num_layers, cluster.num_devices
+        cz = proof_conditions(conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True))
+        times: dict[tuple, float] = {}
+        for _ in range(4):
+            cand, best = _random_plan(rng, L, D, 16, 2), math.inf
+            for _ in range(40):
+                nxt = _neighbour(rng, cand, L, D, 16) if best < math.inf else cand
+                if nxt is None:
+                    continue
+                ev = evaluate(table, cluster, nxt, options)
+                if ev.fits:
+                    key = ((0, *(s.stop for s in nxt.stages)), tuple(s.replicas for s in nxt.stages),
+                           (1,) * len(nxt.stages))
+                    times[key] = min(times.get(key, math.inf), ev.iteration_ms)
+                score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
+                if score <= best:
+                    cand, best = nxt, score
+        assert times, f"seed {seed}: no fitting plan visited"
+        for T in sorted({statistics.median(times.values()), max(times.values())}):
+            edges = allowed_stages(cz, T * (1 + REL), cap=10**9)
+            for (bounds, reps, tps), t in times.items():
+                if t > T:
+                    continue
+                d = sum(reps)  # the devices of the suffix from each stage on
+                for i, j, r, tp in zip(bounds, bounds[1:], reps, tps, strict=False):
+                    assert (j, r, tp) in edges.by_state.get((i, d), ()), (
+                        f"seed {seed}: {bounds} {reps} takes {t} ms <= {T}, the DP does not allow stage {i}..{j}")
+                    d -= r * tp
+                checked += 1
+            small = statistics.median(times.values())
+            plans, _ = allowed_plans(cz, small * (1 + REL), max_plans=20_000, max_stages=10**9)
+            if plans is not None:  # the paths of those stages, each plan once
+                assert len(set(plans)) == len(plans)
+                assert all(key in plans for key, t in times.items() if t <= small)
+    assert checked >= 60, checked
+
+
+def _proof(seed: int, mixed: bool, max_nodes: int):
+    profile, cluster, options = random_instance(seed, mixed, max_nodes)
+    ref = brute_force(profile, cluster, options, [options.microbatch_size])
+    table = layer_table(profile)
+    b = options.microbatch_size
+    ev = Evaluator(table, cluster, options, [b])
+    c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
+                   hop_bytes(table), ev.degrees, needs_recompute_variant(table, cluster, options, b))
+    return ref, proof_conditions(c), ev, cluster, table, options
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_simulating_the_allowed_plans_finds_the_brute_force_optimum(mixed: bool) -> None:
+    """At T = the optimum, the plans the DP allows include an optimal one and `exhaust` proves
+    it; a hair below the optimum, it proves that no plan is that fast. Chains and DAGs, 1F1B
+    and GPipe, tight to generous memory; one or two nodes (mixed: a fast one and a slow one)."""
+    proven = 0
+    for seed in range(300, 318):
+        ref, cz, ev, cluster, _, options = _proof(seed, mixed, max_nodes=2)
+        if ref.candidate is None:
+            continue
+        b = options.microbatch_size
+        at = exhaust(cz, ref.iteration_ms * (1 + REL), b, ev, cluster, max_work=1e12)
+        assert at.proven and at.best is not None, f"seed {seed}"
+        assert at.best[0].objective_ms == pytest.approx(ref.iteration_ms, rel=REL), f"seed {seed}"
+        assert at.bound(ref.iteration_ms * (1 + REL)) == pytest.approx(ref.iteration_ms, rel=REL)
+        below = ref.iteration_ms * (1 - 1e-3)
+        under = exhaust(cz, below, b, ev, cluster, max_work=1e12)
+        assert under.proven and under.bound(below) == below, f"seed {seed}"
+        assert under.best is None or under.best[0].objective_ms >= ref.iteration_ms * (1 - REL)
+        proven += 1
+    assert proven >= 12, proven
+
+
+def test_placement_matters_where_devices_are_not_interchangeable() -> None:
+    """Where links inside a node are faster, a plan's placements differ in time; `exhaust`
+    tries them all (a uniform 16 x 1 cluster is the case where one stands for all)."""
+    links = dict(intra_node_gb_per_s=100, inter_node_gb_per_s=1)
+    assert interchangeable_devices(Cluster(nodes=16, devices_per_node=1, device_memory_gb=8, **links))
+    assert interchangeable_devices(Cluster(nodes=1, devices_per_node=8, device_memory_gb=8, **links))
+    assert not interchangeable_devices(Cluster(nodes=2, devices_per_node=4, device_memory_gb=8, **links))
+    differ = 0
+    for seed in range(300, 330):
+        profile, cluster, options = random_instance(seed, mixed=False, max_nodes=3)
+        if interchangeable_devices(cluster) or cluster.num_devices < 4:
+            continue
+        table = layer_table(profile)
+        ev = Evaluator(table, cluster, options, [options.microbatch_size])
+        st = Structure(options.microbatch_size, (0, 1, table.num_layers), (1, 2), 0)
+        devs, _ = every_node_placement(st.replicas, cluster, 10**6)
+        m = options.global_batch // options.microbatch_size
+        times = {ev.score_candidate(candidate_of(st, d, m), st)[0].objective_ms for d in devs}  # type: ignore[union-attr]
+        differ += len(times) > 1
+    assert differ >= 3, differ
+
+
+@pytest.mark.parametrize("nodes", [
+    [dict(name="a", devices=3, device_memory_gb=8), dict(name="b", devices=3, device_memory_gb=8),
+     dict(name="c", devices=3, device_memory_gb=8)],
+    [dict(name="f1", devices=2, device_memory_gb=8, speed=1.0), dict(name="f2", devices=2, device_memory_gb=8, speed=1.0),
+     dict(name="s1", devices=2, device_memory_gb=16, speed=0.5), dict(name="s2", devices=2, device_memory_gb=16, speed=0.5)],
+])
+def test_canonical_placements_reach_every_placement_key(nodes: list[dict]) -> None:
+    """Leaving out orders of nodes no stage has used yet loses no placement: the simulated
+    times over them are those over every placement `node_placements` enumerates, for replica
+    vectors of 2-3 stages."""
+    cluster = Cluster(nodes=nodes, intra_node_gb_per_s=100, inter_node_gb_per_s=1)
+    profile = random_profile(random.Random(7), 6, dag=True)
+    table = layer_table(profile)
+    options = PlanOptions(global_batch=16, microbatch_size=2, optimizer="sgd")
+    ev = Evaluator(table, cluster, options, [2])
+    D = cluster.num_devices
+    checked = 0
+    for reps in [(1, 2), (2, 3), (3, 3), (1, 1, 1), (2, 2, 2), (3, 2, 1), (1, 4, 2), (2, 4, 2)]:
+        if sum(reps) > D:
+            continue
+        st = Structure(2, (0, *range(2, 2 * len(reps), 2), 6), reps, 0)
+        canon, _ = every_node_placement(reps, cluster, 10**6)
+        every = list(node_placements(reps, cluster, 10**6))
+        assert canon is not None and len(canon) <= len(every)
+
+        def times(placements, st: Structure = st) -> set[float]:
+            return {round(ev.score_candidate(candidate_of(st, d, 8), st)[0].objective_ms, 6) for d in placements}
+
+        assert times(canon) == times(every), reps
+        checked += 1
+    assert checked >= 6
