@@ -417,7 +417,10 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                             upper_feasible=b == cand.microbatch_size)
         bounds[b] = max(bounds[b], got)
         tighten_work += used
-    if options.objective == "iteration":
+    # not under zb-h1 where stages may recompute, nor with powers of two (exhaust.py says why)
+    if options.objective == "iteration" and not options.powers_of_two \
+            and (options.schedule != "zb-h1" or not any(v.recompute for c in conds.values() if c
+                                                        for v in c.variants)):
         found, exhaust_work = _exhaust_all(conds, bounds, obj, ev, cluster, EXHAUST_SHARE * total_work, deadline)
         tighten_work += exhaust_work
         if found is not None and found[0].better_than(best_s):

@@ -15,8 +15,15 @@ The best simulated time of a structure over its placements and recomputation is 
 where the placements are all tried: on clusters whose devices are interchangeable (one node,
 or nodes of one device each, all alike) one placement stands for all; elsewhere every node
 placement (`space.node_placements`) up to a limit, and a structure with more is not proven.
+Under 1F1B and GPipe a structure is first simulated once on `relaxed_cluster` (every device
+the fastest and largest, every link the fastest): no placement is faster than that, so only
+structures faster there than the best plan found (and than T) are placed every way.
 Recomputation: `Evaluator.evaluate_placed` recomputes exactly the stages that overflow, the
-best choice for a placed structure.
+best choice for a placed structure under 1F1B and GPipe, where a stage's memory is its own.
+Not under ZB-H1 (how many W's a stage may defer depends on the busiest stage's warm-up, so
+recomputing one stage can change another's memory), nor with `--powers-of-two` (the DP lists
+at most m replicas per stage, where more, rounded up to a power of two, can be the only
+allowed plan): the planner does not run this there (`search._exhaust_all`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from planner.cost import link_latency_us
 from planner.formats import Cluster
 from planner.partition import Candidate
 from planner.search.bound import Conditions, TooManyStages, allowed_stages, tighten_step_work
@@ -108,45 +116,81 @@ class Exhausted:
 def exhaust(c: Conditions, T: float, microbatch_size: int, ev: Evaluator, cluster: Cluster,
             max_work: float, deadline: float = math.inf) -> Exhausted:
     """Simulate every plan meeting `c`'s conditions at T (`allowed_plans`), each at every
-    placement (one where the devices are interchangeable), if that fits `max_work` (the
-    DP's work, its stages, the placements and the simulations together); else nothing is
-    simulated and nothing proven. Not proven either if `deadline` (`time.perf_counter()`, the
-    wall-clock safety net) comes first."""
+    placement (one where the devices are interchangeable; under 1F1B and GPipe only those
+    whose time on `relaxed_cluster` is below the best found and T), within `max_work` (the
+    DP's work, its stages, the placements and the simulations together): not proven where
+    that runs out, or `deadline` (`time.perf_counter()`, the wall-clock safety net) comes
+    first. Where the devices are interchangeable and the work cannot cover every plan, none
+    is simulated."""
     start = ev.work
     m = ev.options.global_batch // microbatch_size
     least = ev.simulation_work(m, 2, 2)  # a plan's simulation, at least
     # a DP that allows too many stages spends at most a quarter of the work recording them
-    plans, work = allowed_plans(c, T, max_plans=int(max_work // least),
+    # every plan within rounding of T (the DP's sums are not the simulator's)
+    plans, work = allowed_plans(c, T * (1 + 1e-9), max_plans=int(max_work // least),
                                 max_stages=int(max_work // (4 * EDGE_WORK)))
     if plans is None or work > max_work:
         return Exhausted(None, False, work)
     structures = [Structure(microbatch_size, b, r, 0).with_stages(b, r, t) for b, r, t in plans]
-    if interchangeable_devices(cluster):  # one placement stands for all
-        placed: list[tuple[Structure, list | None]] = [(st, None) for st in structures]
-    else:
-        every: dict[tuple, list | None] = {}  # per replica vector: many plans share one
-        for st in structures:
-            key = (st.replicas, st.degrees)
-            if key not in every:
-                every[key], raw = every_node_placement(st.replicas, cluster, PLACEMENT_LIMIT, st.degrees)
-                work += PLACEMENT_WORK * raw
-                if every[key] is None or work > max_work:
-                    return Exhausted(None, False, work)
-        placed = [(st, every[(st.replicas, st.degrees)]) for st in structures]
-    cost = sum(ev.simulation_work(m, st.num_stages, st.num_devices) * (len(p) if p is not None else 1)
-               for st, p in placed)
-    if work + cost > max_work:  # not enough work for them all: no work spent on one
-        return Exhausted(None, False, work)
     best: tuple[Score, Candidate] | None = None
-    for st, devices in placed:
-        tried = [ev.scored(st)] if devices is None else \
-            [ev.score_candidate(candidate_of(st, devs, m), st) for devs in devices]
+
+    def keep(tried: list[tuple[Score, Candidate | None]]) -> None:
+        nonlocal best
         for score, cand in tried:
             if cand is not None and score.fits and (best is None or score.better_than(best[0])):
                 best = (score, cand)
-        if time.perf_counter() >= deadline:
+
+    if interchangeable_devices(cluster):  # one placement stands for all
+        if work + sum(ev.simulation_work(m, st.num_stages, st.num_devices) for st in structures) > max_work:
+            return Exhausted(None, False, work)  # not enough work for them all: none spent on one
+        for st in structures:
+            keep([ev.scored(st)])
+            if time.perf_counter() >= deadline:
+                return Exhausted(best, False, work + ev.work - start)
+        return Exhausted(best, True, work + ev.work - start)
+    # several placements each: under 1F1B and GPipe, a structure's time on the relaxed
+    # cluster is at most its time at any placement, so only those below min(T, best) need
+    # theirs, in that order (it stops at the first that is not)
+    floors = [0.0] * len(structures)
+    if ev.options.schedule in ("1f1b", "gpipe"):
+        rev = Evaluator(ev.table, relaxed_cluster(cluster), ev.options, [microbatch_size])
+        for k, st in enumerate(structures):
+            score = rev(st)
+            floors[k] = score.objective_ms if score.fits else math.inf  # none fits if this does not
+        work += rev.work
+    every: dict[tuple, list | None] = {}  # per replica vector: many plans share one
+    for k in sorted(range(len(structures)), key=lambda k: (floors[k], k)):
+        st = structures[k]
+        if floors[k] > min(T, best[0].objective_ms if best else math.inf) * (1 + 1e-9):
+            break
+        key = (st.replicas, st.degrees)
+        if key not in every:
+            every[key], raw = every_node_placement(st.replicas, cluster, PLACEMENT_LIMIT, st.degrees)
+            work += PLACEMENT_WORK * raw
+        devices = every[key]
+        if devices is None or time.perf_counter() >= deadline or work + ev.work - start \
+                + ev.simulation_work(m, st.num_stages, st.num_devices) * len(devices) > max_work:
             return Exhausted(best, False, work + ev.work - start)
+        keep([ev.score_candidate(candidate_of(st, devs, m), st) for devs in devices])
     return Exhausted(best, True, work + ev.work - start)
 
 
-__all__ = ["Exhausted", "allowed_plans", "exhaust", "interchangeable_devices"]
+def relaxed_cluster(cluster: Cluster) -> Cluster:
+    """One node holding as many devices as `cluster`, each as fast as its fastest and with as
+    much memory as its largest, every link as fast as its fastest class and its latency the
+    least: every cost of a structure there (compute, transfers, all-reduces, the memory limit)
+    is at most the same cost at any placement on `cluster`, and a simulated 1F1B or GPipe
+    schedule (each rank's actions in a fixed order, every start the latest of its inputs) is
+    no later where no duration is longer. Recomputation: a stage that fits there without it
+    fits; one that does not overflows on every device too."""
+    specs = cluster.node_specs()
+    fast = max(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s)
+    least = min(link_latency_us(cluster, "intra"), link_latency_us(cluster, "inter"))
+    return Cluster(nodes=1, devices_per_node=cluster.num_devices,
+                   device_memory_gb=max(s.device_memory_gb for s in specs), speed=max(s.speed for s in specs),
+                   intra_node_gb_per_s=fast, inter_node_gb_per_s=fast, latency_us=least,
+                   intra_node_latency_us=least, inter_node_latency_us=least,
+                   p2p_overhead_us=cluster.p2p_overhead_us, allreduce_efficiency=cluster.allreduce_efficiency)
+
+
+__all__ = ["Exhausted", "allowed_plans", "exhaust", "interchangeable_devices", "relaxed_cluster"]
