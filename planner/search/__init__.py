@@ -41,7 +41,6 @@ from planner.formats import Cluster, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
 from planner.search.bound import (
-    PER_MICROBATCH_CELLS,
     PROOF_GAP,
     BoundPlan,
     Conditions,
@@ -49,8 +48,8 @@ from planner.search.bound import (
     dp_work,
     hop_bytes,
     lower_bound,
-    per_microbatch_cells,
     plan_at,
+    proof_conditions,
     safe_conditions,
     tighten,
     tighten_step_work,
@@ -185,22 +184,20 @@ def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_w
     return out, work
 
 
-def proof_conditions(c: Conditions) -> Conditions:
-    """`c` with every condition the bound has: the cross-stage ones, the prefix's hops and,
-    where its arrays are not too large, each microbatch's last backward."""
-    cz = replace(c, cross_stage=True, prefix_hops=True, per_microbatch=True)
-    return cz if per_microbatch_cells(cz) <= PER_MICROBATCH_CELLS else replace(cz, per_microbatch=False)
-
-
 def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], obj: float,
                  ev: Evaluator, cluster: Cluster, max_work: float, deadline: float
                  ) -> tuple[tuple[Score, Candidate] | None, int]:
     """Per microbatch size whose bound is below the plan's time `obj`: every plan the DP
     allows at `obj` simulated (`exhaust`), which proves the optimum; where too many, at 1 %
     below it, which proves the 1 %. Raises `bounds` in place; the best plan found faster than
-    `obj` (None if none), and the work spent (at most about `max_work`, one DP at most more)."""
+    `obj` (None if none), and the work spent (at most about `max_work`, one DP at most more).
+    Not with powers of two, nor under zb-h1 where stages may recompute (exhaust.py says why)."""
     spent = 0
     found: tuple[Score, Candidate] | None = None
+    options = ev.options
+    if options.objective != "iteration" or options.powers_of_two or (
+            options.schedule == "zb-h1" and any(v.recompute for c in conds.values() if c for v in c.variants)):
+        return found, spent
     for b, c in conds.items():
         if c is None or bounds[b] >= obj * (1 - OPTIMAL_GAP):
             continue
@@ -417,15 +414,11 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                             upper_feasible=b == cand.microbatch_size)
         bounds[b] = max(bounds[b], got)
         tighten_work += used
-    # not under zb-h1 where stages may recompute, nor with powers of two (exhaust.py says why)
-    if options.objective == "iteration" and not options.powers_of_two \
-            and (options.schedule != "zb-h1" or not any(v.recompute for c in conds.values() if c
-                                                        for v in c.variants)):
-        found, exhaust_work = _exhaust_all(conds, bounds, obj, ev, cluster, EXHAUST_SHARE * total_work, deadline)
-        tighten_work += exhaust_work
-        if found is not None and found[0].better_than(best_s):
-            best_s, cand = found
-            obj = best_s.objective_ms
+    found, exhaust_work = _exhaust_all(conds, bounds, obj, ev, cluster, EXHAUST_SHARE * total_work, deadline)
+    tighten_work += exhaust_work
+    if found is not None and found[0].better_than(best_s):
+        best_s, cand = found
+        obj = best_s.objective_ms
     bound = min(bounds.values())
     if options.objective != "iteration":
         bound = 0.0

@@ -701,14 +701,13 @@ class StageEdges:
         for ri, jj, d in zip(*np.nonzero(ok), strict=True):
             q = int(rows[ri])
             end = int(starts[q + 1]) if q + 1 < len(starts) else len(ra)
-            for a in range(int(starts[q]), min(end, per_r.shape[0])):
-                if np.isfinite(per_r[a, jj, d]):
-                    here = self.by_state.setdefault((i, int(d)), set())
-                    before = len(here)
-                    here.add((int(j[jj]), int(ra[a]), tp))
-                    self.count += len(here) - before
-                    if self.count > self.cap:
-                        raise TooManyStages
+            here = self.by_state.setdefault((i, int(d)), set())
+            before = len(here)
+            here.update((int(j[jj]), int(ra[a]), tp) for a in range(int(starts[q]), min(end, per_r.shape[0]))
+                        if np.isfinite(per_r[a, jj, d]))
+            self.count += len(here) - before
+            if self.count > self.cap:
+                raise TooManyStages
 
 
 def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | None:
@@ -1026,6 +1025,13 @@ def per_microbatch_cells(c: Conditions) -> int:
     return max(table, step)
 
 
+def proof_conditions(c: Conditions) -> Conditions:
+    """`c` with every condition the bound has: the cross-stage ones, the prefix's hops and,
+    where its arrays are not too large, each microbatch's last backward."""
+    cz = replace(c, cross_stage=True, prefix_hops=True, per_microbatch=True)
+    return cz if per_microbatch_cells(cz) <= PER_MICROBATCH_CELLS else replace(cz, per_microbatch=False)
+
+
 def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float, rel_tol: float,
                     deadline: float) -> tuple[float, int]:
     """`tighten`'s second part, on the work it left: the same conditions and each
@@ -1057,6 +1063,6 @@ def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
-__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "tighten",
+__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "proof_conditions", "tighten",
            "replica_choices", "tighten_step_work", "transfer_ms"]
 

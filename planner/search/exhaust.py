@@ -65,11 +65,8 @@ def allowed_plans(c: Conditions, T: float, max_plans: int, max_stages: int
     out_of = {k: sorted(v) for k, v in edges.by_state.items()}
     L = c.L
     count: dict[tuple[int, int], int] = {(L, 0): 1}  # paths from each state to the end
-    for i in range(L - 1, -1, -1):
-        for d in range(c.D + 1):
-            n = sum(count.get((j, d - r * t), 0) for j, r, t in out_of.get((i, d), ()))
-            if n:
-                count[(i, d)] = n
+    for i, d in sorted(out_of, reverse=True):  # a stage ends after it starts: later layers first
+        count[(i, d)] = sum(count.get((j, d - r * t), 0) for j, r, t in out_of[(i, d)])
     total = sum(count.get((0, d), 0) for d in range(c.D + 1))
     if total > max_plans:
         return None, work
