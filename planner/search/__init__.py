@@ -7,7 +7,9 @@ Per microbatch size:
    trips priced (`bound.py`);
 2. seeds: that plan, every baseline (pipedream, uniform, params, blocks), one stage on every
    device, and the DP's plans at looser times;
-then a deterministic local search from the seeds (`local.py`, budget in simulated actions); on
+then a deterministic local search from the seeds (`local.py`, budget in simulated actions), and
+in a DAG once more from the DP's plans with every tensor a stage sends across its cut priced
+into the hop (`_cut_seeds`, on CUT_SEED_SHARE more work; never a worse plan for it); on
 clusters of several nodes, the best plan's stages placed anew: every node placement on small
 clusters, and CP-SAT's placement that moves the fewest bytes across nodes (`planner.cpsat`). The plan returned is the best under `evaluate()`; its bound is the smallest
 of the per-size bounds, so it holds for every microbatch size tried. Each per-size bound is
@@ -32,6 +34,8 @@ import math
 import time
 from dataclasses import replace
 
+import numpy as np
+
 from planner.baselines import solve_blocks, solve_params, solve_uniform
 from planner.build import evaluate, resolve_microbatch
 from planner.cost import LayerTable, layer_table, microbatch_scale, stage_memory_bytes
@@ -45,6 +49,7 @@ from planner.search.bound import (
     BoundPlan,
     Conditions,
     conditions,
+    cut_hop_bytes,
     dp_work,
     hop_bytes,
     lower_bound,
@@ -79,6 +84,9 @@ EXHAUST_SHARE = 0.6  # more work after that, to simulate every plan the bound al
 WIDE_SHARE = 0.25  # more work after the search, for its compound moves (never a worse plan)
 DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
 OPTIMAL_GAP = 1e-6
+SEED_TOL = 1e-2  # the cut-hop DP's seed plans: at most 1 % above the least time of its conditions
+CUT_SEED_SHARE = 0.35  # more work after the search, for the bisection (60 %) and descents of `_cut_seeds`
+CLASS_STEPS = 12  # tightening steps the hop classes must afford, else `tighten` runs without them
 
 
 def microbatch_sizes(profile: Profile, options: PlanOptions) -> list[int]:
@@ -132,19 +140,23 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
     if options.objective != "iteration":
         return [], 0, None, False
     rc = needs_recompute_variant(table, cluster, options, b)
-    c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
-                   hops, degrees, rc)
+    classed = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b,
+                         hops, degrees, rc)
+    # before the search, the DP without hop classes (`bound.hop_classes`: 1.4-1.8x the work a
+    # step): its plans are the seeds the search was tuned on, and it bisects further; the
+    # classes tighten the bound after the search
+    c = replace(classed, hop_classes=1, klass=None, hop_more_ms=None)
     if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS \
             or 3 * dp_work(replace(c, grouped=False)) > work:  # too large, or not three steps to spend
         if any(v.tp > 1 for v in c.variants) or options.schedule == "zb-h1":
-            return [], 0, c, False  # the layer-only DP knows neither TP nor B / W
+            return [], 0, classed, False  # the layer-only DP knows neither TP nor B / W
         found, spent = dp_lower_bound(table, cluster, options, b, upper_ms, rel_tol=1e-3,
                                       recompute=rc, max_work=work, hops=hops)
         if rc and found is not None:
             # its plan may not fit memory: a bound, not a seed (as a seed it moved the search
             # both ways: densenet121 16x1 tight +29 %, nasnetalarge 4x4 tight -11 %)
             found = replace(found, seed=False)
-        return [found], spent, c, False
+        return [found], spent, classed, False
     main, spent = lower_bound(c, upper_ms=upper_ms, lower_ms=lower_ms, max_work=work)
     out = [main]
     if rc or len(degrees) > 1:  # memory binds somewhere, or TP stages cannot recompute
@@ -157,7 +169,31 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
                                       max_work=share)
             out.append(found)
             spent += used
-    return out, spent, c, True
+    return out, spent, classed, True
+
+
+def _cut_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int, c: Conditions,
+               lower_ms: float, upper_ms: float, max_work: float) -> tuple[list[Structure], int]:
+    """Seeds (not bounds) from the DP with every tensor a stage sends across its cut priced
+    into the hop (`bound.cut_hop_bytes`), where that differs from the bound's hop (a DAG):
+    the bound's DP prices what the next stage's first layer reads, so its plans cut residual
+    blocks in the middle, where the simulator sends five times as much (ResNet-50 on 16
+    devices at 1 GB/s, tight: the search's plan 8377 ms, a seed of this DP 7010 ms). Its plan
+    with memory priced as the bound does or, where memory binds, as the simulator does,
+    bisected to SEED_TOL on at most `max_work`. The seeds and the work spent."""
+    cut = cut_hop_bytes(table)
+    if np.array_equal(cut, hop_bytes(table)):
+        return [], 0
+    seeding = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b, cut,
+                         tuple(sorted({v.tp for v in c.variants})), any(v.recompute for v in c.variants))
+    if any(v.recompute for v in c.variants):
+        seeding = safe_conditions(seeding) or seeding
+    if 3 * dp_work(replace(seeding, grouped=False)) > max_work:
+        return [], 0  # not three steps to spend (as `_dp_bound`)
+    found, spent = lower_bound(seeding, upper_ms=upper_ms, rel_tol=SEED_TOL, lower_ms=lower_ms, max_work=max_work)
+    if found is None:
+        return [], spent
+    return [Structure(b, found.bounds, found.replicas, 0).with_stages(found.bounds, found.replicas, found.tp)], spent
 
 
 def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_work: int
@@ -171,6 +207,7 @@ def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_w
     out: list[Structure] = []
     work = 0
     for b, c in conds.items():
+        c = replace(c, hop_classes=1, klass=None, hop_more_ms=None)  # the DP the seeds came from
         for degree in sorted(set(degrees)):
             safe = safe_conditions(c, degree if len(degrees) > 1 else None)
             if safe is None or work + dp_work(safe) > max_work:
@@ -337,6 +374,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     conds: dict[int, Conditions | None] = {}
     bisected = True  # the round-trip DP bisected for every size (else the rescue below may run)
     total_work = int(WORK_PER_SECOND * options.time_limit_s)
+    seed_work = 0  # the DPs of `_cut_seeds`
     dp_allowance, dp_spent = DP_SHARE * total_work, 0  # the bound's bisections, over every size
     for k, b in enumerate(sizes):
         here = _seeds_at(b, ev, table.num_layers, D)
@@ -382,6 +420,24 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     for s, c in fallbacks:
         if s.better_than(best_s):
             best_s, cand = s, c
+    if best_s is not None and best_s.fits and options.objective == "iteration":
+        # on CUT_SEED_SHARE more work: the search once more from the DP's plans with whole
+        # cuts priced into the hops (`_cut_seeds`, DAGs only); never a worse plan for it
+        extra = CUT_SEED_SHARE * total_work
+        more: list[Structure] = []
+        for b, c in conds.items():
+            if c is not None and bisected and time.perf_counter() < deadline:
+                got, used = _cut_seeds(table, cluster, options, b, c, bounds[b], best_s.objective_ms,
+                                       0.6 * extra / len(sizes))
+                more += got
+                seed_work += used
+        if more:
+            ev.work_limit = max(ev.work_limit, ev.work + int(1.3 * 0.4 * extra))
+            got, got_s = iterated_search(more, ev, table, D, Budget(ev.work + int(0.4 * extra), deadline),
+                                         options.seed)
+            if got is not None and got_s is not None and got_s.better_than(best_s):
+                best_s, cand = ev.scored(got)
+                best_s, cand = _polish_placement(got, best_s, cand, ev, cluster, use_cpsat=True)
     if (cand is None or best_s is None or not best_s.fits) and not bisected \
             and options.objective == "iteration":
         # nothing found fits, and the bound's DP did not run to give a plan that does: search
@@ -410,7 +466,13 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     todo = [b for b in sizes if conds.get(b) is not None and bounds[b] < obj * (1 - OPTIMAL_GAP)]
     for k, b in enumerate(todo):
         share = (TIGHTEN_SHARE * total_work - tighten_work) / (len(todo) - k)
-        got, used = tighten(conds[b], bounds[b], obj, share, deadline=deadline,  # type: ignore[arg-type]
+        c = conds[b]
+        assert c is not None
+        if c.hop_classes > 1 and CLASS_STEPS * tighten_step_work(replace(c, cross_stage=True)) > share:
+            # too few steps with the hop classes: without them, as many steps as before them
+            # (with them, ResNet-18 on 2 x 8, tight, lost its 1 % proof: 947 -> 930 ms)
+            conds[b] = c = replace(c, hop_classes=1, klass=None, hop_more_ms=None)
+        got, used = tighten(c, bounds[b], obj, share, deadline=deadline,
                             upper_feasible=b == cand.microbatch_size)
         bounds[b] = max(bounds[b], got)
         tighten_work += used
@@ -427,7 +489,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     info: dict[str, object] = {
         "name": "cpsat", "status": "OPTIMAL" if gap <= OPTIMAL_GAP else "FEASIBLE",
         "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
-        "evaluations": ev.evaluations, "work": ev.work + dp_spent + tighten_work,
+        "evaluations": ev.evaluations, "work": ev.work + dp_spent + tighten_work + seed_work,
         "bound_work": dp_spent + tighten_work,
         "bound_by_microbatch": {str(k): v for k, v in bounds.items()},
         "schedule": options.schedule,

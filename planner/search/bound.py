@@ -59,6 +59,13 @@ leaves a replicated stage few microbatches, the one that sets the time is often 
 (the GPT example, 16 devices, tight: 857.9 -> 927.6 ms against the 932.7 optimum). A step
 costs about m / 2 steps without it, so it runs only after that bisection has ended.
 
+In a DAG the hop from a stage [i, j) carries every tensor of [i, j) the next stage [j, k)
+reads, not only what layer j reads: cut inside a residual block, it sends the block's input on
+to the add as well. The suffix states carry a class (`hop_classes`): how many of the first
+skip readers of cut j their first stage holds; behind a suffix of class q, the hop is priced
+with those readers' tensors too (ResNet-50 on 16 devices at 1 GB/s, tight, cross-stage DP:
+4676 -> 5474 ms; GNMT: 244 -> 285 ms), at 1.4-1.8x the work of a DP without classes.
+
 A stage may run in several ways (`Variant`): at any TP degree the search may use (the shard's
 measured time plus its TP all-reduces, the shard's bytes) and, where memory binds, recomputed
 (the forward once more in B; memory = the tensors its layers read first plus one layer's
@@ -101,6 +108,58 @@ def replica_choices(num_microbatches: int, max_replicas: int) -> list[int]:
     return out
 
 
+HOP_CLASSES = 3  # at most: the next stage holds none, the first or the first two skip readers
+HOP_CLASS_LAYERS = 600  # up to this many layers (above, the DP is too large to run anyway)
+
+
+def hop_classes(table: LayerTable, most: int = HOP_CLASSES
+                ) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+    """The hop from a stage [i, j) to the next stage [j, k) carries every tensor produced in
+    [i, j) that [j, k) reads, not only what layer j reads (`hop_bytes`): a residual block cut
+    inside sends its input on too, to the add (ResNet-50: 513.8 MB where layer j reads 102.8).
+    What the next stage reads depends on k, which the DP's suffix state does not know, so the
+    suffix states get classes: the skip readers of cut j are the layers c > j that are the
+    first reader from j on of a tensor (of some bytes) produced before j; a stage [j, k) is in
+    class q = how many of the first Q - 1 of them it holds (c < k), and behind class q the hop
+    carries the tensors produced in [i, j) read by layer j or first by one of those q readers.
+    Every class q stage reads at least that, so it stays a bound. Returns Q (1 for a chain,
+    where every hop is exact already), klass (L+1, L+1) and the bytes of classes 1..Q-1,
+    (Q-1, L+1, L+1)."""
+    L = table.num_layers
+    if L > HOP_CLASS_LAYERS or most < 2:
+        return 1, None, None
+    firsts: list[set[int]] = [set() for _ in range(L + 1)]  # per cut j, the skip readers
+    for t in table.tensors:
+        if t.producer < 0 or t.nbytes <= 0:
+            continue
+        prev = t.producer
+        for c in sorted(t.consumers):  # from cut j in (prev, c), c reads it first
+            for j in range(prev + 1, c):
+                firsts[j].add(c)
+            prev = max(prev, c)
+    skip = [sorted(x)[:most - 1] for x in firsts]
+    Q = 1 + max(len(x) for x in skip)
+    if Q == 1:
+        return 1, None, None
+    klass = np.zeros((L + 1, L + 1), dtype=int)
+    k = np.arange(L + 1)
+    for j in range(1, L):
+        if skip[j]:
+            klass[j] = np.searchsorted(np.array(skip[j]), k, side="left")
+    more = np.zeros((Q - 1, L + 1, L + 1))
+    for t in table.tensors:
+        p = t.producer
+        if p < 0 or t.nbytes <= 0:
+            continue
+        cs = np.array(t.consumers)
+        for j in range(p + 1, int(cs.max(initial=p)) + 1):
+            first = int(cs[np.searchsorted(cs, j)])  # its first reader from cut j on
+            if first == j or first not in skip[j]:
+                continue  # read by layer j (in `hop_bytes` already), or past the classes
+            more[skip[j].index(first):, : p + 1, j] += t.nbytes
+    return Q, klass, more
+
+
 def hop_bytes(table: LayerTable) -> np.ndarray:
     """`h[i, j]` = bytes (profiled batch) of the tensors produced by layers i..j-1 and used by
     layer j: whatever stage holds layer j receives at least these from a stage [i, j)."""
@@ -112,6 +171,24 @@ def hop_bytes(table: LayerTable) -> np.ndarray:
         for c in t.consumers:
             if c > t.producer:
                 h[: t.producer + 1, c] += t.nbytes
+    return h
+
+
+def cut_hop_bytes(table: LayerTable) -> np.ndarray:
+    """`h[i, j]` = bytes (profiled batch) of the tensors produced by layers i..j-1 and read by
+    layer j or later: what a stage [i, j) sends across the cut at j. Where the next stage holds
+    every reader (a residual block cut inside), that stage receives all of it, where
+    `hop_bytes` counts only what layer j reads (ResNet-50 cut inside a block: 102.8 MB against
+    the 513.8 MB the simulator sends). More than the next stage receives where a tensor skips
+    it, so it prices seeds, never the bound."""
+    L = table.num_layers
+    h = np.zeros((L + 1, L + 1))
+    for t in table.tensors:
+        if t.producer < 0:
+            continue
+        last = max(t.consumers, default=t.producer)
+        if last > t.producer:
+            h[: t.producer + 1, t.producer + 1: last + 1] += t.nbytes
     return h
 
 
@@ -176,6 +253,12 @@ class Conditions:
     # backward of microbatch q waits for the next stage's, which waited for that stage's
     # replica to run every microbatch before q on it; about m times the cross-stage work
     per_microbatch: bool = False
+    # hop classes (`hop_classes`): the next stage's class per cut, klass[i, k] for a stage
+    # [i, k), and per class above 0 the hop priced with what that class's stage surely reads,
+    # (Q - 1, 2, L+1, L+1) like `hop_ms`; one class (None, None) for a chain
+    hop_classes: int = 1
+    klass: np.ndarray | None = None
+    hop_more_ms: np.ndarray | None = None
 
     @property
     def tmax(self) -> int:
@@ -232,8 +315,9 @@ def _min_prefix(prefixes: list[np.ndarray]) -> np.ndarray:
 def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: str,
                global_batch: int, microbatch_size: int,
                hops: np.ndarray | None = None, degrees: tuple[int, ...] = (1,),
-               recompute: bool = False) -> Conditions:
-    """`degrees`: the TP degrees a stage may have; `recompute`: whether it may recompute."""
+               recompute: bool = False, classes: int = HOP_CLASSES) -> Conditions:
+    """`degrees`: the TP degrees a stage may have; `recompute`: whether it may recompute;
+    `classes`: the most hop classes (`hop_classes`; 1 where `hops` are not `hop_bytes`)."""
     L, D = table.num_layers, cluster.num_devices
     m = global_batch // microbatch_size
     scale = microbatch_scale(table.batch_size, microbatch_size)
@@ -251,6 +335,11 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
         return np.where(nbytes > 0, nbytes / (gbps * 1e9) * 1e3 + lat / 1e3, 0.0)
 
     hop_ms = np.stack([ms(h, cluster.inter_node_gb_per_s), ms(h, fast)])
+    # classes price what the next stage reads of the tensors `hop_bytes` leaves out: on top of
+    # any other hops (the seeds' `cut_hop_bytes`) they would count tensors twice
+    Q, klass, more = hop_classes(table, classes if hops is None or np.array_equal(hops, hop_bytes(table)) else 1)
+    more_ms = None if more is None else np.stack(
+        [np.stack([ms(h + x * scale, cluster.inter_node_gb_per_s), ms(h + x * scale, fast)]) for x in more])
     into = np.zeros((2, L + 1))
     for i in range(1, L):
         into[:, i] = hop_ms[:, i - 1, i]
@@ -274,6 +363,7 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
         static_coef=2 + OPTIMIZER_EXTRA_COPIES[optimizer],
         memory_bytes=max(d.memory_bytes for d in devices),
         intra_gbps=fast, inter_gbps=cluster.inter_node_gb_per_s, latency_us=lat, grouped=True,
+        hop_classes=Q, klass=klass, hop_more_ms=more_ms,
     )
 
 
@@ -486,8 +576,9 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
     hop, the fewest replicas, the shortest stage, then the earliest variant."""
     L, D = c.L, c.D
     P = _group_size(c)
-    g = np.full((L + 1, D + 1, P + 1), np.inf)
-    g[L, 0, 0] = 0.0
+    Q = c.hop_classes
+    g = np.full((L + 1, D + 1, P + 1, Q), np.inf)
+    g[L, 0, 0, 0] = 0.0
     # with c.cross_stage, z[i, d, e]: the earliest the suffix's first stage can end its last
     # backward (from the start of the iteration), minimised on its own beside g
     z = np.full((L + 1, D + 1, P + 1), np.inf)
@@ -559,14 +650,16 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         Tl = (np.where(i > 0, c.first_bwd_lo, 0.0) if zb else c.HB[i]) + hops_in
         peak = np.maximum.accumulate(c.layer_act[i:]) if L > i else np.zeros(0)  # (J,)
         skip = c.skip_ms[i, j]  # (J,)
-        gj = g[j]  # (J, D+1, P+1)
+        gj = g[j]  # (J, D+1, P+1, Q)
         gj_any = gj.min(axis=2)  # a slow hop into the suffix: its group does not matter
         gj_arg = gj.argmin(axis=2)
+        cls_j = c.klass[i, j] if Q > 1 else np.zeros(J, dtype=int)  # each stage [i, j)'s class
+        cls_cols = [(q, np.nonzero(cls_j == q)[0]) for q in np.unique(cls_j)]
         zj = z[j]
         zj_any = zj.min(axis=2)
         zvj = zv[j] if vec else None
         zvj_any = zvj.min(axis=2) if vec else None
-        best = np.full((D + 1, P + 1), np.inf)
+        best = np.full((D + 1, P + 1, Q), np.inf)
         best_z = np.full((D + 1, P + 1), np.inf)
         best_zv = np.full((D + 1, P + 1, M), np.inf)
         for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight), (mine, after, klass) \
@@ -591,7 +684,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
             # the best of any group). First a slow hop into any suffix, then a fast hop into a
             # suffix whose first group has room for this stage.
             rows_all = np.arange(len(rs))
-            per_r, nxt = _behind(fits, gj_any, dda, starts)
+            per_r, nxt = zip(*(_behind(fits, gj_any[:, :, q], dda, starts) for q in range(Q)), strict=True)
             moves = [(rows_all, nxt, _behind(fits, zj_any, dda, starts)[1] if cross else None,
                       _behind_each(fits, zvj_any, dda) if vec else None,
                       flat_link if P == 1 else np.zeros(len(rs), dtype=int), np.minimum(dd, P), None, per_r)]
@@ -600,14 +693,23 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                 if K:
                     rows = np.arange(int(np.searchsorted(starts, K)))  # the choices with one of them
                     sub = (fits[:K], dda[:K], starts[rows])
-                    per_r, nxt = _behind(sub[0], gj[:, :, e_next], *sub[1:])
+                    per_r, nxt = zip(*(_behind(sub[0], gj[:, :, e_next, q], *sub[1:]) for q in range(Q)),
+                                     strict=True)
                     moves.append((rows, nxt, _behind(sub[0], zj[:, :, e_next], *sub[1:])[1] if cross else None,
                                   _behind_each(sub[0], zvj[:, :, e_next], sub[1]) if vec else None,
                                   np.ones(len(rows), dtype=int), dd[rows] + e_next, e_next, per_r))
-            for rows, nxt, nxt_z, nxt_zv, fast, e_new, e_next, per_r in moves:
+            for rows, nxts, nxt_z, nxt_zv, fast, e_new, e_next, per_rs in moves:
                 nn, ww = n[rows], w[rows]
                 hop = c.hop_ms[fast, i][:, j]  # (rows, J)
-                rt = (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt
+                if Q == 1:
+                    nxt, per_r, q_of = nxts[0], per_rs[0], None
+                    rt = (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt
+                else:  # behind the suffix of each class, the hop of that class (`hop_classes`)
+                    behind = np.stack([np.where(last_j, 2 * (hop if q == 0 else c.hop_more_ms[q - 1, fast, i][:, j])
+                                                [:, :, None], 0.0) + nxts[q] for q in range(Q)])
+                    q_of = behind.argmin(axis=0)  # (rows, J, D+1)
+                    nxt = np.min(nxts, axis=0)
+                    rt = (fwd + crit)[None, :, None] + behind.min(axis=0)
                 if cross:  # (kept apart: the same sums as without, to the last bit)
                     rt = np.maximum(rt, (fwd + crit)[None, :, None] + skip[None, :, None])
                 # the busiest replica's n microbatches, with its round trips (module docstring);
@@ -648,24 +750,28 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                                        starts[rows], len(rows))
                 ok = (t_stage <= T) & np.isfinite(nxt)
                 if edges is not None:
-                    edges.record(i, ok, rows, per_r, starts, ra, j, v.tp)
+                    edges.record(i, ok, rows, per_r if Q == 1 else np.min(per_rs, axis=0), starts, ra, j, v.tp)
                 val = np.where(ok, rt, np.inf)
-                for e in np.unique(e_new):  # fold into best[:, e]: replica-major, then j
+                for e in np.unique(e_new):  # fold into best[:, e, class]: replica-major, then j
                     sel = np.nonzero(e_new == e)[0]
-                    flat = val[sel].reshape(-1, D + 1)
-                    k = np.argmin(flat, axis=0)
-                    vbest = flat[k, np.arange(D + 1)]
-                    better = vbest < best[:, e]
-                    if want_plan:
-                        for d in np.nonzero(better)[0]:
-                            ri, jj = divmod(int(k[d]), J)
-                            q = int(rows[sel[ri]])  # the choice; its r whose suffix was taken:
-                            end = int(starts[q + 1]) if q + 1 < len(starts) else len(ra)
-                            members = slice(int(starts[q]), min(end, per_r.shape[0]))
-                            a = int(starts[q]) + int(np.argmin(per_r[members, jj, d]))
-                            nxt_e = e_next if e_next is not None else int(gj_arg[jj, int(idxa[a, d])])
-                            choice[(i, int(d), int(e))] = (int(j[jj]), int(ra[a]), v.tp, v.recompute, nxt_e)
-                    best[:, e] = np.where(better, vbest, best[:, e])
+                    for cq, cols in cls_cols:
+                        flat = (val[sel] if Q == 1 else val[sel][:, cols]).reshape(-1, D + 1)
+                        k = np.argmin(flat, axis=0)
+                        vbest = flat[k, np.arange(D + 1)]
+                        better = vbest < best[:, e, cq]
+                        if want_plan:
+                            for d in np.nonzero(better)[0]:
+                                ri, jc = divmod(int(k[d]), len(cols))
+                                jj = int(cols[jc])
+                                nq = 0 if q_of is None else int(q_of[sel[ri], jj, d])  # the suffix's class
+                                q = int(rows[sel[ri]])  # the choice; its r whose suffix was taken:
+                                end = int(starts[q + 1]) if q + 1 < len(starts) else len(ra)
+                                members = slice(int(starts[q]), min(end, per_rs[nq].shape[0]))
+                                a = int(starts[q]) + int(np.argmin(per_rs[nq][members, jj, d]))
+                                nxt_e = e_next if e_next is not None else int(gj_arg[jj, int(idxa[a, d]), nq])
+                                choice[(i, int(d), int(e), int(cq))] = (int(j[jj]), int(ra[a]), v.tp, v.recompute,
+                                                                        nxt_e, nq)
+                        best[:, e, cq] = np.where(better, vbest, best[:, e, cq])
                     if cross:
                         best_z[:, e] = np.minimum(best_z[:, e],
                                                   np.where(ok, end_b, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
@@ -723,14 +829,14 @@ def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | No
 def plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
     with np.errstate(invalid="ignore"):
         g, choice = _suffix_dp(c, T, want_plan=True)
-    finite = np.nonzero(np.isfinite(g[0]).any(axis=1))[0]
+    finite = np.nonzero(np.isfinite(g[0]).any(axis=(1, 2)))[0]
     if len(finite) == 0:
         return None
     d = int(finite[0])  # the fewest devices
-    e = int(np.argmin(g[0, d]))
+    e, q = (int(x) for x in np.unravel_index(np.argmin(g[0, d]), g[0, d].shape))
     bounds, reps, tps, rcs, i = [0], [], [], [], 0
     while i < c.L:
-        j, r, t, rc, e = choice[(i, d, e)]
+        j, r, t, rc, e, q = choice[(i, d, e, q)]
         bounds.append(j)
         reps.append(r)
         tps.append(t)
@@ -762,6 +868,9 @@ def feasible(c: Conditions, T: float) -> bool:
 # by side with the DP before it): both scaled by 1.17.
 DP_ITER_WORK = 50.0
 DP_CELL_WORK = 1 / 128
+# per hop class above one (`hop_classes`): a DP with 2 classes took 1.41-1.73x one without, with
+# 3 classes 1.66-1.83x (medians of 3, side by side, on ResNet-50, SqueezeNet, GNMT, U-Net)
+CLASS_WORK = 0.45
 
 
 def dp_work(c: Conditions) -> int:
@@ -775,7 +884,7 @@ def dp_work(c: Conditions) -> int:
             rows = len(dd) + sum(int((dd + e <= P).sum()) for e in range(1, P))
             iters += c.L * (1 + sum(1 for e in range(1, P) if (dd + e <= P).any()))
             cells += rows * c.L * (c.L + 1) // 2 * (c.D + 1)
-    return int(DP_ITER_WORK * iters + DP_CELL_WORK * cells) + 1
+    return int((DP_ITER_WORK * iters + DP_CELL_WORK * cells) * (1 + CLASS_WORK * (c.hop_classes - 1))) + 1
 
 
 def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4, max_steps: int = 40,
@@ -858,7 +967,7 @@ def tighten_step_work(c: Conditions) -> int:
     suffix DP with them, and the prefix DP (`_prefix_hops`), which costs about one DP without
     node groups (measured 1.6-2.0x the DP without the cross-stage conditions, on resnet50,
     gnmt, chain200 and densenet121)."""
-    prefix = dp_work(replace(c, grouped=False)) if c.prefix_hops else 0
+    prefix = dp_work(replace(c, grouped=False, hop_classes=1)) if c.prefix_hops else 0  # no classes
     suffix = dp_work(c) * LAST_BACKWARD_WORK
     if c.per_microbatch:
         suffix *= 1 + PER_MICROBATCH_WORK * c.m
@@ -887,7 +996,9 @@ def restrict(c: Conditions, cuts: np.ndarray) -> Conditions:
         c, L=len(cuts) - 1, variants=vs, Cp=c.Cp[cuts], Wshare_num=c.Wshare_num[cuts],
         Wshare_den=c.Wshare_den[cuts], HF=c.HF[cuts], HB=c.HB[cuts], kept_lo=c.kept_lo[cuts],
         layer_act=np.maximum.reduceat(c.layer_act, cuts[:-1]), hop_ms=c.hop_ms[:, cuts][:, :, cuts],
-        into_ms=c.into_ms[:, cuts], skip_ms=c.skip_ms[np.ix_(cuts, cuts)])
+        into_ms=c.into_ms[:, cuts], skip_ms=c.skip_ms[np.ix_(cuts, cuts)],
+        klass=None if c.klass is None else c.klass[np.ix_(cuts, cuts)],
+        hop_more_ms=None if c.hop_more_ms is None else c.hop_more_ms[:, :, cuts][:, :, :, cuts])
 
 
 COARSE_SHARE = 0.25  # of `tighten`'s work at most for the coarse bisections of a scarce budget
@@ -1063,6 +1174,6 @@ def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
-__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "lower_bound", "plan_at", "proof_conditions", "tighten",
+__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "cut_hop_bytes", "hop_classes", "lower_bound", "plan_at", "proof_conditions", "tighten",
            "replica_choices", "tighten_step_work", "transfer_ms"]
 
