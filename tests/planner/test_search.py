@@ -94,18 +94,14 @@ def test_uniform_clusters_equal_brute_force(block: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mixed", [True, False])
 def test_mixed_and_three_node_clusters_near_brute_force(mixed: bool) -> None:
-    """Fast and slow nodes, or three nodes: the bound holds everywhere; the plan is the optimum
-    on most instances (the misses place stages over the nodes in ways the search does not
-    reach from its local optima; within 5 %: 3.1 % worst seen)."""
-    exact = 0
+    """Fast and slow nodes, or three nodes: the bound holds everywhere, and the plan is the
+    optimum on every instance. (Until the enumeration of every plan the bound allows, with
+    every node placement, `exhaust.py`, the search missed some by up to 3.1 %, placing stages
+    over the nodes in ways it did not reach from its local optima.)"""
     for seed in range(1000, 1030):
         got, ref = _check_against_brute_force(seed, mixed=mixed, max_nodes=3)
-        if got is None:
-            exact += 1
-            continue
-        assert got <= ref * 1.05, f"seed {seed}: {got} vs optimum {ref}"
-        exact += got == pytest.approx(ref, rel=REL)
-    assert exact >= 25
+        if got is not None:
+            assert got == pytest.approx(ref, rel=REL), f"seed {seed}: {got} vs optimum {ref}"
 
 
 def test_microbatch_size_is_chosen_among_the_allowed_ones() -> None:
