@@ -58,6 +58,7 @@ from planner.search.bound import (
     safe_conditions,
     tighten,
     tighten_step_work,
+    without_classes,
 )
 from planner.search.diagnose import check_transfers, infeasible_error
 from planner.search.exhaust import exhaust
@@ -145,7 +146,7 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
     # before the search, the DP without hop classes (`bound.hop_classes`: 1.4-1.8x the work a
     # step): its plans are the seeds the search was tuned on, and it bisects further; the
     # classes tighten the bound after the search
-    c = replace(classed, hop_classes=1, klass=None, hop_more_ms=None)
+    c = without_classes(classed)
     if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS \
             or 3 * dp_work(replace(c, grouped=False)) > work:  # too large, or not three steps to spend
         if any(v.tp > 1 for v in c.variants) or options.schedule == "zb-h1":
@@ -173,16 +174,18 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
 
 
 def _cut_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int, c: Conditions,
-               lower_ms: float, upper_ms: float, max_work: float) -> tuple[list[Structure], int]:
+               hops: np.ndarray, lower_ms: float, upper_ms: float, max_work: float
+               ) -> tuple[list[Structure], int]:
     """Seeds (not bounds) from the DP with every tensor a stage sends across its cut priced
     into the hop (`bound.cut_hop_bytes`), where that differs from the bound's hop (a DAG):
     the bound's DP prices what the next stage's first layer reads, so its plans cut residual
     blocks in the middle, where the simulator sends five times as much (ResNet-50 on 16
     devices at 1 GB/s, tight: the search's plan 8377 ms, a seed of this DP 7010 ms). Its plan
     with memory priced as the bound does or, where memory binds, as the simulator does,
-    bisected to SEED_TOL on at most `max_work`. The seeds and the work spent."""
+    bisected to SEED_TOL on at most `max_work`. `hops`: `bound.hop_bytes(table)`. The seeds
+    and the work spent."""
     cut = cut_hop_bytes(table)
-    if np.array_equal(cut, hop_bytes(table)):
+    if np.array_equal(cut, hops):
         return [], 0
     seeding = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch, b, cut,
                          tuple(sorted({v.tp for v in c.variants})), any(v.recompute for v in c.variants))
@@ -207,7 +210,7 @@ def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_w
     out: list[Structure] = []
     work = 0
     for b, c in conds.items():
-        c = replace(c, hop_classes=1, klass=None, hop_more_ms=None)  # the DP the seeds came from
+        c = without_classes(c)  # the DP the seeds came from
         for degree in sorted(set(degrees)):
             safe = safe_conditions(c, degree if len(degrees) > 1 else None)
             if safe is None or work + dp_work(safe) > max_work:
@@ -427,7 +430,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         more: list[Structure] = []
         for b, c in conds.items():
             if c is not None and bisected and time.perf_counter() < deadline:
-                got, used = _cut_seeds(table, cluster, options, b, c, bounds[b], best_s.objective_ms,
+                got, used = _cut_seeds(table, cluster, options, b, c, hops, bounds[b], best_s.objective_ms,
                                        0.6 * extra / len(sizes))
                 more += got
                 seed_work += used
@@ -471,7 +474,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         if c.hop_classes > 1 and CLASS_STEPS * tighten_step_work(replace(c, cross_stage=True)) > share:
             # too few steps with the hop classes: without them, as many steps as before them
             # (with them, ResNet-18 on 2 x 8, tight, lost its 1 % proof: 947 -> 930 ms)
-            conds[b] = c = replace(c, hop_classes=1, klass=None, hop_more_ms=None)
+            conds[b] = c = without_classes(c)
         got, used = tighten(c, bounds[b], obj, share, deadline=deadline,
                             upper_feasible=b == cand.microbatch_size)
         bounds[b] = max(bounds[b], got)

@@ -256,9 +256,12 @@ class Conditions:
     # hop classes (`hop_classes`): the next stage's class per cut, klass[i, k] for a stage
     # [i, k), and per class above 0 the hop priced with what that class's stage surely reads,
     # (Q - 1, 2, L+1, L+1) like `hop_ms`; one class (None, None) for a chain
-    hop_classes: int = 1
     klass: np.ndarray | None = None
     hop_more_ms: np.ndarray | None = None
+
+    @property
+    def hop_classes(self) -> int:
+        return 1 if self.hop_more_ms is None else 1 + len(self.hop_more_ms)
 
     @property
     def tmax(self) -> int:
@@ -335,9 +338,11 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
         return np.where(nbytes > 0, nbytes / (gbps * 1e9) * 1e3 + lat / 1e3, 0.0)
 
     hop_ms = np.stack([ms(h, cluster.inter_node_gb_per_s), ms(h, fast)])
-    # classes price what the next stage reads of the tensors `hop_bytes` leaves out: on top of
-    # any other hops (the seeds' `cut_hop_bytes`) they would count tensors twice
-    Q, klass, more = hop_classes(table, classes if hops is None or np.array_equal(hops, hop_bytes(table)) else 1)
+    Q, klass, more = hop_classes(table, classes)
+    if Q > 1 and hops is not None and not np.array_equal(hops, hop_bytes(table)):
+        # classes price what the next stage reads of the tensors `hop_bytes` leaves out: on
+        # top of any other hops (the seeds' `cut_hop_bytes`) they would count tensors twice
+        klass = more = None
     more_ms = None if more is None else np.stack(
         [np.stack([ms(h + x * scale, cluster.inter_node_gb_per_s), ms(h + x * scale, fast)]) for x in more])
     into = np.zeros((2, L + 1))
@@ -363,7 +368,7 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
         static_coef=2 + OPTIMIZER_EXTRA_COPIES[optimizer],
         memory_bytes=max(d.memory_bytes for d in devices),
         intra_gbps=fast, inter_gbps=cluster.inter_node_gb_per_s, latency_us=lat, grouped=True,
-        hop_classes=Q, klass=klass, hop_more_ms=more_ms,
+        klass=klass, hop_more_ms=more_ms,
     )
 
 
@@ -816,12 +821,15 @@ class StageEdges:
                 raise TooManyStages
 
 
+def without_classes(c: Conditions) -> Conditions:
+    """`c` with one hop class (`hop_classes`): every hop priced with what layer j reads."""
+    return replace(c, klass=None, hop_more_ms=None)
+
+
 def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | None:
     """`c` with memory priced pessimistically, no recomputed variants (the search adds
     recomputation itself) and, with `degree`, every stage at that TP degree: the DP's plan
     then fits memory as the simulator counts it. None if no variant is left."""
-    from dataclasses import replace
-
     vs = tuple(v for v in c.variants if not v.recompute and (degree is None or v.tp == degree))
     return replace(c, pessimistic=True, variants=vs, grouped=False) if vs else None
 
@@ -899,7 +907,6 @@ def lower_bound(c: Conditions, upper_ms: float, rel_tol: float = 1e-4, max_steps
 
     With node groups (`c.grouped`), the cheaper DP without them bisects first; its time is a
     bound for the grouped DP too, which then bisects only above it, if at all."""
-    from dataclasses import replace
 
     P = _group_size(c)
     if P == 1:
@@ -967,7 +974,7 @@ def tighten_step_work(c: Conditions) -> int:
     suffix DP with them, and the prefix DP (`_prefix_hops`), which costs about one DP without
     node groups (measured 1.6-2.0x the DP without the cross-stage conditions, on resnet50,
     gnmt, chain200 and densenet121)."""
-    prefix = dp_work(replace(c, grouped=False, hop_classes=1)) if c.prefix_hops else 0  # no classes
+    prefix = dp_work(replace(without_classes(c), grouped=False)) if c.prefix_hops else 0  # no classes
     suffix = dp_work(c) * LAST_BACKWARD_WORK
     if c.per_microbatch:
         suffix *= 1 + PER_MICROBATCH_WORK * c.m
@@ -1174,6 +1181,6 @@ def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
-__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "dp_work", "feasible", "hop_bytes", "cut_hop_bytes", "hop_classes", "lower_bound", "plan_at", "proof_conditions", "tighten",
+__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "without_classes", "dp_work", "feasible", "hop_bytes", "cut_hop_bytes", "hop_classes", "lower_bound", "plan_at", "proof_conditions", "tighten",
            "replica_choices", "tighten_step_work", "transfer_ms"]
 

@@ -28,6 +28,7 @@ from planner.search.bound import (
     lower_bound,
     restrict,
     tighten,
+    without_classes,
 )
 from planner.search.large import StageBounds, _dp_plan, dp_lower_bound
 from tests.planner.cpsat_reference import brute_force
@@ -286,7 +287,7 @@ def test_residual_plans_meet_the_conditions_with_hop_classes(schedule: str) -> N
         assert c.hop_classes > 1
         if rng.random() < 0.5:
             c = replace(c, cross_stage=True, prefix_hops=rng.random() < 0.5, per_microbatch=rng.random() < 0.3)
-        flat = replace(c, hop_classes=1, klass=None, hop_more_ms=None)
+        flat = without_classes(c)
         cand, best = _random_plan(rng, L, D, m, mb), -1.0
         for _ in range(20):
             nxt = _neighbour(rng, cand, L, D, m) if best >= 0 else cand
