@@ -14,7 +14,10 @@ clusters of several nodes, the best plan's stages placed anew: every node placem
 clusters, and CP-SAT's placement that moves the fewest bytes across nodes (`planner.cpsat`). The plan returned is the best under `evaluate()`; its bound is the smallest
 of the per-size bounds, so it holds for every microbatch size tried. Each per-size bound is
 then tightened (`bound.tighten`: the cross-stage conditions, between it and the plan found)
-on TIGHTEN_SHARE more work: the plan is already chosen, so this only moves the bound. Where a
+on TIGHTEN_SHARE more work: the plan is already chosen, so this only moves the bound. Where
+that leaves it more than 1 % below the plan, the DP with each microbatch's last backward
+tests 1 % below the plan, tracking one microbatch, then four, then all (`bound.prove`, on
+PROOF_SHARE more work and what tightening left): failing there proves the 1 %. Where a
 bound is still below the plan, every plan that bound's DP allows at the plan's time (else at
 1 % below it) is simulated at every placement, if they are few enough for EXHAUST_SHARE more
 work (`exhaust.py`): that gives the optimum and proves it (or proves the 1 %), and a plan
@@ -55,6 +58,7 @@ from planner.search.bound import (
     lower_bound,
     plan_at,
     proof_conditions,
+    prove,
     safe_conditions,
     tighten,
     tighten_step_work,
@@ -81,6 +85,7 @@ __all__ = ["solve", "solve_detailed"]
 WORK_PER_SECOND = 140_000
 DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
 TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound (plans unchanged)
+PROOF_SHARE = 0.4  # more work after that, to prove the 1 % with each microbatch's backward (`bound.prove`)
 EXHAUST_SHARE = 0.6  # more work after that, to simulate every plan the bound allows (`exhaust`)
 WIDE_SHARE = 0.25  # more work after the search, for its compound moves (never a worse plan)
 DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
@@ -478,6 +483,19 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         got, used = tighten(c, bounds[b], obj, share, deadline=deadline,
                             upper_feasible=b == cand.microbatch_size)
         bounds[b] = max(bounds[b], got)
+        tighten_work += used
+    # the 1 % proven by each microbatch's last backward, a few tracked first (`bound.prove`),
+    # on PROOF_SHARE and what tightening left
+    left = (TIGHTEN_SHARE + PROOF_SHARE) * total_work - tighten_work
+    todo = [b for b in todo if bounds[b] < obj * (1 - PROOF_GAP)]
+    for k, b in enumerate(todo):
+        c = conds[b]
+        assert c is not None
+        T = obj * (1 - PROOF_GAP)
+        proven, used = prove(c, T, left / (len(todo) - k), deadline)
+        if proven:
+            bounds[b] = max(bounds[b], T)
+        left -= used
         tighten_work += used
     found, exhaust_work = _exhaust_all(conds, bounds, obj, ev, cluster, EXHAUST_SHARE * total_work, deadline)
     tighten_work += exhaust_work

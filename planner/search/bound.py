@@ -44,7 +44,11 @@ Tl(i) count every hop before layer i, not only the one into it: a prefix DP find
 hop sum of the stages before layer i that meet their own conditions (`_prefix_hops`). Where
 memory or time forces the layers before a slow stage into several stages on slow links, the
 first microbatch reaches it, and the last gradient leaves it, only through all of those hops
-(vgg16 on 16 devices at 1 GB/s, tight memory: 26.7 % -> 1.9 %).
+(vgg16 on 16 devices at 1 GB/s, tight memory: 26.7 % -> 1.9 %). The prefix DP knows how many
+devices the stages from layer i on have, so a prefix stage holds its whole 1F1B warm-up (one
+microbatch per replica after it, per replica of its own), and its hop out is on a slow link
+where it cannot share a node with one more device (AlexNet on 4 x 4 devices, tight memory:
+746.6 -> 867.7 ms against a plan of 968.7).
 
 Last, on the work `tighten` has left, the same with each microbatch's last backward on its own
 (`Conditions.per_microbatch`): microbatch q runs on replica q mod r of every stage (in order),
@@ -57,7 +61,10 @@ suffix, the least E of each q on its own (a relaxation: each entry may come from
 suffix), priced per replica count (the least over the counts of one n). Where tight memory
 leaves a replicated stage few microbatches, the one that sets the time is often not the last
 (the GPT example, 16 devices, tight: 857.9 -> 927.6 ms against the 932.7 optimum). A step
-costs about m / 2 steps without it, so it runs only after that bisection has ended.
+costs about m / 2 steps without it, so it runs only after that bisection has ended. Each
+microbatch's condition stands on its own, so tracking a few is a relaxation too
+(`Conditions.tracked`): `prove` tests 1 % below the plan with the last microbatch alone, then
+four, then all (chain100 on 2 x 8 devices: all 16 prove the 1 %, four do, at half the work).
 
 In a DAG the hop from a stage [i, j) carries every tensor of [i, j) the next stage [j, k)
 reads, not only what layer j reads: cut inside a residual block, it sends the block's input on
@@ -253,6 +260,11 @@ class Conditions:
     # backward of microbatch q waits for the next stage's, which waited for that stage's
     # replica to run every microbatch before q on it; about m times the cross-stage work
     per_microbatch: bool = False
+    # with per_microbatch, the microbatches whose last backward the DP tracks (empty: all of
+    # them). Each microbatch's condition stands on its own, so any subset is a relaxation too,
+    # at a fraction of the work (`prove`)
+    tracked: tuple[int, ...] = ()
+    exact_counts: bool = False
     # hop classes (`hop_classes`): the next stage's class per cut, klass[i, k] for a stage
     # [i, k), and per class above 0 the hop priced with what that class's stage surely reads,
     # (Q - 1, 2, L+1, L+1) like `hop_ms`; one class (None, None) for a chain
@@ -455,45 +467,54 @@ def _stage_costs(c: Conditions, v: Variant, lo, hi, share: np.ndarray, zb: bool)
 
 
 def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
-    """X[i, k]: the least sum of hop transfers (fastest link) of a prefix of stages covering
-    layers [0, i) on at most k devices, each of its stages meeting at T the conditions that
-    need nothing of the stages after it (inf: none). The suffix DP's H(i) and Tl(i) count only
-    the hop into layer i; a first microbatch reaches layer i only through every hop of the
-    prefix, and its gradient comes back through them, so both are at least the prefix's
-    compute plus X[i, devices the prefix may have]. Where memory or time forces the layers
-    before i into several stages on slow links, that is several hops more.
+    """X[i, e]: the least sum of hop transfers of a prefix of stages covering layers [0, i),
+    the stages from layer i on having exactly e devices, each prefix stage meeting at T the
+    conditions that need nothing of the stages after it but their devices (inf: none). The
+    suffix DP's H(i) and Tl(i) count only the hop into layer i; a first microbatch reaches
+    layer i only through every hop of the prefix, and its gradient comes back through them, so
+    both are at least the prefix's compute plus X[i, devices of the suffix]. Where memory or
+    time forces the layers before i into several stages on slow links, that is several hops
+    more.
 
-    A prefix stage [a, b) with r replicas, n = ceil(m / r) microbatches on its busiest replica,
-    its hop sum before it Xa (priced with `Xa` in place of the hops before a):
-    memory with at least min(n, 2) microbatches in flight under 1F1B / zb-h1 (a stage before
-    another holds its warm-up, ceil((r + replicas after) / r) >= 2) or n under GPipe; the work
-    condition; and the round trip, at least its own compute, its hop there and back and the
-    fastest compute of every layer after it, with at most min(n, ceil(devices from it on / r))
-    microbatches in flight. Each is a relaxation of the suffix DP's condition for the same
-    stage, so every plan meeting the suffix DP's conditions at T has a prefix counted here,
-    and a smaller Xa only makes the conditions easier: keeping the least X per (b, k) is exact
-    for them."""
+    A prefix stage [a, b) with r replicas on dd devices, n = ceil(m / r) microbatches on its
+    busiest replica, e devices after it, its hop sum before it Xa = X[a, e + dd] (priced with
+    `Xa` in place of the hops before a): memory with the microbatches in flight of 1F1B's
+    warm-up (as `_suffix_dp`: at least min(n, ceil(1 + e / (largest TP degree x r)))) or n
+    under GPipe; the work condition; and the round trip, at least its own compute, its hop
+    there and back and the fastest compute of every layer after it, with at most min(n,
+    ceil((dd + e) / r)) microbatches in flight. Its hop out is on the fastest link only if
+    the stage and one more device fit a node. Each is a relaxation of the suffix DP's
+    condition for the same stage, so every plan meeting the suffix DP's conditions at T has a
+    prefix counted here, and a smaller Xa only makes the conditions easier: keeping the least
+    X per (b, e) is exact for them. (Indexed by the devices before i instead, a prefix of
+    one-replica stages on fast links met its memory with 2 microbatches in flight where its
+    warm-up holds one per stage after it: AlexNet on 4 x 4 devices, tight memory, priced a
+    198 MB hop at 10 GB/s where no plan can send it inside a node.)"""
     L, D = c.L, c.D
     X = np.full((L + 1, D + 1), np.inf)
     X[0, :] = 0.0
     zb = c.schedule == "zb-h1"
-    kvec = np.arange(D + 1)
+    evec = np.arange(D + 1)
     tail = (c.HF[L] - c.HF) + (c.HB[L] - c.HB)  # fastest compute of layers i.. on the round trip
-    hop = c.hop_ms[1]
+    tmax = c.tmax
     per_variant = []
     for v in c.variants:
         keep = c.rs * v.tp <= D
         rs, n = c.rs[keep], c.n[keep]
         dd = (rs * v.tp).astype(int)
+        # the hop out of a stage is inside a node only if the stage and one more device fit one
+        link = (dd + 1 <= c.per_node).astype(int)  # (R,)
         ar_gbps = np.where(dd <= c.per_node, c.intra_gbps, c.inter_gbps)
-        before = kvec[None, :] - dd[:, None]  # (R, D+1): devices of the stages before it
-        valid = before >= 0
-        w = np.minimum(n[:, None], np.ceil((D - before) / rs[:, None]))  # (R, D+1)
+        src = evec[None, :] + dd[:, None]  # (R, D+1): devices from the stage on
+        valid = src <= D
+        w = np.minimum(n[:, None], np.ceil(src / rs[:, None]))  # (R, D+1)
         if c.schedule == "gpipe":  # every forward before the first backward (as `_suffix_dp`)
             w = np.broadcast_to(n[:, None], w.shape)
-        inflight = n if c.schedule == "gpipe" else np.minimum(n, 2.0)
-        per_variant.append((v, rs, n[:, None, None], ar_gbps, valid, np.where(valid, before, 0),
-                            np.maximum(w, 1.0)[:, None, :], inflight[:, None]))
+            inflight = np.broadcast_to(n[:, None], w.shape)
+        else:
+            inflight = np.minimum(n[:, None], np.ceil(1 + evec[None, :] / tmax / rs[:, None] - 1e-9))
+        per_variant.append((v, rs, link, n[:, None, None], ar_gbps, valid, np.where(valid, src, 0),
+                            np.maximum(w, 1.0)[:, None, :], np.maximum(inflight, 1.0)[:, None, :]))
     for b in range(1, L):
         a = np.arange(b)
         best = np.full(D + 1, np.inf)
@@ -503,19 +524,21 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
         share[0] = 1.0  # the first stage sends no gradient: all of it is W
         Tl0 = np.where(a > 0, c.first_bwd_lo, 0.0) if zb else c.HB[a]
         peak = np.maximum.accumulate(c.layer_act[:b][::-1])[::-1]  # (A,): layers a..b-1
-        for v, rs, n, ar_gbps, valid, before, w, inflight in per_variant:
+        for v, rs, link, n, ar_gbps, valid, src, w, inflight in per_variant:
             if len(rs) == 0:
                 continue
+            hop = c.hop_ms[link][:, a, b]  # (R, A)
             fwd, crit, wgt, comp, params, act = _stage_costs(c, v, a, b, share, zb)
             transient = peak if v.recompute else 0.0
-            mem_ok = (params * c.static_coef + transient)[None, :] + act[None, :] * inflight <= c.memory_bytes
+            mem_ok = ((params * c.static_coef + transient)[None, :, None]
+                      + act[None, :, None] * inflight <= c.memory_bytes)  # (R, A, D+1)
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, A)
-            Xa = np.where(valid[:, None, :], X[a][:, before].transpose(1, 0, 2), np.inf)  # (R, A, D+1)
+            Xa = np.where(valid[:, None, :], X[a][:, src].transpose(1, 0, 2), np.inf)  # (R, A, D+1)
             H = c.HF[a][None, :, None] + Xa
             Tl = Tl0[None, :, None] + Xa
             f2, c2 = fwd[None, :, None], crit[None, :, None]
-            rt = (fwd + crit + 2 * hop[a, b] + tail[b])[None, :, None]
+            rt = (fwd + crit + tail[b])[None, :, None] + 2 * hop[:, :, None]
             rounds = np.floor((n - 1) / w)
             last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
                               np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
@@ -523,11 +546,11 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
             crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
             full_busy = np.maximum(n * comp[None, :, None], first + n * wgt[None, :, None])
             t_stage = H + np.maximum(crit_busy + Tl, full_busy + ar[:, :, None])
-            ok = (t_stage <= T) & mem_ok[:, :, None]
-            val = np.where(ok, Xa + hop[a, b][None, :, None], np.inf)
+            ok = (t_stage <= T) & mem_ok
+            val = np.where(ok, Xa + hop[:, :, None], np.inf)
             best = np.minimum(best, val.min(axis=(0, 1)))
         X[b] = best
-    return np.minimum.accumulate(X, axis=1)
+    return X
 
 
 def _per_count(mask: np.ndarray, table: np.ndarray, dd: np.ndarray) -> np.ndarray:
@@ -592,10 +615,10 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
     # with c.per_microbatch, zv[i, d, e, q]: the earliest the suffix's first stage can end the
     # backward of microbatch q, each minimised on its own
     vec = cross and c.per_microbatch
-    M = c.m if vec else 0
+    qv = (np.array(c.tracked, dtype=float) if c.tracked else np.arange(c.m, dtype=float)) if vec else np.zeros(0)
+    M = len(qv)
     zv = np.full((L + 1, D + 1, P + 1, M), np.inf)
     zv[L, 0, 0] = -np.inf
-    qv = np.arange(M, dtype=float)
     choice = {} if want_plan else None
     dvec = np.arange(D + 1, dtype=float)
     zb = c.schedule == "zb-h1"
@@ -616,9 +639,9 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
             w = np.where(valid, np.minimum(n[:, None], np.ceil(dvec[None, :] / rs[:, None])), 1.0)
         # every replica count of each choice's n (`replica_choices`; the choices alone for the
         # pessimistic seeds), consecutive: `starts` indexes each choice's first
-        ra = rs if c.pessimistic else np.arange(1, min(D // v.tp, c.m) + 1, dtype=float)
+        ra = rs if c.pessimistic or c.exact_counts else np.arange(1, min(D // v.tp, c.m) + 1, dtype=float)
         na = np.ceil(c.m / ra)
-        starts = np.searchsorted(-na, -n)  # na is non-increasing; n[k] first appears there
+        starts = np.arange(len(ra)) if c.exact_counts else np.searchsorted(-na, -n)  # na is non-increasing; n[k] first appears there
         dda = (ra * v.tp).astype(int)
         valida = dvec[None, :] >= dda[:, None]
         idxa = np.where(valida, np.arange(D + 1)[None, :] - dda[:, None], 0)
@@ -650,7 +673,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         # least the one into it and, with the cross-stage conditions, the prefix's (`_prefix_hops`)
         hops_in = np.broadcast_to(c.into_ms[:, i][:, None], (2, D + 1))
         if pre is not None:
-            hops_in = np.maximum(hops_in, pre[i, D - dvec.astype(int)][None, :])
+            hops_in = np.maximum(hops_in, pre[i, dvec.astype(int)][None, :])
         H = c.HF[i] + hops_in
         Tl = (np.where(i > 0, c.first_bwd_lo, 0.0) if zb else c.HB[i]) + hops_in
         peak = np.maximum.accumulate(c.layer_act[i:]) if L > i else np.zeros(0)  # (J,)
@@ -967,6 +990,9 @@ PROOF_GAP = 0.0099  # the gap issue 10 asks to prove (1 %), a hair inside it
 # cross-stage conditions only, per microbatch: 1 + this x m (measured 7-14x at m = 16 on GNMT,
 # ResNet-50 and the 100- and 200-layer chains; 1.6x on 6 layers)
 PER_MICROBATCH_WORK = 0.5
+# tracking a few microbatches (`Conditions.tracked`) costs more than their count says: 1.3-1.9x
+# the cross-stage DP for one, 1.6-3.0x for four (min of 3, on chain100, vgg16, GNMT, ResNet-18)
+PER_MICROBATCH_LEAST = 3
 
 
 def tighten_step_work(c: Conditions) -> int:
@@ -977,7 +1003,7 @@ def tighten_step_work(c: Conditions) -> int:
     prefix = dp_work(replace(without_classes(c), grouped=False)) if c.prefix_hops else 0  # no classes
     suffix = dp_work(c) * LAST_BACKWARD_WORK
     if c.per_microbatch:
-        suffix *= 1 + PER_MICROBATCH_WORK * c.m
+        suffix *= 1 + PER_MICROBATCH_WORK * max(len(c.tracked) or c.m, PER_MICROBATCH_LEAST)
     return int(suffix + prefix) + 1
 
 
@@ -1150,6 +1176,39 @@ def proof_conditions(c: Conditions) -> Conditions:
     return cz if per_microbatch_cells(cz) <= PER_MICROBATCH_CELLS else replace(cz, per_microbatch=False)
 
 
+def proof_sets(m: int) -> list[tuple[int, ...]]:
+    """The microbatches `prove` tracks, cheapest first: the last one, four spread out (the
+    last of each quarter), then all (empty)."""
+    out: list[tuple[int, ...]] = [(m - 1,)]
+    spread = tuple(sorted({max(0, (k * m) // 4 - 1) for k in range(1, 5)}))
+    if 1 < len(spread) < m:
+        out.append(spread)
+    out.append(())
+    return out
+
+
+def prove(c: Conditions, T: float, max_work: float, deadline: float = math.inf) -> tuple[bool, int]:
+    """Whether every condition of the bound, each microbatch's last backward included, fails
+    at T (then no plan is faster than T), and the work spent: the DP tracking a few
+    microbatches first (`proof_sets`; a subset of the conditions is a relaxation, so one
+    failing at T proves it), then more, while `max_work` affords them. False where none
+    fails. (On the plan-quality suite the last microbatch alone proves most of what all of
+    them prove, at a quarter to a half of the work.)"""
+    cz = proof_conditions(c)
+    if not cz.per_microbatch:
+        return False, 0
+    spent = 0
+    for tracked in proof_sets(cz.m):
+        cv = replace(cz, tracked=tracked)
+        step = tighten_step_work(cv)
+        if spent + step > max_work or time.perf_counter() >= deadline:
+            break  # the sets cost more and more
+        spent += step
+        if not feasible(cv, T):
+            return True, spent
+    return False, spent
+
+
 def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float, rel_tol: float,
                     deadline: float) -> tuple[float, int]:
     """`tighten`'s second part, on the work it left: the same conditions and each
@@ -1181,6 +1240,6 @@ def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
-__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "without_classes", "dp_work", "feasible", "hop_bytes", "cut_hop_bytes", "hop_classes", "lower_bound", "plan_at", "proof_conditions", "tighten",
+__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "without_classes", "dp_work", "feasible", "hop_bytes", "cut_hop_bytes", "hop_classes", "lower_bound", "plan_at", "proof_conditions", "proof_sets", "prove", "tighten",
            "replica_choices", "tighten_step_work", "transfer_ms"]
 

@@ -20,12 +20,14 @@ from planner.cost import layer_table
 from planner.formats import INPUT_NODE, Cluster, PlanOptions, Profile
 from planner.partition import Candidate, StageChoice
 from planner.search.bound import (
+    _prefix_hops,
     conditions,
     cut_hop_bytes,
     feasible,
     hop_bytes,
     hop_classes,
     lower_bound,
+    proof_sets,
     restrict,
     tighten,
     without_classes,
@@ -107,6 +109,8 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
         L, D = table.num_layers, cluster.num_devices
         c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
         cz = replace(c, cross_stage=True)
+        # each microbatch's last backward: all of them, and four (the tracked subsets of `bound.prove`)
+        per_mb = [replace(cz, per_microbatch=True, tracked=t) for t in proof_sets(16)[1:]]
         layer_only = StageBounds(table, cluster, options, 2)  # `large.py`: no recomputation, no W
         layer_rc = StageBounds(table, cluster, options, 2, recompute=True)  # stages may recompute
         seen: set[tuple] = set()
@@ -124,6 +128,9 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
                     assert feasible(c, T), f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP says none can"
                     assert feasible(cz, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the cross-stage DP "
                                              "says none can")
+                    for cv in per_mb:
+                        assert feasible(cv, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP tracking "
+                                                 f"microbatches {cv.tracked or 'all'} says none can")
                     if schedule != "zb-h1" and not any(st.recompute for st in nxt.stages):
                         assert _dp_plan(layer_only, T) is not None, (
                             f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP says none can")
@@ -136,6 +143,74 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
                 if score <= best:
                     cand, best = nxt, score
     assert checked >= 150, checked
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_prefix_hops_are_at_most_what_each_plan_sends_before_each_stage(schedule: str) -> None:
+    """`_prefix_hops` at a plan's own time, X[first layer of stage k, devices of stages k..],
+    is at most the sum of the transfers the simulator prices between consecutive stages
+    before k: each stage before k meets the prefix's conditions there (memory with its
+    warm-up, the round trip, the work), on the link its placement has. Hill-climbed plans on
+    16 x 1, 4 x 4 and 2 x 8 devices, tight to generous memory, so that stages of several
+    replicas span nodes and memory binds. (Catches a prefix hop priced slow where a stage can
+    hop inside a node.)"""
+    checked = tight = 0
+    for seed in range(8):
+        rng = random.Random(100 + seed)
+        profile, cluster, options = random_setting(rng, schedule)
+        table = layer_table(profile)
+        L, D = table.num_layers, cluster.num_devices
+        c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
+        cz = replace(c, cross_stage=True)
+        seen: set[tuple] = set()
+        for _ in range(4):
+            cand, best = _random_plan(rng, L, D, 16, 2), float("inf")
+            for _ in range(40):
+                nxt = _neighbour(rng, cand, L, D, 16) if best < float("inf") else cand
+                if nxt is None:
+                    continue
+                key = tuple((s.start, s.stop, s.replicas, s.recompute) for s in nxt.stages)
+                ev = evaluate(table, cluster, nxt, options)
+                if ev.fits and key not in seen and len(nxt.stages) > 1:
+                    seen.add(key)
+                    X = _prefix_hops(cz, ev.iteration_ms * (1 + REL))
+                    sent = 0.0
+                    for k in range(1, len(nxt.stages)):
+                        sent += ev.costs.sends[(k - 1, k)].ms
+                        after = sum(s.replicas for s in nxt.stages[k:])
+                        got = X[nxt.stages[k].start, after]
+                        assert got <= sent * (1 + REL) + 1e-9, (
+                            f"seed {seed}: {key} sends {sent} ms before stage {k}, the prefix DP says {got}")
+                        tight += got >= sent * (1 - 1e-6) and sent > 0
+                        checked += 1
+                score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
+                if score <= best:
+                    cand, best = nxt, score
+    assert checked >= 150, checked
+    assert tight >= 10, tight  # the prefix DP reaches what plans send (not a vacuous bound)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_prefix_hops_hold_where_the_warm_up_just_fits(schedule: str) -> None:
+    """Three one-replica stages on three one-device nodes, each device's memory exactly what
+    the first stage holds: its warm-up of three microbatches of 1 GB (one per stage from it
+    on). The prefix DP must count that stage as fitting (a warm-up priced one microbatch
+    larger would leave the prefix no plan), and price its hops as the simulator does."""
+    profile = chain_profile([5.0, 5.0, 5.0], params=[1000] * 3, act=[int(1e9), 1000, 1000],
+                            out=[int(1e8)] * 3, batch_size=2)
+    options = PlanOptions(global_batch=16, microbatch_size=2, optimizer="sgd", schedule=schedule)
+    table = layer_table(profile)
+    cand = Candidate(tuple(StageChoice(i, i + 1, (i,)) for i in range(3)), 2, 8)
+    roomy = evaluate(table, make_cluster(nodes=3, per_node=1, memory_gb=80.0, intra=1.0, inter=1.0), cand, options)
+    need = roomy.stage_memory_bytes[0]
+    assert 3e9 <= need < 4e9  # three microbatches of stage 0 in flight
+    cl = make_cluster(nodes=3, per_node=1, memory_gb=need / 1e9, intra=1.0, inter=1.0)
+    ev = evaluate(table, cl, cand, options)
+    assert ev.fits
+    c = conditions(table, cl, "sgd", schedule, 16, 2, hop_bytes(table), (1,), False)
+    X = _prefix_hops(replace(c, cross_stage=True), ev.iteration_ms * (1 + REL))
+    assert X[1, 2] <= ev.costs.sends[(0, 1)].ms * (1 + REL)
+    assert X[2, 1] <= (ev.costs.sends[(0, 1)].ms + ev.costs.sends[(1, 2)].ms) * (1 + REL)
 
 
 def test_the_tightened_bound_counts_every_hop_memory_forces_before_a_stage() -> None:
