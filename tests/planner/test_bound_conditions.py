@@ -97,6 +97,28 @@ def _neighbour(rng: random.Random, cand: Candidate, L: int, D: int, m: int) -> C
     return Candidate(tuple(stages), cand.microbatch_size, m)
 
 
+def _climbed_plans(rng: random.Random, table, cluster: Cluster, options: PlanOptions):
+    """Random plans, each improved by hill climbing under `evaluate()` (4 starts, 40 moves),
+    so that many are near the best and the conditions near binding: every fitting plan
+    visited once, as (its key, its evaluation)."""
+    L, D = table.num_layers, cluster.num_devices
+    seen: set[tuple] = set()
+    for _ in range(4):
+        cand, best = _random_plan(rng, L, D, 16, 2), float("inf")
+        for _ in range(40):
+            nxt = _neighbour(rng, cand, L, D, 16) if best < float("inf") else cand
+            if nxt is None:
+                continue
+            key = tuple((s.start, s.stop, s.replicas, s.recompute) for s in nxt.stages)
+            ev = evaluate(table, cluster, nxt, options)
+            if ev.fits and key not in seen:
+                seen.add(key)
+                yield key, ev
+            score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
+            if score <= best:
+                cand, best = nxt, score
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
     """Random plans, each improved by hill climbing under `evaluate()` so that many are near
@@ -106,42 +128,28 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
         rng = random.Random(seed)
         profile, cluster, options = random_setting(rng, schedule)
         table = layer_table(profile)
-        L, D = table.num_layers, cluster.num_devices
         c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
         cz = replace(c, cross_stage=True)
         # each microbatch's last backward: all of them, and four (the tracked subsets of `bound.prove`)
         per_mb = [replace(cz, per_microbatch=True, tracked=t) for t in proof_sets(16)[1:]]
         layer_only = StageBounds(table, cluster, options, 2)  # `large.py`: no recomputation, no W
         layer_rc = StageBounds(table, cluster, options, 2, recompute=True)  # stages may recompute
-        seen: set[tuple] = set()
-        for _ in range(4):
-            cand, best = _random_plan(rng, L, D, 16, 2), float("inf")
-            for _ in range(40):
-                nxt = _neighbour(rng, cand, L, D, 16) if best < float("inf") else cand
-                if nxt is None:
-                    continue
-                key = tuple((s.start, s.stop, s.replicas, s.recompute) for s in nxt.stages)
-                ev = evaluate(table, cluster, nxt, options)
-                if ev.fits and key not in seen:
-                    seen.add(key)
-                    T = ev.iteration_ms * (1 + REL)
-                    assert feasible(c, T), f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP says none can"
-                    assert feasible(cz, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the cross-stage DP "
-                                             "says none can")
-                    for cv in per_mb:
-                        assert feasible(cv, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP tracking "
-                                                 f"microbatches {cv.tracked or 'all'} says none can")
-                    if schedule != "zb-h1" and not any(st.recompute for st in nxt.stages):
-                        assert _dp_plan(layer_only, T) is not None, (
-                            f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP says none can")
-                    if schedule != "zb-h1":
-                        assert _dp_plan(layer_rc, T) is not None, (
-                            f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP with "
-                            "recomputation says none can")
-                    checked += 1
-                score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
-                if score <= best:
-                    cand, best = nxt, score
+        for key, ev in _climbed_plans(rng, table, cluster, options):
+            T = ev.iteration_ms * (1 + REL)
+            assert feasible(c, T), f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP says none can"
+            assert feasible(cz, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the cross-stage DP "
+                                     "says none can")
+            for cv in per_mb:
+                assert feasible(cv, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP tracking "
+                                         f"microbatches {cv.tracked or 'all'} says none can")
+            if schedule != "zb-h1" and not any(r for *_, r in key):
+                assert _dp_plan(layer_only, T) is not None, (
+                    f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP says none can")
+            if schedule != "zb-h1":
+                assert _dp_plan(layer_rc, T) is not None, (
+                    f"seed {seed}: {key} takes {ev.iteration_ms} ms, the layer-only DP with "
+                    "recomputation says none can")
+            checked += 1
     assert checked >= 150, checked
 
 
@@ -159,33 +167,21 @@ def test_prefix_hops_are_at_most_what_each_plan_sends_before_each_stage(schedule
         rng = random.Random(100 + seed)
         profile, cluster, options = random_setting(rng, schedule)
         table = layer_table(profile)
-        L, D = table.num_layers, cluster.num_devices
         c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
         cz = replace(c, cross_stage=True)
-        seen: set[tuple] = set()
-        for _ in range(4):
-            cand, best = _random_plan(rng, L, D, 16, 2), float("inf")
-            for _ in range(40):
-                nxt = _neighbour(rng, cand, L, D, 16) if best < float("inf") else cand
-                if nxt is None:
-                    continue
-                key = tuple((s.start, s.stop, s.replicas, s.recompute) for s in nxt.stages)
-                ev = evaluate(table, cluster, nxt, options)
-                if ev.fits and key not in seen and len(nxt.stages) > 1:
-                    seen.add(key)
-                    X = _prefix_hops(cz, ev.iteration_ms * (1 + REL))
-                    sent = 0.0
-                    for k in range(1, len(nxt.stages)):
-                        sent += ev.costs.sends[(k - 1, k)].ms
-                        after = sum(s.replicas for s in nxt.stages[k:])
-                        got = X[nxt.stages[k].start, after]
-                        assert got <= sent * (1 + REL) + 1e-9, (
-                            f"seed {seed}: {key} sends {sent} ms before stage {k}, the prefix DP says {got}")
-                        tight += got >= sent * (1 - 1e-6) and sent > 0
-                        checked += 1
-                score = ev.iteration_ms if ev.fits else 1e12 * ev.memory_overshoot()
-                if score <= best:
-                    cand, best = nxt, score
+        for key, ev in _climbed_plans(rng, table, cluster, options):
+            if len(key) < 2:
+                continue
+            X = _prefix_hops(cz, ev.iteration_ms * (1 + REL))
+            sent = 0.0
+            for k in range(1, len(key)):
+                sent += ev.costs.sends[(k - 1, k)].ms
+                after = sum(r for _, _, r, _ in key[k:])
+                got = X[key[k][0], after]
+                assert got <= sent * (1 + REL) + 1e-9, (
+                    f"seed {seed}: {key} sends {sent} ms before stage {k}, the prefix DP says {got}")
+                tight += got >= sent * (1 - 1e-6) and sent > 0
+                checked += 1
     assert checked >= 150, checked
     assert tight >= 10, tight  # the prefix DP reaches what plans send (not a vacuous bound)
 
