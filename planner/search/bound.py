@@ -46,9 +46,9 @@ memory or time forces the layers before a slow stage into several stages on slow
 first microbatch reaches it, and the last gradient leaves it, only through all of those hops
 (vgg16 on 16 devices at 1 GB/s, tight memory: 26.7 % -> 1.9 %). The prefix DP knows how many
 devices the stages from layer i on have, so a prefix stage holds its whole 1F1B warm-up (one
-microbatch per replica after it, per replica of its own), and its hop out is on a slow link
-where it cannot share a node with one more device (AlexNet on 4 x 4 devices, tight memory:
-746.6 -> 867.7 ms against a plan of 968.7).
+microbatch per replica after it, per replica of its own), and its hops are priced by node
+groups like the suffix's (AlexNet on 4 x 4 devices, tight memory: 746.6 -> 867.7 ms with the
+devices after, -> 953.9 with the groups too, against a plan of 968.7).
 
 Last, on the work `tighten` has left, the same with each microbatch's last backward on its own
 (`Conditions.per_microbatch`): microbatch q runs on replica q mod r of every stage (in order),
@@ -466,6 +466,21 @@ def _stage_costs(c: Conditions, v: Variant, lo, hi, share: np.ndarray, zb: bool)
     return fwd, crit, wgt, fwd + crit + wgt, v.Pp[hi] - v.Pp[lo], act
 
 
+def _most_prefix_hops(hop, base_rt, f2, c2, n, w, comp, wgt, room_busy, room_full, mem_ok) -> np.ndarray:
+    """For `_prefix_hops`: the largest hop sum x before a prefix stage at which it meets its
+    conditions with `hop` (R, A) out of it, (R, A, D+1) (-inf where memory does not fit):
+    HF + x + max(busy + Tl0 + x, full + AR) <= T, with `room_busy` = T - HF - Tl0 and
+    `room_full` = T - HF - AR."""
+    rt = base_rt + 2 * hop[:, :, None]
+    rounds = np.floor((n - 1) / w)
+    last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
+                      np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
+    first = rt + (n - 1) * c2 + (n - w) * f2
+    crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
+    full_busy = np.maximum(n * comp, first + n * wgt)
+    return np.where(mem_ok, np.minimum((room_busy - crit_busy) / 2, room_full - full_busy), -np.inf)
+
+
 def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
     """X[i, e]: the least sum of hop transfers of a prefix of stages covering layers [0, i),
     the stages from layer i on having exactly e devices, each prefix stage meeting at T the
@@ -482,17 +497,22 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
     warm-up (as `_suffix_dp`: at least min(n, ceil(1 + e / (largest TP degree x r)))) or n
     under GPipe; the work condition; and the round trip, at least its own compute, its hop
     there and back and the fastest compute of every layer after it, with at most min(n,
-    ceil((dd + e) / r)) microbatches in flight. Its hop out is on the fastest link only if
-    the stage and one more device fit a node. Each is a relaxation of the suffix DP's
+    ceil((dd + e) / r)) microbatches in flight. Hops are priced by node groups as in
+    `_suffix_dp`: with groups, X[i, e, g] (g = 0: the hop into layer i is slow; g > 0: it is
+    fast and the group the next stage joins holds g devices already), and a run of fast hops
+    keeps its stages within a node's devices; without them, a hop out of a stage is fast
+    where the stage and one more device fit a node. Each is a relaxation of the suffix DP's
     condition for the same stage, so every plan meeting the suffix DP's conditions at T has a
     prefix counted here, and a smaller Xa only makes the conditions easier: keeping the least
-    X per (b, e) is exact for them. (Indexed by the devices before i instead, a prefix of
+    X per (b, e, g) is exact for them. (Indexed by the devices before i instead, a prefix of
     one-replica stages on fast links met its memory with 2 microbatches in flight where its
     warm-up holds one per stage after it: AlexNet on 4 x 4 devices, tight memory, priced a
     198 MB hop at 10 GB/s where no plan can send it inside a node.)"""
     L, D = c.L, c.D
-    X = np.full((L + 1, D + 1), np.inf)
-    X[0, :] = 0.0
+    P = _group_size(c)
+    G = P + 1 if P > 1 else 1  # group states (`_suffix_dp`'s node groups), one without them
+    X = np.full((L + 1, D + 1, G), np.inf)
+    X[0, :, 0] = 0.0
     zb = c.schedule == "zb-h1"
     evec = np.arange(D + 1)
     tail = (c.HF[L] - c.HF) + (c.HB[L] - c.HB)  # fastest compute of layers i.. on the round trip
@@ -502,7 +522,8 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
         keep = c.rs * v.tp <= D
         rs, n = c.rs[keep], c.n[keep]
         dd = (rs * v.tp).astype(int)
-        # the hop out of a stage is inside a node only if the stage and one more device fit one
+        # without groups, the hop out of a stage is inside a node only if the stage and one
+        # more device fit one
         link = (dd + 1 <= c.per_node).astype(int)  # (R,)
         ar_gbps = np.where(dd <= c.per_node, c.intra_gbps, c.inter_gbps)
         src = evec[None, :] + dd[:, None]  # (R, D+1): devices from the stage on
@@ -513,44 +534,60 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
             inflight = np.broadcast_to(n[:, None], w.shape)
         else:
             inflight = np.minimum(n[:, None], np.ceil(1 + evec[None, :] / tmax / rs[:, None] - 1e-9))
-        per_variant.append((v, rs, link, n[:, None, None], ar_gbps, valid, np.where(valid, src, 0),
+        per_variant.append((v, rs, dd, link, n[:, None, None], ar_gbps, valid, np.where(valid, src, 0),
                             np.maximum(w, 1.0)[:, None, :], np.maximum(inflight, 1.0)[:, None, :]))
+    slack = 1e-12 * abs(T)  # the conditions as thresholds on the prefix's hops: rounding aside
     for b in range(1, L):
         a = np.arange(b)
-        best = np.full(D + 1, np.inf)
         share = np.clip((c.Wshare_num[b] - c.Wshare_num[a])
                         / np.where(c.Wshare_den[b] > c.Wshare_den[a], c.Wshare_den[b] - c.Wshare_den[a], 1.0),
                         0.0, 1.0)
         share[0] = 1.0  # the first stage sends no gradient: all of it is W
         Tl0 = np.where(a > 0, c.first_bwd_lo, 0.0) if zb else c.HB[a]
         peak = np.maximum.accumulate(c.layer_act[:b][::-1])[::-1]  # (A,): layers a..b-1
-        for v, rs, link, n, ar_gbps, valid, src, w, inflight in per_variant:
+        for v, rs, dd, link, n, ar_gbps, valid, src, w, inflight in per_variant:
             if len(rs) == 0:
                 continue
-            hop = c.hop_ms[link][:, a, b]  # (R, A)
             fwd, crit, wgt, comp, params, act = _stage_costs(c, v, a, b, share, zb)
             transient = peak if v.recompute else 0.0
             mem_ok = ((params * c.static_coef + transient)[None, :, None]
                       + act[None, :, None] * inflight <= c.memory_bytes)  # (R, A, D+1)
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, A)
-            Xa = np.where(valid[:, None, :], X[a][:, src].transpose(1, 0, 2), np.inf)  # (R, A, D+1)
-            H = c.HF[a][None, :, None] + Xa
-            Tl = Tl0[None, :, None] + Xa
             f2, c2 = fwd[None, :, None], crit[None, :, None]
-            rt = (fwd + crit + tail[b])[None, :, None] + 2 * hop[:, :, None]
-            rounds = np.floor((n - 1) / w)
-            last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
-                              np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
-            first = rt + (n - 1) * c2 + (n - w) * f2
-            crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
-            full_busy = np.maximum(n * comp[None, :, None], first + n * wgt[None, :, None])
-            t_stage = H + np.maximum(crit_busy + Tl, full_busy + ar[:, :, None])
-            ok = (t_stage <= T) & mem_ok
-            val = np.where(ok, Xa + hop[:, :, None], np.inf)
-            best = np.minimum(best, val.min(axis=(0, 1)))
-        X[b] = best
-    return X
+
+            room = (T + slack - c.HF[a])[None, :, None]
+            terms = ((fwd + crit + tail[b])[None, :, None], f2, c2, n, w, comp[None, :, None],
+                     wgt[None, :, None], room - Tl0[None, :, None], room - ar[:, :, None], mem_ok)
+            Xall = np.where(valid[:, None, :, None], X[a][:, src].transpose(1, 0, 2, 3), np.inf)  # (R, A, D+1, G)
+            if G == 1:
+                hop = c.hop_ms[link][:, a, b]  # (R, A)
+                Xa = Xall[..., 0]
+                val = np.where(Xa <= _most_prefix_hops(hop, *terms), Xa + hop[:, :, None], np.inf)
+                X[b, :, 0] = np.minimum(X[b, :, 0], val.min(axis=(0, 1)))
+                continue
+            # node groups: state g = 0, the hop into the stage is slow (it starts a group); g > 0,
+            # the hop into it is fast and the group it joins holds g devices already
+            hop_slow = np.broadcast_to(c.hop_ms[0][a, b][None, :], (len(rs), b))
+            hop_fast = np.broadcast_to(c.hop_ms[1][a, b][None, :], (len(rs), b))
+            most_slow, most_fast = _most_prefix_hops(hop_slow, *terms), _most_prefix_hops(hop_fast, *terms)
+            for g in range(G):
+                Xa = Xall[..., g]  # (R, A, D+1)
+                fill = dd if g == 0 else dd + g  # the group's devices with this stage
+                joins = (fill <= P) | (g == 0)  # a stage of more than a node is a group of its own
+                if not joins.any():
+                    continue
+                ok = joins[:, None, None] & (Xa <= most_slow)
+                val = np.where(ok, Xa + hop_slow[:, :, None], np.inf)
+                X[b, :, 0] = np.minimum(X[b, :, 0], val.min(axis=(0, 1)))
+                onward = joins & (fill + 1 <= P)  # room for the next stage in its group
+                if not onward.any():
+                    continue
+                ok = onward[:, None, None] & (Xa <= most_fast)
+                val = np.where(ok, Xa + hop_fast[:, :, None], np.inf).min(axis=1)  # (R, D+1)
+                for k in np.nonzero(onward)[0]:
+                    X[b, :, fill[k]] = np.minimum(X[b, :, fill[k]], val[k])
+    return X if G > 1 else X[:, :, 0]
 
 
 def _per_count(mask: np.ndarray, table: np.ndarray, dd: np.ndarray) -> np.ndarray:
@@ -671,9 +708,22 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
             share = np.ones_like(share)  # the first stage sends no gradient: all of it is W
         # (2, D+1): [inter, fast] x devices of the suffix; the hops before layer i are at
         # least the one into it and, with the cross-stage conditions, the prefix's (`_prefix_hops`)
-        hops_in = np.broadcast_to(c.into_ms[:, i][:, None], (2, D + 1))
-        if pre is not None:
-            hops_in = np.maximum(hops_in, pre[i, dvec.astype(int)][None, :])
+        if P > 1:  # per the devices e of the stage's group: fast only if the stage before joins
+            ge = np.arange(P + 1)
+            hops_in = np.broadcast_to(np.where(ge + 1 <= P, c.into_ms[1, i], c.into_ms[0, i])[:, None],
+                                      (P + 1, D + 1))
+            if pre is not None:  # a prefix whose last group has room for e more devices
+                Xi = pre[i]  # (D+1, P+1)
+                slow = np.maximum(c.into_ms[0, i], Xi[:, 0])
+                most = np.minimum.accumulate(Xi[:, 1:], axis=1)  # [:, g - 1]: groups of 1..g devices
+                fast = np.full((P + 1, D + 1), np.inf)
+                for e in range(1, P):
+                    fast[e] = np.maximum(c.into_ms[1, i], most[:, P - e - 1])
+                hops_in = np.minimum(slow[None, :], fast)
+        else:
+            hops_in = np.broadcast_to(c.into_ms[:, i][:, None], (2, D + 1))
+            if pre is not None:
+                hops_in = np.maximum(hops_in, pre[i][None, :])
         H = c.HF[i] + hops_in
         Tl = (np.where(i > 0, c.first_bwd_lo, 0.0) if zb else c.HB[i]) + hops_in
         peak = np.maximum.accumulate(c.layer_act[i:]) if L > i else np.zeros(0)  # (J,)
@@ -749,7 +799,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                 crit_busy = np.maximum(np.maximum(nn * (f2 + c2), first), last)
                 full_busy = np.maximum(np.maximum(nn * comp[None, :, None], first + nn * w2), last + w2)
                 # the hop into this stage is fast only if the stage before joins its group
-                into = (e_new + 1 <= P).astype(int) if P > 1 else fast
+                into = np.minimum(e_new, P) if P > 1 else fast  # a row of H and Tl
                 t_stage = H[into][:, None, :] + np.maximum(crit_busy + Tl[into][:, None, :],
                                                               full_busy + ar[rows][:, :, None])
                 if cross:
@@ -984,6 +1034,9 @@ def _bisect(c: Conditions, upper_ms: float, rel_tol: float, max_steps: int, lowe
 
 
 LAST_BACKWARD_WORK = 1.3  # a DP with the cross-stage conditions, against one without
+# the prefix DP with node groups of P devices against one DP without groups: 1 + this x (P - 1)
+# (measured 1.5x at P = 4 on GNMT; 2.2-3.4x at P = 8 on VGG-16, ResNet-50, 100- and 200-layer chains)
+PREFIX_GROUP_WORK = 0.35
 PROBE_GAP = 0.1  # below this gap `tighten` probes just below the plan first, above it bisects
 PROOF_GAP = 0.0099  # the gap issue 10 asks to prove (1 %), a hair inside it
 # a DP with each microbatch's last backward (`Conditions.per_microbatch`) against one with the
@@ -998,9 +1051,12 @@ PER_MICROBATCH_LEAST = 3
 def tighten_step_work(c: Conditions) -> int:
     """The work of one feasibility test with the cross-stage conditions (`tighten`): the
     suffix DP with them, and the prefix DP (`_prefix_hops`), which costs about one DP without
-    node groups (measured 1.6-2.0x the DP without the cross-stage conditions, on resnet50,
-    gnmt, chain200 and densenet121)."""
-    prefix = dp_work(replace(without_classes(c), grouped=False)) if c.prefix_hops else 0  # no classes
+    node groups where there are none (measured 1.6-2.0x the DP without the cross-stage
+    conditions, on resnet50, gnmt, chain200 and densenet121), more per group state
+    (PREFIX_GROUP_WORK)."""
+    prefix = 0
+    if c.prefix_hops:  # without classes; with node groups, a state per group fill
+        prefix = dp_work(replace(without_classes(c), grouped=False)) * (1 + PREFIX_GROUP_WORK * (_group_size(c) - 1))
     suffix = dp_work(c) * LAST_BACKWARD_WORK
     if c.per_microbatch:
         suffix *= 1 + PER_MICROBATCH_WORK * max(len(c.tracked) or c.m, PER_MICROBATCH_LEAST)
