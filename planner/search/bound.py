@@ -264,7 +264,6 @@ class Conditions:
     # them). Each microbatch's condition stands on its own, so any subset is a relaxation too,
     # at a fraction of the work (`prove`)
     tracked: tuple[int, ...] = ()
-    exact_counts: bool = False
     # hop classes (`hop_classes`): the next stage's class per cut, klass[i, k] for a stage
     # [i, k), and per class above 0 the hop priced with what that class's stage surely reads,
     # (Q - 1, 2, L+1, L+1) like `hop_ms`; one class (None, None) for a chain
@@ -466,17 +465,23 @@ def _stage_costs(c: Conditions, v: Variant, lo, hi, share: np.ndarray, zb: bool)
     return fwd, crit, wgt, fwd + crit + wgt, v.Pp[hi] - v.Pp[lo], act
 
 
+def _busy(n, w, f2, c2, rt) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A stage's busiest replica with n microbatches, w in flight, forward f2 and critical
+    backward c2 each, and round trip rt (the module docstring): when its first backward can
+    end, when its last can, and the time to its last critical backward (its work, or either)."""
+    rounds = np.floor((n - 1) / w)  # groups of w before the last forward
+    last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
+                      np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
+    first = rt + (n - 1) * c2 + (n - w) * f2
+    return first, last, np.maximum(np.maximum(n * (f2 + c2), first), last)
+
+
 def _most_prefix_hops(hop, base_rt, f2, c2, n, w, comp, wgt, room_busy, room_full, mem_ok) -> np.ndarray:
     """For `_prefix_hops`: the largest hop sum x before a prefix stage at which it meets its
     conditions with `hop` (R, A) out of it, (R, A, D+1) (-inf where memory does not fit):
     HF + x + max(busy + Tl0 + x, full + AR) <= T, with `room_busy` = T - HF - Tl0 and
     `room_full` = T - HF - AR."""
-    rt = base_rt + 2 * hop[:, :, None]
-    rounds = np.floor((n - 1) / w)
-    last = np.maximum((n - 1) * f2 + (n - w) * c2 + rt,
-                      np.where(rounds > 0, rounds * (rt - w * f2), 0.0) + (n - 1) * f2 + rt)
-    first = rt + (n - 1) * c2 + (n - w) * f2
-    crit_busy = np.maximum(np.maximum(n * (f2 + c2), first), last)
+    first, _, crit_busy = _busy(n, w, f2, c2, base_rt + 2 * hop[:, :, None])
     full_busy = np.maximum(n * comp, first + n * wgt)
     return np.where(mem_ok, np.minimum((room_busy - crit_busy) / 2, room_full - full_busy), -np.inf)
 
@@ -676,9 +681,9 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
             w = np.where(valid, np.minimum(n[:, None], np.ceil(dvec[None, :] / rs[:, None])), 1.0)
         # every replica count of each choice's n (`replica_choices`; the choices alone for the
         # pessimistic seeds), consecutive: `starts` indexes each choice's first
-        ra = rs if c.pessimistic or c.exact_counts else np.arange(1, min(D // v.tp, c.m) + 1, dtype=float)
+        ra = rs if c.pessimistic else np.arange(1, min(D // v.tp, c.m) + 1, dtype=float)
         na = np.ceil(c.m / ra)
-        starts = np.arange(len(ra)) if c.exact_counts else np.searchsorted(-na, -n)  # na is non-increasing; n[k] first appears there
+        starts = np.searchsorted(-na, -n)  # na is non-increasing; n[k] first appears there
         dda = (ra * v.tp).astype(int)
         valida = dvec[None, :] >= dda[:, None]
         idxa = np.where(valida, np.arange(D + 1)[None, :] - dda[:, None], 0)
@@ -706,8 +711,9 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                         0.0, 1.0)
         if i == 0:
             share = np.ones_like(share)  # the first stage sends no gradient: all of it is W
-        # (2, D+1): [inter, fast] x devices of the suffix; the hops before layer i are at
-        # least the one into it and, with the cross-stage conditions, the prefix's (`_prefix_hops`)
+        # the hops before layer i, per devices of the suffix: at least the one into it and, with
+        # the cross-stage conditions, the prefix's (`_prefix_hops`); (P+1, D+1) per the stage's
+        # group with node groups, else (2, D+1) [inter, fast]
         if P > 1:  # per the devices e of the stage's group: fast only if the stage before joins
             ge = np.arange(P + 1)
             hops_in = np.broadcast_to(np.where(ge + 1 <= P, c.into_ms[1, i], c.into_ms[0, i])[:, None],
@@ -792,11 +798,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                     rt = np.maximum(rt, (fwd + crit)[None, :, None] + skip[None, :, None])
                 # the busiest replica's n microbatches, with its round trips (module docstring);
                 # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
-                rounds = np.floor((nn - 1) / ww)  # groups of w before the last forward
-                last = np.maximum((nn - 1) * f2 + (nn - ww) * c2 + rt,
-                                  np.where(rounds > 0, rounds * (rt - ww * f2), 0.0) + (nn - 1) * f2 + rt)
-                first = rt + (nn - 1) * c2 + (nn - ww) * f2
-                crit_busy = np.maximum(np.maximum(nn * (f2 + c2), first), last)
+                first, last, crit_busy = _busy(nn, ww, f2, c2, rt)
                 full_busy = np.maximum(np.maximum(nn * comp[None, :, None], first + nn * w2), last + w2)
                 # the hop into this stage is fast only if the stage before joins its group
                 into = np.minimum(e_new, P) if P > 1 else fast  # a row of H and Tl
