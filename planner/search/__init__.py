@@ -14,9 +14,14 @@ clusters of several nodes, the best plan's stages placed anew: every node placem
 clusters, and CP-SAT's placement that moves the fewest bytes across nodes (`planner.cpsat`). The plan returned is the best under `evaluate()`; its bound is the smallest
 of the per-size bounds, so it holds for every microbatch size tried. Each per-size bound is
 then tightened (`bound.tighten`: the cross-stage conditions, between it and the plan found)
-on TIGHTEN_SHARE more work: the plan is already chosen, so this only moves the bound. Where
-that leaves it more than 1 % below the plan, the DP with each microbatch's last backward
-tests 1 % below the plan, tracking one microbatch, then four, then all (`bound.prove`, on
+on TIGHTEN_SHARE more work. Its DP's plans at the fastest and slowest times it found
+feasible seed the search once more, on TIGHTENED_SHARE more work (`_tightened_seeds`; never a
+worse plan for it): where memory binds, they start where the first seeds do not (ResNet-18 on
+4 x 4 devices, tight: 3970 -> 2952 ms). Where the DP was too large to bisect before the
+search, the work `_cut_seeds` would take bisects it on a coarser grid of cuts, and the search
+runs once more from its plan (`_coarse_seeds`; ResNet-50 on 128 devices, tight: 2213 -> 1012
+ms). Where the bound is still more than 1 % below the plan, the DP with each microbatch's
+last backward tests 1 % below the plan, tracking one microbatch, then four, then all (`bound.prove`, on
 PROOF_SHARE more work and what tightening left): failing there proves the 1 %. Where a
 bound is still below the plan, every plan that bound's DP allows at the plan's time (else at
 1 % below it) is simulated at every placement, if they are few enough for EXHAUST_SHARE more
@@ -59,6 +64,7 @@ from planner.search.bound import (
     plan_at,
     proof_conditions,
     prove,
+    restrict,
     safe_conditions,
     tighten,
     tighten_step_work,
@@ -92,6 +98,7 @@ DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is n
 OPTIMAL_GAP = 1e-6
 SEED_TOL = 1e-2  # the cut-hop DP's seed plans: at most 1 % above the least time of its conditions
 CUT_SEED_SHARE = 0.35  # more work after the search, for the bisection (60 %) and descents of `_cut_seeds`
+TIGHTENED_SHARE = 0.3  # more work after tightening, for the search from its DP's plans (`_tightened_seeds`)
 CLASS_STEPS = 12  # tightening steps the hop classes must afford, else `tighten` runs without them
 
 
@@ -202,6 +209,68 @@ def _cut_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int
     if found is None:
         return [], spent
     return [Structure(b, found.bounds, found.replicas, 0).with_stages(found.bounds, found.replicas, found.tp)], spent
+
+
+def _tightened_seeds(feasible_at: dict[int, list[tuple[float, tuple[tuple[int, ...], ...]]]]
+                     ) -> list[Structure]:
+    """Seeds (not bounds): per microbatch size, the plans of the tightened DP (`bound.tighten`:
+    the cross-stage conditions, the prefix's hops where it affords them) at the fastest and
+    the slowest time it found feasible below the plan, and the first it found (where steps are
+    scarce, that of a coarser grid of cuts, `bound._narrow`). Where memory binds, the seeding
+    bisection prices memory with the fewest microbatches in flight and no hop before a stage,
+    and the search from its plans ends far from these (ResNet-18 on 4 x 4 devices, tight
+    memory: 3970 ms; from the plan of the tightened DP at its slowest feasible time, 2952 ms;
+    its fastest feasible time's plan replicates the first stage 9 times and simulates slower)."""
+    out: list[Structure] = []
+    for b, found in sorted(feasible_at.items()):
+        if found:
+            ends = {found[0], min(found, key=lambda x: x[0]), max(found, key=lambda x: x[0])}
+            for _, (bounds, reps, tps, _) in sorted(ends):
+                out.append(Structure(b, bounds, reps, 0).with_stages(bounds, reps, tps))
+    return out
+
+
+COARSE_SEED_STEPS = 3  # bisection steps the coarse grid of `_coarse_seeds` must afford
+# up to this many layers: above, the search's own phases take most of --time-limit already
+# (NASNet, 920-1250 layers: 8-9 s of 10), and this one would reach the wall-clock safety net
+COARSE_SEED_LAYERS = 600
+
+
+def _coarse_seeds(c: Conditions, b: int, lower_ms: float, upper_ms: float, max_work: float
+                  ) -> tuple[list[Structure], int]:
+    """Seeds (not bounds) where the DP is too large to bisect before the search: the DP
+    restricted to cuts at every k-th layer (`bound.restrict`: each of its plans is a plan of
+    the whole DP), k the smallest power of two whose COARSE_SEED_STEPS steps fit `max_work`,
+    bisected between `lower_ms` and `upper_ms`; its plan at the fastest time found feasible,
+    and the work spent. The search there starts from the baselines alone, and ends far from
+    this plan (ResNeXt-50 on 128 devices, tight memory: the search's plan 2730 ms; from this
+    DP's plan on every 4th layer, 1233 ms)."""
+    c = without_classes(c)
+    k = 2
+    while True:
+        cuts = np.unique(np.r_[np.arange(0, c.L, k), c.L])
+        if len(cuts) < 3:
+            return [], 0
+        coarse = restrict(c, cuts)
+        step = dp_work(coarse)
+        if COARSE_SEED_STEPS * step <= max_work:
+            break
+        k *= 2
+    spent, lo, hi, plan = 0, lower_ms, upper_ms, None
+    while spent + step <= max_work and hi - lo > SEED_TOL * hi:
+        mid = hi if plan is None and spent == 0 else (math.sqrt(lo * hi) if lo > 0 else hi / 2)
+        spent += step
+        got = plan_at(coarse, mid)
+        if got is None:
+            if mid == hi:
+                return [], spent  # no plan of this grid as fast as the plan found
+            lo = mid
+        else:
+            hi, plan = mid, got
+    if plan is None:
+        return [], spent
+    bounds, reps, tps = tuple(int(cuts[i]) for i in plan[0]), plan[1], plan[2]
+    return [Structure(b, bounds, reps, 0).with_stages(bounds, reps, tps)], spent
 
 
 def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_work: int
@@ -365,6 +434,21 @@ def solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
     return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info, cand.schedule), info
 
 
+def _search_more(starts: list[Structure], work: float, best_s: Score, cand: Candidate, ev: Evaluator,
+                 cluster: Cluster, deadline: float) -> tuple[Score, Candidate]:
+    """The search once more from `starts` on `work` more, its plan placed anew (as the
+    search's): that plan where it is better than `best_s`, else `best_s` and `cand` as they were."""
+    ev.work_limit = max(ev.work_limit, ev.work + int(1.3 * work))
+    got, got_s = iterated_search(starts, ev, ev.table, cluster.num_devices, Budget(ev.work + int(work), deadline),
+                                 ev.options.seed)
+    if got is None or got_s is None or not got_s.better_than(best_s):
+        return best_s, cand
+    score, placed = ev.scored(got)
+    score, placed = _polish_placement(got, score, placed, ev, cluster, use_cpsat=True)
+    assert placed is not None
+    return score, placed
+
+
 def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                ) -> tuple[Candidate, dict[str, object]]:
     t0 = time.perf_counter()
@@ -440,12 +524,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                 more += got
                 seed_work += used
         if more:
-            ev.work_limit = max(ev.work_limit, ev.work + int(1.3 * 0.4 * extra))
-            got, got_s = iterated_search(more, ev, table, D, Budget(ev.work + int(0.4 * extra), deadline),
-                                         options.seed)
-            if got is not None and got_s is not None and got_s.better_than(best_s):
-                best_s, cand = ev.scored(got)
-                best_s, cand = _polish_placement(got, best_s, cand, ev, cluster, use_cpsat=True)
+            best_s, cand = _search_more(more, 0.4 * extra, best_s, cand, ev, cluster, deadline)
     if (cand is None or best_s is None or not best_s.fits) and not bisected \
             and options.objective == "iteration":
         # nothing found fits, and the bound's DP did not run to give a plan that does: search
@@ -465,6 +544,22 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                                          options.seed)
             if got is not None and got_s is not None and got_s.fits:
                 best_s, cand = ev.scored(got)
+            # what follows is budgeted by work as well: the safety net moves with the rescue
+            # (else the wall clock, not the work, would end it on the rescued instances)
+            deadline = max(deadline, time.perf_counter() + options.time_limit_s / 2)
+    if not bisected and best_s is not None and best_s.fits and options.objective == "iteration" \
+            and table.num_layers <= COARSE_SEED_LAYERS:
+        # where the DP was too large to bisect, the search once more from its plans on a
+        # coarser grid of cuts (`_coarse_seeds`), on what `_cut_seeds` takes where it was not
+        extra = CUT_SEED_SHARE * total_work
+        more = []
+        for b, c in conds.items():
+            if c is not None and time.perf_counter() < deadline:
+                got, used = _coarse_seeds(c, b, bounds[b], best_s.objective_ms, 0.6 * extra / len(sizes))
+                more += got
+                seed_work += used
+        if more:
+            best_s, cand = _search_more(more, 0.4 * extra, best_s, cand, ev, cluster, deadline)
     if cand is None or best_s is None or not best_s.fits:
         err = infeasible_error(table, cluster, options, sizes, ev)
         err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound
@@ -472,6 +567,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     obj = best_s.objective_ms
     tighten_work = 0  # the bounds once more, with the cross-stage conditions (bound.tighten)
     todo = [b for b in sizes if conds.get(b) is not None and bounds[b] < obj * (1 - OPTIMAL_GAP)]
+    feasible_at: dict[int, list[tuple[float, tuple[tuple[int, ...], ...]]]] = {}
     for k, b in enumerate(todo):
         share = (TIGHTEN_SHARE * total_work - tighten_work) / (len(todo) - k)
         c = conds[b]
@@ -481,9 +577,16 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             # (with them, ResNet-18 on 2 x 8, tight, lost its 1 % proof: 947 -> 930 ms)
             conds[b] = c = without_classes(c)
         got, used = tighten(c, bounds[b], obj, share, deadline=deadline,
-                            upper_feasible=b == cand.microbatch_size)
+                            upper_feasible=b == cand.microbatch_size, feasible_at=feasible_at.setdefault(b, []))
         bounds[b] = max(bounds[b], got)
         tighten_work += used
+    # on TIGHTENED_SHARE more work: the search once more from the plans of the tightened DP
+    # at the fastest and slowest times it found feasible (`_tightened_seeds`); never a worse
+    # plan for it
+    more = _tightened_seeds(feasible_at)
+    if more and time.perf_counter() < deadline:
+        best_s, cand = _search_more(more, TIGHTENED_SHARE * total_work, best_s, cand, ev, cluster, deadline)
+        obj = best_s.objective_ms
     # the 1 % proven by each microbatch's last backward, a few tracked first (`bound.prove`),
     # on PROOF_SHARE and what tightening left
     left = (TIGHTEN_SHARE + PROOF_SHARE) * total_work - tighten_work

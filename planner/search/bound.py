@@ -1097,7 +1097,8 @@ COARSE_STEPS = 10  # per grid
 NEAR_ABOVE = 0.05  # a restricted DP with a plan this close above the plan found is informative
 
 
-def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: float
+def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: float,
+            feasible_at: list[tuple[float, tuple[tuple[int, ...], ...]]] | None = None
             ) -> tuple[float, int, bool]:
     """Where `tighten` affords few steps: an upper estimate of the smallest feasible T of `cz`
     (`hi` itself if none below it is found), the work spent, and whether the estimate is
@@ -1105,7 +1106,8 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
     layers, a DP may have none at any time when memory is tight; that says nothing about
     `cz`.) Bisects `cz` restricted to every k-th layer (`restrict`, the smallest k whose
     COARSE_STEPS steps fit half of `allowed`), then to that grid plus every layer within k of
-    the boundaries of the plan it found, where the plans of `cz` near that time cut."""
+    the boundaries of the plan it found, where the plans of `cz` near that time cut. That
+    plan (a plan of `cz`, in its layers) goes to `feasible_at` if given, as in `tighten`."""
     L = cz.L
     k = 2
     while L // k >= 2:
@@ -1144,6 +1146,8 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
         spent += cstep
         plan = plan_at(cc, top)
     if plan is not None:
+        if feasible_at is not None:
+            feasible_at.append((top, (tuple(int(cuts[i]) for i in plan[0]), *plan[1:])))
         near = [np.arange(max(0, b - k + 1), min(L, b + k)) for b in cuts[list(plan[0][1:-1])]]
         fine = restrict(cz, np.unique(np.concatenate([cuts, *near])))
         top = min(top, bisect(fine, tighten_step_work(fine)))
@@ -1152,7 +1156,9 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
 
 def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
             rel_tol: float = 1e-4, deadline: float = math.inf, upper_feasible: bool = False,
-            per_microbatch: bool = True) -> tuple[float, int]:
+            per_microbatch: bool = True,
+            feasible_at: list[tuple[float, tuple[tuple[int, ...], ...]]] | None = None
+            ) -> tuple[float, int]:
     """A bound at least `lower_ms` (a bound of `c`) from the DP with the cross-stage
     conditions as well, bisected between `lower_ms` and `upper_ms` (the best plan found) within
     `max_work`; and the work spent. Where the gap is under PROBE_GAP, it probes just below
@@ -1167,7 +1173,8 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     with the bound so far. Node groups only where four steps of them fit `max_work` (they
     cost 2-9x); the prefix's hops (`_prefix_hops`, about one DP more per step) only where
     `max_work` affords the steps to prove the 1 % with them (on hundreds of layers the steps
-    are few and `_narrow` needs them more)."""
+    are few and `_narrow` needs them more). `feasible_at` (if given) gets every time a step
+    found feasible, with the DP's plan there (`plan_at`: the same DP, 0-5 % more work)."""
     cz = replace(c, cross_stage=True, prefix_hops=False)
     step = tighten_step_work(cz)
     if c.grouped and 4 * step > max_work:
@@ -1188,7 +1195,7 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     if scarce:
         # the work no full step can use (at most COARSE_SHARE) finds where plans of `cz` are
         hi_c, spent, informative = _narrow(
-            cz, lo, hi, min(COARSE_SHARE * max_work, max_work - steps * step), deadline)
+            cz, lo, hi, min(COARSE_SHARE * max_work, max_work - steps * step), deadline, feasible_at)
         if informative and hi_c >= hi * (1 - PROOF_GAP):
             probes = [PROOF_GAP]  # none 1 % below the plan, one a little above: try the 1 %
         else:
@@ -1205,7 +1212,14 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
                     mid = near
                     break
         spent += step
-        if feasible(cz, mid):
+        if feasible_at is None:
+            ok = feasible(cz, mid)
+        else:
+            plan = plan_at(cz, mid)
+            ok = plan is not None
+            if plan is not None:
+                feasible_at.append((mid, plan))
+        if ok:
             hi = mid
         else:
             lo = mid

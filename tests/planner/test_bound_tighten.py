@@ -5,6 +5,7 @@ fall below the bound it starts from, and raise it on some instances."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ import pytest
 from planner.cost import layer_table
 from planner.formats import Cluster, PlanOptions
 from planner.search.bound import (
+    _narrow,
     _per_microbatch,
     conditions,
     feasible,
@@ -94,10 +96,11 @@ def test_a_scarce_budget_narrows_on_restricted_dps_and_stays_below_the_dp_bound(
     """On 60-80 layers and 16 devices, with work for two to four steps: the restricted DPs run (their work
     is the remainder no full step could use) and the result never exceeds the bound the same
     DP reaches with unlimited work (every raise of it is a time at which the full DP has no
-    plan)."""
+    plan). The plans it hands to the search (`feasible_at`: the restricted DP's, mapped back to
+    layers, and each feasible step's) are plans, and meet the DP's round trips at their times."""
     import planner.search.bound as bound_mod
 
-    narrowed = 0
+    narrowed = planned = 0
     real = bound_mod._narrow
 
     def counting(*args, **kwargs):
@@ -123,10 +126,46 @@ def test_a_scarce_budget_narrows_on_restricted_dps_and_stays_below_the_dp_bound(
         step = tighten_step_work(c)
         for steps in (2, 3, 4):
             budget = steps * step + int(0.99 * step)
-            got, spent = tighten(c, 0.0, upper, max_work=budget, upper_feasible=True)
+            found: list = []
+            got, spent = tighten(c, 0.0, upper, max_work=budget, upper_feasible=True, feasible_at=found)
             assert spent <= budget
             assert got <= full * (1 + 1e-3), f"seed {seed}: {got} above the DP's own bound {full}"
+            for T, (bounds, reps, tps, _) in found:  # the plans the search starts from once more
+                planned += 1
+                assert bounds[0] == 0 and bounds[-1] == c.L and all(np.diff(bounds) > 0), bounds
+                assert sum(r * t for r, t in zip(reps, tps, strict=True)) <= c.D
+                # on exactly its own cuts, a plan of the DP at its time (without the cross-stage
+                # conditions: the DP minimises their end times on their own beside the round
+                # trip, so the round trip's path need not meet them)
+                weak = replace(c, cross_stage=False, grouped=False)
+                assert feasible(restrict(weak, np.array(bounds)), T * (1 + 1e-9)), (seed, T, bounds)
     assert narrowed >= 3, narrowed
+    assert planned >= 8, planned
+
+
+def test_the_narrowing_plan_is_a_plan_in_the_layers() -> None:
+    """`_narrow`'s plan on a coarser grid goes to the search as a seed (`feasible_at`): its
+    boundaries are layers of the whole model (not indices into the grid), from 0 to L, and on
+    exactly those cuts the DP meets the round trips at its time."""
+    recorded = 0
+    for seed in range(6):
+        rng = random.Random(200 + seed)
+        profile = random_profile(rng, rng.randint(60, 80), dag=rng.random() < 0.5)
+        cluster = Cluster(nodes=4, devices_per_node=4, device_memory_gb=80,
+                          intra_node_gb_per_s=rng.choice([1, 300]), inter_node_gb_per_s=rng.choice([0.5, 10]))
+        table = layer_table(profile)
+        c = conditions(table, cluster, "sgd", "1f1b", 16, 2, hop_bytes(table))
+        first, _ = lower_bound(c, upper_ms=1e9)
+        assert first is not None
+        cz = replace(c, cross_stage=True, prefix_hops=False)
+        found: list = []
+        _narrow(cz, first.bound_ms, first.bound_ms * 1.3, 40 * tighten_step_work(cz), math.inf, found)
+        for T, (bounds, reps, tps, _) in found:
+            recorded += 1
+            assert bounds[0] == 0 and bounds[-1] == c.L and all(np.diff(bounds) > 0), bounds
+            assert sum(r * t for r, t in zip(reps, tps, strict=True)) <= c.D
+            assert feasible(restrict(replace(c, grouped=False), np.array(bounds)), T * (1 + 1e-9)), (seed, T)
+    assert recorded >= 4, recorded
 
 
 @pytest.mark.slow
