@@ -56,15 +56,17 @@ from planner.search.bound import (
     PROOF_GAP,
     BoundPlan,
     Conditions,
+    PlanTuple,
+    coarse_grid,
     conditions,
     cut_hop_bytes,
     dp_work,
     hop_bytes,
+    in_layers,
     lower_bound,
     plan_at,
     proof_conditions,
     prove,
-    restrict,
     safe_conditions,
     tighten,
     tighten_step_work,
@@ -90,7 +92,7 @@ __all__ = ["solve", "solve_detailed"]
 # work, not on the clock
 WORK_PER_SECOND = 140_000
 DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
-TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound (plans unchanged)
+TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound
 PROOF_SHARE = 0.4  # more work after that, to prove the 1 % with each microbatch's backward (`bound.prove`)
 EXHAUST_SHARE = 0.6  # more work after that, to simulate every plan the bound allows (`exhaust`)
 WIDE_SHARE = 0.25  # more work after the search, for its compound moves (never a worse plan)
@@ -185,6 +187,11 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
     return out, spent, classed, True
 
 
+def _seed(b: int, bounds: tuple[int, ...], replicas: tuple[int, ...], tp: tuple[int, ...]) -> Structure:
+    """A DP's plan as a structure the search starts from (placement policy 0)."""
+    return Structure(b, bounds, replicas, 0).with_stages(bounds, replicas, tp)
+
+
 def _cut_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int, c: Conditions,
                hops: np.ndarray, lower_ms: float, upper_ms: float, max_work: float
                ) -> tuple[list[Structure], int]:
@@ -208,10 +215,10 @@ def _cut_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int
     found, spent = lower_bound(seeding, upper_ms=upper_ms, rel_tol=SEED_TOL, lower_ms=lower_ms, max_work=max_work)
     if found is None:
         return [], spent
-    return [Structure(b, found.bounds, found.replicas, 0).with_stages(found.bounds, found.replicas, found.tp)], spent
+    return [_seed(b, found.bounds, found.replicas, found.tp)], spent
 
 
-def _tightened_seeds(feasible_at: dict[int, list[tuple[float, tuple[tuple[int, ...], ...]]]]
+def _tightened_seeds(feasible_at: dict[int, list[tuple[float, PlanTuple]]]
                      ) -> list[Structure]:
     """Seeds (not bounds): per microbatch size, the plans of the tightened DP (`bound.tighten`:
     the cross-stage conditions, the prefix's hops where it affords them) at the fastest and
@@ -225,8 +232,7 @@ def _tightened_seeds(feasible_at: dict[int, list[tuple[float, tuple[tuple[int, .
     for b, found in sorted(feasible_at.items()):
         if found:
             ends = {found[0], min(found, key=lambda x: x[0]), max(found, key=lambda x: x[0])}
-            for _, (bounds, reps, tps, _) in sorted(ends):
-                out.append(Structure(b, bounds, reps, 0).with_stages(bounds, reps, tps))
+            out += [_seed(b, bounds, reps, tps) for _, (bounds, reps, tps, _) in sorted(ends)]
     return out
 
 
@@ -245,20 +251,13 @@ def _coarse_seeds(c: Conditions, b: int, lower_ms: float, upper_ms: float, max_w
     and the work spent. The search there starts from the baselines alone, and ends far from
     this plan (ResNeXt-50 on 128 devices, tight memory: the search's plan 2730 ms; from this
     DP's plan on every 4th layer, 1233 ms)."""
-    c = without_classes(c)
-    k = 2
-    while True:
-        cuts = np.unique(np.r_[np.arange(0, c.L, k), c.L])
-        if len(cuts) < 3:
-            return [], 0
-        coarse = restrict(c, cuts)
-        step = dp_work(coarse)
-        if COARSE_SEED_STEPS * step <= max_work:
-            break
-        k *= 2
+    grid = coarse_grid(without_classes(c), dp_work, COARSE_SEED_STEPS, max_work)
+    if grid is None:
+        return [], 0
+    _, cuts, coarse, step = grid
     spent, lo, hi, plan = 0, lower_ms, upper_ms, None
     while spent + step <= max_work and hi - lo > SEED_TOL * hi:
-        mid = hi if plan is None and spent == 0 else (math.sqrt(lo * hi) if lo > 0 else hi / 2)
+        mid = hi if spent == 0 else (math.sqrt(lo * hi) if lo > 0 else hi / 2)
         spent += step
         got = plan_at(coarse, mid)
         if got is None:
@@ -269,8 +268,7 @@ def _coarse_seeds(c: Conditions, b: int, lower_ms: float, upper_ms: float, max_w
             hi, plan = mid, got
     if plan is None:
         return [], spent
-    bounds, reps, tps = tuple(int(cuts[i]) for i in plan[0]), plan[1], plan[2]
-    return [Structure(b, bounds, reps, 0).with_stages(bounds, reps, tps)], spent
+    return [_seed(b, *in_layers(cuts, plan)[:3])], spent
 
 
 def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_work: int
@@ -292,8 +290,7 @@ def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_w
             work += dp_work(safe)
             found = plan_at(safe, math.inf)
             if found is not None:
-                bounds, reps, tps, _ = found
-                out.append(Structure(b, bounds, reps, 0).with_stages(bounds, reps, tps))
+                out.append(_seed(b, *found[:3]))
                 break
     return out, work
 
@@ -486,8 +483,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         dp_spent += used
         bp = found[0] if found else None
         bounds[b] = max(bp.bound_ms if bp else 0.0, simple)
-        seeds += [Structure(b, x.bounds, x.replicas, 0).with_stages(x.bounds, x.replicas, x.tp)
-                  for x in found if x is not None and x.seed]
+        seeds += [_seed(b, x.bounds, x.replicas, x.tp) for x in found if x is not None and x.seed]
     budget = Budget(total_work - dp_spent, deadline)
     wide_work = int(WIDE_SHARE * budget.work)  # the compound moves after the search (local._widen)
     # placement passes may overrun a little; the last descent (`local.SPLIT_ONE_SHARE`) comes after
@@ -567,7 +563,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     obj = best_s.objective_ms
     tighten_work = 0  # the bounds once more, with the cross-stage conditions (bound.tighten)
     todo = [b for b in sizes if conds.get(b) is not None and bounds[b] < obj * (1 - OPTIMAL_GAP)]
-    feasible_at: dict[int, list[tuple[float, tuple[tuple[int, ...], ...]]]] = {}
+    feasible_at: dict[int, list[tuple[float, PlanTuple]]] = {}
     for k, b in enumerate(todo):
         share = (TIGHTEN_SHARE * total_work - tighten_work) / (len(todo) - k)
         c = conds[b]

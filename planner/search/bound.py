@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -909,7 +910,10 @@ def safe_conditions(c: Conditions, degree: int | None = None) -> Conditions | No
     return replace(c, pessimistic=True, variants=vs, grouped=False) if vs else None
 
 
-def plan_at(c: Conditions, T: float) -> tuple[tuple[int, ...], ...] | None:
+PlanTuple = tuple[tuple[int, ...], ...]  # `plan_at`'s (bounds, replicas, tp degrees, recompute)
+
+
+def plan_at(c: Conditions, T: float) -> PlanTuple | None:
     with np.errstate(invalid="ignore"):
         g, choice = _suffix_dp(c, T, want_plan=True)
     finite = np.nonzero(np.isfinite(g[0]).any(axis=(1, 2)))[0]
@@ -1092,13 +1096,35 @@ def restrict(c: Conditions, cuts: np.ndarray) -> Conditions:
         hop_more_ms=None if c.hop_more_ms is None else c.hop_more_ms[:, :, cuts][:, :, :, cuts])
 
 
+def coarse_grid(c: Conditions, step_work: Callable[[Conditions], int], steps: int, allowed: float
+                ) -> tuple[int, np.ndarray, Conditions, int] | None:
+    """The finest grid of cuts at every k-th layer (k a power of two, at least 2, with at least
+    two stages: L // k >= 2) on which `steps` steps of `c` restricted to it (`restrict`) fit
+    `allowed`, one step costing `step_work(restricted)`: (k, its cuts, the restricted
+    conditions, one step's work); None where no grid does."""
+    k = 2
+    while c.L // k >= 2:
+        cuts = np.unique(np.r_[np.arange(0, c.L, k), c.L])
+        coarse = restrict(c, cuts)
+        work = step_work(coarse)
+        if steps * work <= allowed:
+            return k, cuts, coarse, work
+        k *= 2
+    return None
+
+
+def in_layers(cuts: np.ndarray, plan: PlanTuple) -> PlanTuple:
+    """A plan of `restrict(c, cuts)` as a plan of `c`: its boundaries as layers."""
+    return (tuple(int(cuts[i]) for i in plan[0]), *plan[1:])
+
+
 COARSE_SHARE = 0.25  # of `tighten`'s work at most for the coarse bisections of a scarce budget
 COARSE_STEPS = 10  # per grid
 NEAR_ABOVE = 0.05  # a restricted DP with a plan this close above the plan found is informative
 
 
 def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: float,
-            feasible_at: list[tuple[float, tuple[tuple[int, ...], ...]]] | None = None
+            feasible_at: list[tuple[float, PlanTuple]] | None = None
             ) -> tuple[float, int, bool]:
     """Where `tighten` affords few steps: an upper estimate of the smallest feasible T of `cz`
     (`hi` itself if none below it is found), the work spent, and whether the estimate is
@@ -1109,16 +1135,10 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
     the boundaries of the plan it found, where the plans of `cz` near that time cut. That
     plan (a plan of `cz`, in its layers) goes to `feasible_at` if given, as in `tighten`."""
     L = cz.L
-    k = 2
-    while L // k >= 2:
-        cuts = np.unique(np.r_[np.arange(0, L, k), L])
-        cc = restrict(cz, cuts)
-        cstep = tighten_step_work(cc)
-        if 2 * COARSE_STEPS * cstep <= allowed:
-            break
-        k *= 2
-    else:
+    grid = coarse_grid(cz, tighten_step_work, 2 * COARSE_STEPS, allowed)
+    if grid is None:
         return hi, 0, False
+    k, cuts, cc, cstep = grid
     spent = cstep
     ceiling = hi * (1 + NEAR_ABOVE)
     if time.perf_counter() >= deadline or not feasible(cc, ceiling):
@@ -1147,7 +1167,7 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
         plan = plan_at(cc, top)
     if plan is not None:
         if feasible_at is not None:
-            feasible_at.append((top, (tuple(int(cuts[i]) for i in plan[0]), *plan[1:])))
+            feasible_at.append((top, in_layers(cuts, plan)))
         near = [np.arange(max(0, b - k + 1), min(L, b + k)) for b in cuts[list(plan[0][1:-1])]]
         fine = restrict(cz, np.unique(np.concatenate([cuts, *near])))
         top = min(top, bisect(fine, tighten_step_work(fine)))
@@ -1157,7 +1177,7 @@ def _narrow(cz: Conditions, lo: float, hi: float, allowed: float, deadline: floa
 def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
             rel_tol: float = 1e-4, deadline: float = math.inf, upper_feasible: bool = False,
             per_microbatch: bool = True,
-            feasible_at: list[tuple[float, tuple[tuple[int, ...], ...]]] | None = None
+            feasible_at: list[tuple[float, PlanTuple]] | None = None
             ) -> tuple[float, int]:
     """A bound at least `lower_ms` (a bound of `c`) from the DP with the cross-stage
     conditions as well, bisected between `lower_ms` and `upper_ms` (the best plan found) within
@@ -1214,11 +1234,8 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
         spent += step
         if feasible_at is None:
             ok = feasible(cz, mid)
-        else:
-            plan = plan_at(cz, mid)
-            ok = plan is not None
-            if plan is not None:
-                feasible_at.append((mid, plan))
+        elif ok := (plan := plan_at(cz, mid)) is not None:
+            feasible_at.append((mid, plan))
         if ok:
             hi = mid
         else:
@@ -1312,6 +1329,6 @@ def _per_microbatch(cz: Conditions, lo: float, upper_ms: float, max_work: float,
     return lo, spent
 
 
-__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "safe_conditions", "without_classes", "dp_work", "feasible", "hop_bytes", "cut_hop_bytes", "hop_classes", "lower_bound", "plan_at", "proof_conditions", "proof_sets", "prove", "tighten",
+__all__ = ["BoundPlan", "Conditions", "StageEdges", "TooManyStages", "allowed_stages", "Variant", "conditions", "restrict", "coarse_grid", "in_layers", "PlanTuple", "safe_conditions", "without_classes", "dp_work", "feasible", "hop_bytes", "cut_hop_bytes", "hop_classes", "lower_bound", "plan_at", "proof_conditions", "proof_sets", "prove", "tighten",
            "replica_choices", "tighten_step_work", "transfer_ms"]
 

@@ -92,6 +92,18 @@ def test_a_restricted_dp_is_feasible_only_where_the_full_one_is() -> None:
     assert checked >= 8, checked
 
 
+def _assert_a_plan_of(c, T: float, plan, seed: int) -> None:
+    """`plan` (`plan_at`'s tuple) is a plan of `c`'s layers and devices, and on exactly its own
+    cuts the DP meets the round trips at T (not the cross-stage conditions: the DP minimises
+    their end times on their own beside the round trip, so the round trip's path need not meet
+    them)."""
+    bounds, reps, tps, _ = plan
+    assert bounds[0] == 0 and bounds[-1] == c.L and all(np.diff(bounds) > 0), bounds
+    assert sum(r * t for r, t in zip(reps, tps, strict=True)) <= c.D
+    weak = replace(c, cross_stage=False, grouped=False)
+    assert feasible(restrict(weak, np.array(bounds)), T * (1 + 1e-9)), (seed, T, bounds)
+
+
 def test_a_scarce_budget_narrows_on_restricted_dps_and_stays_below_the_dp_bound(monkeypatch) -> None:
     """On 60-80 layers and 16 devices, with work for two to four steps: the restricted DPs run (their work
     is the remainder no full step could use) and the result never exceeds the bound the same
@@ -130,15 +142,9 @@ def test_a_scarce_budget_narrows_on_restricted_dps_and_stays_below_the_dp_bound(
             got, spent = tighten(c, 0.0, upper, max_work=budget, upper_feasible=True, feasible_at=found)
             assert spent <= budget
             assert got <= full * (1 + 1e-3), f"seed {seed}: {got} above the DP's own bound {full}"
-            for T, (bounds, reps, tps, _) in found:  # the plans the search starts from once more
+            for T, plan in found:  # the plans the search starts from once more
                 planned += 1
-                assert bounds[0] == 0 and bounds[-1] == c.L and all(np.diff(bounds) > 0), bounds
-                assert sum(r * t for r, t in zip(reps, tps, strict=True)) <= c.D
-                # on exactly its own cuts, a plan of the DP at its time (without the cross-stage
-                # conditions: the DP minimises their end times on their own beside the round
-                # trip, so the round trip's path need not meet them)
-                weak = replace(c, cross_stage=False, grouped=False)
-                assert feasible(restrict(weak, np.array(bounds)), T * (1 + 1e-9)), (seed, T, bounds)
+                _assert_a_plan_of(c, T, plan, seed)
     assert narrowed >= 3, narrowed
     assert planned >= 8, planned
 
@@ -160,11 +166,9 @@ def test_the_narrowing_plan_is_a_plan_in_the_layers() -> None:
         cz = replace(c, cross_stage=True, prefix_hops=False)
         found: list = []
         _narrow(cz, first.bound_ms, first.bound_ms * 1.3, 40 * tighten_step_work(cz), math.inf, found)
-        for T, (bounds, reps, tps, _) in found:
+        for T, plan in found:
             recorded += 1
-            assert bounds[0] == 0 and bounds[-1] == c.L and all(np.diff(bounds) > 0), bounds
-            assert sum(r * t for r, t in zip(reps, tps, strict=True)) <= c.D
-            assert feasible(restrict(replace(c, grouped=False), np.array(bounds)), T * (1 + 1e-9)), (seed, T)
+            _assert_a_plan_of(c, T, plan, seed)
     assert recorded >= 4, recorded
 
 

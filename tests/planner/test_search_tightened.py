@@ -24,6 +24,16 @@ from tests.planner.test_search import random_profile
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "pipedream-profiles"
 
 
+def consecutive(bounds: tuple[int, ...], replicas: tuple[int, ...], recompute: tuple[bool, ...]
+                ) -> tuple[StageChoice, ...]:
+    """Stages between `bounds` on consecutive devices, each with its replicas and recomputation."""
+    stages, d = [], 0
+    for (a, z), r, rc in zip(zip(bounds[:-1], bounds[1:], strict=True), replicas, recompute, strict=True):
+        stages.append(StageChoice(a, z, tuple(range(d, d + r)), recompute=rc))
+        d += r
+    return tuple(stages)
+
+
 @pytest.mark.skipif(not (DATA / "resnet18.txt").is_file(), reason="no PipeDream profiles in ../shared/data")
 def test_resnet18_tight_memory_as_fast_as_the_tightened_dps_plan() -> None:
     """ResNet-18 (batch 128), 4 nodes x 4 devices at 10 / 1 GB/s, the plan-quality suite's
@@ -37,12 +47,8 @@ def test_resnet18_tight_memory_as_fast_as_the_tightened_dps_plan() -> None:
                       device_memory_gb=3.7025428528661504)
     options = PlanOptions(global_batch=16 * 128, microbatch_size=128, optimizer="sgd",
                           time_limit_s=10, schedule="1f1b")
-    bounds, reps, recompute = (0, 1, 4, 8, 17, 70), (1, 3, 1, 1, 1), (True, False, False, False, False)
-    stages, d = [], 0
-    for (a, z), r, rc in zip(zip(bounds[:-1], bounds[1:], strict=True), reps, recompute, strict=True):
-        stages.append(StageChoice(a, z, tuple(range(d, d + r)), recompute=rc))
-        d += r
-    ref = evaluate(layer_table(profile), cluster, Candidate(tuple(stages), 128, 16), options)
+    stages = consecutive((0, 1, 4, 8, 17, 70), (1, 3, 1, 1, 1), (True, False, False, False, False))
+    ref = evaluate(layer_table(profile), cluster, Candidate(stages, 128, 16), options)
     assert ref.fits and math.isclose(ref.iteration_ms, 2958.8, rel_tol=1e-3), ref.iteration_ms
     cand, info = solve_detailed(profile, cluster, options)
     assert info["objective"] <= ref.iteration_ms * (1 + 1e-9), (info["objective"], ref.iteration_ms)
@@ -101,14 +107,9 @@ def test_resnet50_on_128_devices_tight_memory_as_fast_as_a_coarse_grids_plan() -
                       device_memory_gb=2.3456213513387745)
     options = PlanOptions(global_batch=16 * 128, microbatch_size=128, optimizer="sgd",
                           time_limit_s=10, schedule="1f1b")
-    table = layer_table(profile)
-    bounds = (0, 8, 12, 20, 28, 36, 52, 72, 80, 84, 88, 100, 116, 136, 176)
-    reps = (16, 8, 16, 16, 16, 16, 16, 8, 2, 1, 3, 2, 2, 2)
-    stages, d = [], 0
-    for (a, z), r in zip(zip(bounds[:-1], bounds[1:], strict=True), reps, strict=True):
-        stages.append(StageChoice(a, z, tuple(range(d, d + r)), recompute=len(stages) == 9))
-        d += r
-    ref = evaluate(table, cluster, Candidate(tuple(stages), 128, 16), options)
+    stages = consecutive((0, 8, 12, 20, 28, 36, 52, 72, 80, 84, 88, 100, 116, 136, 176),
+                         (16, 8, 16, 16, 16, 16, 16, 8, 2, 1, 3, 2, 2, 2), tuple(s == 9 for s in range(14)))
+    ref = evaluate(layer_table(profile), cluster, Candidate(stages, 128, 16), options)
     assert ref.fits and math.isclose(ref.iteration_ms, 1243.0, rel_tol=1e-3), ref.iteration_ms
     _, info = solve_detailed(profile, cluster, options)
     assert info["objective"] <= ref.iteration_ms * (1 + 1e-9), (info["objective"], ref.iteration_ms)
