@@ -50,6 +50,28 @@ microbatch per replica after it, per replica of its own), and its hops are price
 groups like the suffix's (AlexNet on 4 x 4 devices, tight memory: 746.6 -> 867.7 ms with the
 devices after, -> 953.9 with the groups too, against a plan of 968.7).
 
+Two more cross-stage quantities follow the first and the last microbatch through the stages
+after a stage, each also minimised on its own per state. The first microbatch's backward on a
+stage waits for the stage's own 1F1B warm-up forwards (at least the fewest any of its replica
+counts runs, `inflight`), not only for the round trip: U_k = max(RT_k, w F_k + B_k, F_k + B_k +
+2 x_k + U_{k+1}); the stage's first backward ends no earlier than H(i) + U_k, and its last
+forward starts no earlier than U_k + (n - 1 - w)(F + B) after H(i) where w < n. The last
+microbatch, m - 1, is the last of a busiest replica (round robin), so its forward starts on
+each stage no earlier than that replica's last round, and every stage after it waits for it:
+Y_k = max(RT_k + max(Tl(i), AR_k), F_k + x_k + Y_{k+1}), and T >= (its start) + F_k + x_k +
+Y_{k+1}: a replicated stage's all-reduce after the last microbatch has come down the whole
+pipeline behind the first stages' round trips (a 100-layer chain on 16 devices at 1 GB/s:
+a plan whose last stage of 3 layers on 11 replicas meets the conditions above at 116 ms and
+simulates to 183). On 54 small instances with an exhaustive optimum they raise the tightened
+bound by more than 1 % on 19, and to within 1 % of the optimum on 21 (17 before). On the real
+profiles they move it less (unlimited tightening: chain100 4 x 4 tight 96.4 -> 98.4 ms, GNMT
+2 x 8 tight 156.2 -> 168.0, the chain above 116.1 -> 118.3 on 16 x 1): minimised apart from the
+round trip, the least Y of a suffix comes from one without the expensive all-reduce, the
+least RT from another. They cost 1.4x a step (`Conditions.microbatch_paths`), so `tighten`
+takes them only where its work affords the steps to prove the 1 % with them (taken on every
+step, the fewer steps lost more than they gained: inception_v3 on 4 x 4 devices, tight,
+3219.5 -> 1925.8 ms).
+
 Last, on the work `tighten` has left, the same with each microbatch's last backward on its own
 (`Conditions.per_microbatch`): microbatch q runs on replica q mod r of every stage (in order),
 so the backward of q on stage k ends no earlier than E_{k+1}(q) + x_k + B_k, where E_{k+1}(q)
@@ -257,6 +279,10 @@ class Conditions:
     # with cross_stage, the hops of the stages before each stage (`_prefix_hops`): about one
     # DP without node groups more per step, so `tighten` drops them where steps are scarce
     prefix_hops: bool = True
+    # with cross_stage, the first and the last microbatch through the stages after each
+    # (module docstring): MICROBATCH_PATHS_WORK x the work, so `tighten` takes them only where
+    # it affords the steps to prove the 1 % with them
+    microbatch_paths: bool = False
     # with cross_stage, each microbatch's last backward on its own (`_suffix_dp`): a replica's
     # backward of microbatch q waits for the next stage's, which waited for that stage's
     # replica to run every microbatch before q on it; about m times the cross-stage work
@@ -654,7 +680,16 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
     # backward (from the start of the iteration), minimised on its own beside g
     z = np.full((L + 1, D + 1, P + 1), np.inf)
     z[L, 0, 0] = -np.inf
+    # with c.microbatch_paths, y[i, d, e]: the least time from the start of the last microbatch's
+    # forward on the suffix's first stage to the end of the iteration (`Conditions.cross_stage`)
+    y = np.full((L + 1, D + 1, P + 1), np.inf)
+    y[L, 0, 0] = -np.inf
+    # with c.microbatch_paths, u[i, d, e]: the least round trip of the first microbatch from the
+    # suffix's first stage: each stage runs its warm-up forwards before its first backward
+    u = np.full((L + 1, D + 1, P + 1), np.inf)
+    u[L, 0, 0] = -np.inf
     cross = c.cross_stage
+    paths = cross and c.microbatch_paths
     # with c.per_microbatch, zv[i, d, e, q]: the earliest the suffix's first stage can end the
     # backward of microbatch q, each minimised on its own
     vec = cross and c.per_microbatch
@@ -700,8 +735,11 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         mine = np.floor(qv[None, :] / ra[:, None]) + 1  # (Ra, M)
         after = np.floor((c.m - 1 - qv[None, :]) / ra[:, None]) + 1
         klass = np.searchsorted(starts, np.arange(len(ra)), side="right") - 1  # (Ra,): its choice
+        # per choice the fewest warm-up forwards any of its replica counts runs (what it holds)
+        w_least = _class_min(np.maximum(inflight, 1), starts, len(rs))
         per_variant.append((v, rs, n[:, None, None], dd, flat_link, ar_gbps, w[:, None, :],
-                            (ra, starts, dda, valida, idxa, np.maximum(inflight, 1)), (mine, after, klass)))
+                            (ra, starts, dda, valida, idxa, np.maximum(inflight, 1)), (mine, after, klass),
+                            w_least[:, None, :]))
     for i in range(L - 1, -1, -1):
         j = np.arange(i + 1, L + 1)
         J = len(j)
@@ -742,13 +780,19 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         cls_cols = [(q, np.nonzero(cls_j == q)[0]) for q in np.unique(cls_j)]
         zj = z[j]
         zj_any = zj.min(axis=2)
+        yj = y[j]
+        yj_any = yj.min(axis=2)
+        uj = u[j]
+        uj_any = uj.min(axis=2)
         zvj = zv[j] if vec else None
         zvj_any = zvj.min(axis=2) if vec else None
         best = np.full((D + 1, P + 1, Q), np.inf)
         best_z = np.full((D + 1, P + 1), np.inf)
+        best_y = np.full((D + 1, P + 1), np.inf)
+        best_u = np.full((D + 1, P + 1), np.inf)
         best_zv = np.full((D + 1, P + 1, M), np.inf)
-        for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight), (mine, after, klass) \
-                in per_variant:
+        for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight), (mine, after, klass), \
+                w_least in per_variant:
             if len(rs) == 0:
                 continue
             fwd, crit, wgt, comp, params, act = _stage_costs(c, v, i, j, share, zb)
@@ -771,6 +815,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
             rows_all = np.arange(len(rs))
             per_r, nxt = zip(*(_behind(fits, gj_any[:, :, q], dda, starts) for q in range(Q)), strict=True)
             moves = [(rows_all, nxt, _behind(fits, zj_any, dda, starts)[1] if cross else None,
+                      _behind(fits, yj_any, dda, starts)[1] if paths else None,
+                      _behind(fits, uj_any, dda, starts)[1] if paths else None,
                       _behind_each(fits, zvj_any, dda) if vec else None,
                       flat_link if P == 1 else np.zeros(len(rs), dtype=int), np.minimum(dd, P), None, per_r)]
             for e_next in range(1, P):
@@ -781,9 +827,11 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                     per_r, nxt = zip(*(_behind(sub[0], gj[:, :, e_next, q], *sub[1:]) for q in range(Q)),
                                      strict=True)
                     moves.append((rows, nxt, _behind(sub[0], zj[:, :, e_next], *sub[1:])[1] if cross else None,
+                                  _behind(sub[0], yj[:, :, e_next], *sub[1:])[1] if paths else None,
+                                  _behind(sub[0], uj[:, :, e_next], *sub[1:])[1] if paths else None,
                                   _behind_each(sub[0], zvj[:, :, e_next], sub[1]) if vec else None,
                                   np.ones(len(rows), dtype=int), dd[rows] + e_next, e_next, per_r))
-            for rows, nxts, nxt_z, nxt_zv, fast, e_new, e_next, per_rs in moves:
+            for rows, nxts, nxt_z, nxt_y, nxt_u, nxt_zv, fast, e_new, e_next, per_rs in moves:
                 nn, ww = n[rows], w[rows]
                 hop = c.hop_ms[fast, i][:, j]  # (rows, J)
                 if Q == 1:
@@ -800,6 +848,16 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                 # the busiest replica's n microbatches, with its round trips (module docstring);
                 # `crit` ends at its last B, `full` at its last W (the same but for zb-h1)
                 first, last, crit_busy = _busy(nn, ww, f2, c2, rt)
+                if paths:
+                    # the first microbatch's backward waits for this stage's warm-up forwards
+                    # (at least the fewest it runs) and for the next stage's first backward
+                    # (`u`); the forwards after it follow one backward each
+                    rt0 = np.maximum(np.maximum(rt, w_least[rows] * f2 + c2),
+                                     (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt_u)
+                    first = np.maximum(first, rt0 + (nn - 1) * c2 + (nn - ww) * f2)
+                    crit_busy = np.maximum(crit_busy, first)
+                    last = np.maximum(last, np.where(ww < nn, rt0 + (nn - 1 - ww) * (f2 + c2), 0.0) + rt)
+                    crit_busy = np.maximum(crit_busy, last)
                 full_busy = np.maximum(np.maximum(nn * comp[None, :, None], first + nn * w2), last + w2)
                 # the hop into this stage is fast only if the stage before joins its group
                 into = np.minimum(e_new, P) if P > 1 else fast  # a row of H and Tl
@@ -813,6 +871,14 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                                        nxt_z + np.where(last_j, hop[:, :, None], 0.0) + c2)
                     t_stage = np.maximum(t_stage, end_b + np.maximum(Tl[into][:, None, :],
                                                                      ar[rows][:, :, None]))
+                if paths:
+                    # the last microbatch, m - 1, is the last of a busiest replica (round
+                    # robin): its forward starts here no earlier than `last - rt` after H, and
+                    # from there every stage after it still waits for it (their all-reduces
+                    # after its backward): the suffix's least tail behind the hop
+                    down = f2 + np.where(last_j, hop[:, :, None], 0.0) + nxt_y
+                    t_stage = np.maximum(t_stage, H[into][:, None, :] + last - rt + down)
+                    y_here = np.maximum(rt + np.maximum(Tl[into][:, None, :], w2 + ar[rows][:, :, None]), down)
                 if vec:
                     # per replica count (Ra'; its choice `of`, a row: `rows` counts from 0):
                     # microbatch q's gradient from the next stage, then the backward of q and
@@ -856,11 +922,18 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                     if cross:
                         best_z[:, e] = np.minimum(best_z[:, e],
                                                   np.where(ok, end_b, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
+                    if paths:
+                        best_y[:, e] = np.minimum(best_y[:, e],
+                                                  np.where(ok, y_here, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
+                        best_u[:, e] = np.minimum(best_u[:, e],
+                                                  np.where(ok, rt0, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
                     if vec:
                         best_zv[:, e] = np.minimum(best_zv[:, e], np.where(ok[..., None], end_q, np.inf)[sel]
                                                    .reshape(-1, D + 1, M).min(axis=0))
         g[i] = best
         z[i] = best_z
+        y[i] = best_y
+        u[i] = best_u
         zv[i] = best_zv
     return g, choice
 
@@ -1040,6 +1113,10 @@ def _bisect(c: Conditions, upper_ms: float, rel_tol: float, max_steps: int, lowe
 
 
 LAST_BACKWARD_WORK = 1.3  # a DP with the cross-stage conditions, against one without
+# with the first and last microbatch's paths (`Conditions.microbatch_paths`) against without
+# (the cross-stage DP measured 1.7-1.9x the plain one on chain100, GNMT, ResNet-50 and VGG-16,
+# 2.4x on chain200, against 1.3x without them)
+MICROBATCH_PATHS_WORK = 1.4
 # the prefix DP with node groups of P devices against one DP without groups: 1 + this x (P - 1)
 # (measured 1.5x at P = 4 on GNMT; 2.2-3.4x at P = 8 on VGG-16, ResNet-50, 100- and 200-layer chains)
 PREFIX_GROUP_WORK = 0.35
@@ -1063,7 +1140,7 @@ def tighten_step_work(c: Conditions) -> int:
     prefix = 0
     if c.prefix_hops:  # without classes; with node groups, a state per group fill
         prefix = dp_work(replace(without_classes(c), grouped=False)) * (1 + PREFIX_GROUP_WORK * (_group_size(c) - 1))
-    suffix = dp_work(c) * LAST_BACKWARD_WORK
+    suffix = dp_work(c) * LAST_BACKWARD_WORK * (MICROBATCH_PATHS_WORK if c.microbatch_paths else 1.0)
     if c.per_microbatch:
         suffix *= 1 + PER_MICROBATCH_WORK * max(len(c.tracked) or c.m, PER_MICROBATCH_LEAST)
     return int(suffix + prefix) + 1
@@ -1208,6 +1285,9 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     if not math.isfinite(max_work) or max_work // tighten_step_work(with_hops) >= _steps_to_prove(lo, hi):
         # the prefix's hops where the work affords the steps to prove the 1 % with them
         cz, step = with_hops, tighten_step_work(with_hops)
+        with_paths = replace(cz, microbatch_paths=True)  # and then the microbatches' paths
+        if not math.isfinite(max_work) or max_work // tighten_step_work(with_paths) >= _steps_to_prove(lo, hi):
+            cz, step = with_paths, tighten_step_work(with_paths)
     first = not upper_feasible  # this microbatch size may have no plan as fast: bisect
     steps = int(max_work // step) if math.isfinite(max_work) else 1 << 30
     scarce = not first and step <= max_work and steps < _steps_to_prove(lo, hi)

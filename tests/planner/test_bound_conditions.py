@@ -130,6 +130,7 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
         table = layer_table(profile)
         c = conditions(table, cluster, "sgd", schedule, 32, 2, hop_bytes(table), (1,), True)
         cz = replace(c, cross_stage=True)
+        cy = replace(cz, microbatch_paths=True)  # the first and last microbatch through the stages after
         # each microbatch's last backward: all of them, and four (the tracked subsets of `bound.prove`)
         per_mb = [replace(cz, per_microbatch=True, tracked=t) for t in proof_sets(16)[1:]]
         layer_only = StageBounds(table, cluster, options, 2)  # `large.py`: no recomputation, no W
@@ -139,6 +140,8 @@ def test_every_plan_meets_the_conditions_at_its_own_time(schedule: str) -> None:
             assert feasible(c, T), f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP says none can"
             assert feasible(cz, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the cross-stage DP "
                                      "says none can")
+            assert feasible(cy, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP with the first and "
+                                     "last microbatch's paths says none can")
             for cv in per_mb:
                 assert feasible(cv, T), (f"seed {seed}: {key} takes {ev.iteration_ms} ms, the DP tracking "
                                          f"microbatches {cv.tracked or 'all'} says none can")
