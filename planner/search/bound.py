@@ -660,6 +660,12 @@ def _behind_each(mask: np.ndarray, table: np.ndarray, dd: np.ndarray) -> np.ndar
     return per_r.reshape(len(dd), M, J, width).transpose(0, 2, 3, 1)
 
 
+def _fold_least(best: np.ndarray, ok: np.ndarray, value: np.ndarray, sel: np.ndarray) -> None:
+    """For `_suffix_dp`: `best` (D+1,), in place, the least of itself and of `value` (rows,
+    J, D+1) over the rows `sel` and every J where `ok`."""
+    np.minimum(best, np.where(ok, value, np.inf)[sel].reshape(-1, len(best)).min(axis=0), out=best)
+
+
 def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdges | None = None):
     """g[i, d, e]: the smallest round trip of a suffix of stages starting at layer i on exactly
     d devices that meets every condition at T (inf: none), its first stage in a node group of
@@ -780,10 +786,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         cls_cols = [(q, np.nonzero(cls_j == q)[0]) for q in np.unique(cls_j)]
         zj = z[j]
         zj_any = zj.min(axis=2)
-        yj = y[j]
-        yj_any = yj.min(axis=2)
-        uj = u[j]
-        uj_any = uj.min(axis=2)
+        yj, uj = (y[j], u[j]) if paths else (None, None)
+        yj_any, uj_any = (yj.min(axis=2), uj.min(axis=2)) if paths else (None, None)
         zvj = zv[j] if vec else None
         zvj_any = zvj.min(axis=2) if vec else None
         best = np.full((D + 1, P + 1, Q), np.inf)
@@ -855,9 +859,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                     rt0 = np.maximum(np.maximum(rt, w_least[rows] * f2 + c2),
                                      (fwd + crit)[None, :, None] + np.where(last_j, 2 * hop[:, :, None], 0.0) + nxt_u)
                     first = np.maximum(first, rt0 + (nn - 1) * c2 + (nn - ww) * f2)
-                    crit_busy = np.maximum(crit_busy, first)
                     last = np.maximum(last, np.where(ww < nn, rt0 + (nn - 1 - ww) * (f2 + c2), 0.0) + rt)
-                    crit_busy = np.maximum(crit_busy, last)
+                    crit_busy = np.maximum(crit_busy, np.maximum(first, last))
                 full_busy = np.maximum(np.maximum(nn * comp[None, :, None], first + nn * w2), last + w2)
                 # the hop into this stage is fast only if the stage before joins its group
                 into = np.minimum(e_new, P) if P > 1 else fast  # a row of H and Tl
@@ -920,13 +923,10 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                                                                         nxt_e, nq)
                         best[:, e, cq] = np.where(better, vbest, best[:, e, cq])
                     if cross:
-                        best_z[:, e] = np.minimum(best_z[:, e],
-                                                  np.where(ok, end_b, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
+                        _fold_least(best_z[:, e], ok, end_b, sel)
                     if paths:
-                        best_y[:, e] = np.minimum(best_y[:, e],
-                                                  np.where(ok, y_here, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
-                        best_u[:, e] = np.minimum(best_u[:, e],
-                                                  np.where(ok, rt0, np.inf)[sel].reshape(-1, D + 1).min(axis=0))
+                        _fold_least(best_y[:, e], ok, y_here, sel)
+                        _fold_least(best_u[:, e], ok, rt0, sel)
                     if vec:
                         best_zv[:, e] = np.minimum(best_zv[:, e], np.where(ok[..., None], end_q, np.inf)[sel]
                                                    .reshape(-1, D + 1, M).min(axis=0))
