@@ -57,6 +57,7 @@ from planner.search.bound import (
     BoundPlan,
     Conditions,
     PlanTuple,
+    band_cells,
     coarse_grid,
     conditions,
     cut_hop_bytes,
@@ -96,7 +97,7 @@ TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound
 PROOF_SHARE = 0.4  # more work after that, to prove the 1 % with each microbatch's backward (`bound.prove`)
 EXHAUST_SHARE = 0.6  # more work after that, to simulate every plan the bound allows (`exhaust`)
 WIDE_SHARE = 0.25  # more work after the search, for its compound moves (never a worse plan)
-DP_CELLS = 5e7  # L * L * D * replica choices above which the round-trip DP is not run
+DP_CELLS = 5e7  # L * L * D * replica choices (pairs in the memory band) above which the round-trip DP is not run
 OPTIMAL_GAP = 1e-6
 SEED_TOL = 1e-2  # the cut-hop DP's seed plans: at most 1 % above the least time of its conditions
 CUT_SEED_SHARE = 0.35  # more work after the search, for the bisection (60 %) and descents of `_cut_seeds`
@@ -161,7 +162,9 @@ def _dp_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
     # step): its plans are the seeds the search was tuned on, and it bisects further; the
     # classes tighten the bound after the search
     c = without_classes(classed)
-    if table.num_layers ** 2 * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS \
+    # (i, j) pairs in the memory band, both orders: L * L where memory does not bind
+    pairs = 2 * band_cells(c) - table.num_layers
+    if pairs * cluster.num_devices * len(c.rs) * len(c.variants) > DP_CELLS \
             or 3 * dp_work(replace(c, grouped=False)) > work:  # too large, or not three steps to spend
         if any(v.tp > 1 for v in c.variants) or options.schedule == "zb-h1":
             return [], 0, classed, False  # the layer-only DP knows neither TP nor B / W
