@@ -6,7 +6,8 @@ Internal module. The blocks are built from the same traced graph as the stage an
 parameters and buffers (the same tensor objects: the optimizer, the all-reduce and the
 checkpoint files see the stage module as before); hooks and custom autograd Functions run as
 written, and checkpoint's saved random state makes the recomputed forward draw the same
-random numbers as the first.
+random numbers as the first. A recomputation puts the block's buffers back as it found them:
+running statistics move once per microbatch, as in training without recomputation.
 """
 
 from __future__ import annotations
@@ -67,19 +68,29 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
     outputs = list(stage.output_keys)  # type: ignore[attr-defined]
 
     def run_block(block: nn.Module, values: Values) -> Values:
-        report = forward.on_recompute  # type: ignore[attr-defined]
-        if report is None or torch._C._current_graph_task_id() == -1:  # not a recomputation
+        if torch._C._current_graph_task_id() == -1:  # the forward, not a recomputation
             return block(values)
-        saved: dict[int, int] = {}
+        # a recomputation: the block's buffers (BatchNorm's running statistics and counter)
+        # moved in its forward already, so they are put back as they were once it has run
+        held = [(b, b.detach().clone()) for b in block.buffers()]
+        try:
+            report = forward.on_recompute  # type: ignore[attr-defined]
+            if report is None:
+                return block(values)
+            saved: dict[int, int] = {}
 
-        def on_saved(t: torch.Tensor) -> None:
-            ptr, nbytes = _storage_key(t)
-            if ptr not in saved:
-                saved[ptr] = nbytes
-                report(saved)
+            def on_saved(t: torch.Tensor) -> None:
+                ptr, nbytes = _storage_key(t)
+                if ptr not in saved:
+                    saved[ptr] = nbytes
+                    report(saved)
 
-        with _counting_hooks(on_saved):
-            return block(values)
+            with _counting_hooks(on_saved):
+                return block(values)
+        finally:
+            with torch.no_grad():
+                for b, before in held:
+                    b.copy_(before)
 
     def forward(feed: Values) -> Values:
         env = dict(feed)

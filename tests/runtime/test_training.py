@@ -109,3 +109,20 @@ def test_tied_embedding_with_a_replicated_stage(run, tmp_path, monkeypatch):
     plan = run.plan(model, [2, 2], [1, 2], global_batch=8, microbatch_size=2)
     report, _ = _check(run, model, plan, 2, tmp_path, optimizer="momentum")
     assert all(r["peak_inflight_microbatches"] == r["schedule_peak_inflight"] for r in report["ranks"])
+
+
+def test_a_module_called_at_both_ends_sums_its_gradient_over_stages(run, tmp_path, monkeypatch):
+    # `shared` and the top-level `pos` are held by stages 0 and 2 under the same names (no
+    # alias): each stage's gradient is part of the whole, summed over both (and the replicas)
+    monkeypatch.setenv("PIPEPLAN_TEST_NORM", "0")
+    model = MODELS / "shared_module.py"
+    plan = run.plan(model, [2, 2, 2], [1, 1, 2], global_batch=8, microbatch_size=2)
+    _check(run, model, plan, 3, tmp_path)
+
+
+def test_a_recomputed_block_moves_its_running_statistics_once(run, tmp_path):
+    # BatchNorm's running mean, variance and batch counter: once per microbatch, not once more
+    # when the backward recomputes the block
+    model = MODELS / "shared_module.py"
+    plan = run.plan(model, [2, 2, 2], recompute=[True, True, False], global_batch=8, microbatch_size=2)
+    _check(run, model, plan, 3, tmp_path)
