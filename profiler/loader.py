@@ -142,6 +142,23 @@ def batch_checked(mf: ModelFile, batch_size: int) -> tuple[tuple[Any, ...], Any]
             f"{mf.path}: make_batch({batch_size}) must return (inputs, target) with inputs a "
             "tuple of tensors (the model's positional arguments)"
         )
+    # training splits every input and the target into microbatches along their first dimension
+    for k, t in enumerate(inputs):
+        if t.dim() == 0 or t.shape[0] != batch_size:
+            raise PipeplanError(
+                f"{mf.path}: make_batch({batch_size}): input {k} has shape {tuple(t.shape)}; every "
+                f"input's first dimension must be the batch ({batch_size}): training splits the "
+                "inputs into microbatches along it")
+    if not isinstance(target, torch.Tensor):
+        raise PipeplanError(
+            f"{mf.path}: make_batch({batch_size}) returned a target of type {type(target).__name__}; "
+            "the target must be one tensor whose first dimension is the batch (training splits it "
+            "into microbatches). Stack several targets into one tensor, or compute them in loss_fn")
+    if target.dim() == 0 or target.shape[0] != batch_size:
+        raise PipeplanError(
+            f"{mf.path}: make_batch({batch_size}): the target has shape {tuple(target.shape)}; its "
+            f"first dimension must be the batch ({batch_size}): training splits it into microbatches "
+            "along it")
     return tuple(inputs), target
 
 

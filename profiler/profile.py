@@ -108,6 +108,17 @@ def profile_model_file(
         ) from exc
     loss_checked(mf, out, target)
     del out
+    try:  # one training step as written, so that its own errors read as the user's
+        loss_checked(mf, model(*inputs), target).backward()
+    except PipeplanError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise PipeplanError(
+            f"{mf.path}: one training step, loss_fn(build_model()(*inputs), target).backward(), "
+            f"raised {type(exc).__name__}: {first}. Fix the model so that this runs by hand "
+            "(e.g. no in-place change of a tensor autograd saved for the backward)") from exc
+    model.zero_grad(set_to_none=True)
     lg = trace(model, inputs, granularity=granularity)
     if on_traced:
         on_traced(lg)

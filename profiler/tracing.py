@@ -159,6 +159,14 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
         except Exception as exc:  # noqa: BLE001 - any tracing failure triggers the fallbacks
             last_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
             failing = [p for p, _ in tracer.module_stack.values() if isinstance(p, str) and p]
+            if isinstance(exc, _Opaque) and not failing:
+                # in the model's own forward: no module to call whole, and torch.export would
+                # keep the Function's forward ops and drop its backward (wrong gradients)
+                raise PipeplanError(
+                    f"{type(model).__name__}.forward applies a {exc} itself; pipeline stages can "
+                    "run a custom Function only inside a submodule, called as written. Move the "
+                    "call into a small nn.Module (forward: return YourFunction.apply(...)) and "
+                    "call that module from the model's forward") from None
             if not failing or failing[-1] in leaves:
                 return None, sorted(leaves - given), last_error
             leaves.add(failing[-1])

@@ -61,6 +61,15 @@ def loss_fn(out, y):
          ["make_batch's inputs must be the model's positional arguments"]),
         ("loss_not_scalar", GOOD.replace("return ((out - y) ** 2).mean()", "return (out - y) ** 2"),
          ["loss_fn(output, target) returned a tensor of shape (4, 2)", ".mean()"]),
+        ("inplace_on_saved", GOOD.replace("return ((out - y) ** 2).mean()",
+                                          "z = out.sigmoid()\n    z.mul_(2)\n    return ((z - y) ** 2).mean()"),
+         ["one training step", "raised RuntimeError", "in-place"]),
+        ("dict_target", GOOD.replace("torch.randn(n, 2)", "{'y': torch.randn(n, 2)}")
+         .replace("return ((out - y) ** 2).mean()", "return ((out - y['y']) ** 2).mean()"),
+         ["returned a target of type dict", "one tensor whose first dimension is the batch"]),
+        ("flat_target", GOOD.replace("torch.randn(n, 2)", "torch.randn(n * 2)")
+         .replace("return ((out - y) ** 2).mean()", "return ((out.reshape(-1) - y) ** 2).mean()"),
+         ["the target has shape (8,)", "first dimension must be the batch (4)"]),
     ],
 )
 def test_bad_model_files_are_clear_errors(tmp_path, case, source, expected) -> None:

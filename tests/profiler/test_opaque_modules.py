@@ -138,3 +138,20 @@ def test_hooks_on_a_module_holding_blocks_are_reported():
     with pytest.warns(TracingWarning, match="the model .Sequential. has hooks"):
         lg = trace(model, (torch.randn(2, 8),))
     assert lg.layer_names() == ["0", "1", "2"]  # still split at its blocks
+
+
+class RootSTE(nn.Module):
+    """Applies a custom Function in its own forward, between two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Plain(), Plain()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(STE.apply(self.a(x)))
+
+
+def test_a_custom_function_in_the_models_own_forward_is_a_clear_error() -> None:
+    # no module to call whole there, and torch.export would drop the Function's backward
+    with pytest.raises(PipeplanError, match="applies a custom autograd.Function STE itself.*submodule"):
+        trace(RootSTE(), (torch.randn(2, 8),))
