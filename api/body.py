@@ -124,6 +124,10 @@ class StrictJSONRoute(APIRoute):
 
         async def strict_handler(request: Request) -> Response:
             raw = await request.body()
+            if raw and not _is_json(request):
+                raise invalid(("body",), f"the body is sent as {request.headers.get('content-type')!r}; "
+                              "send it as JSON with the header Content-Type: application/json",
+                              "content_type")
             if raw and _is_json(request):
                 doc = parse(raw)
                 check = getattr(request.app.state, "prechecks", {}).get(body_type)

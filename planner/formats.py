@@ -205,6 +205,9 @@ class Device:
     memory_bytes: float
 
 
+MAX_CLUSTER_DEVICES = 65_536  # a plan's ranks; the service has its own, smaller limit
+
+
 class Cluster(_Closed):
     """Uniform form (`nodes` an int with `devices_per_node`, `device_memory_gb`) or the list form
     (`nodes` a list of NodeSpec) for mixed hardware. Ranks are numbered node by node."""
@@ -242,6 +245,11 @@ class Cluster(_Closed):
                 raise ValueError(
                     f"{', '.join(given)}: not allowed with the list form; give each node its own"
                 )
+        total = (self.nodes * (self.devices_per_node or 0) if isinstance(self.nodes, int)
+                 else sum(s.devices for s in self.nodes))
+        if total > MAX_CLUSTER_DEVICES:
+            raise ValueError(f"{total} devices; pipeplan plans for at most {MAX_CLUSTER_DEVICES} "
+                             "(the search's memory grows with the devices): describe a smaller cluster")
         return self
 
     def node_specs(self) -> list[NodeSpec]:

@@ -53,7 +53,9 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
         + (f" ({unused} unused)" if unused else "")
         + f"\npredicted iteration {pr.iteration_ms:.2f} ms · throughput "
         f"{pr.throughput_samples_per_s:.1f} samples/s · bubble {pr.bubble_fraction:.1%}"
-        f"\nlower bound {pr.lower_bound_ms:.2f} ms · predicted / lower bound "
+        + (f"\nlower bound {sv.bound:.2f} ms (the search's: no plan is faster) · work bound "
+           if sv.bound is not None else "\nlower bound (work) ")
+        + f"{pr.lower_bound_ms:.2f} ms (the model's work over every device) · predicted / work bound "
         f"{pr.ratio_to_lower_bound:.3f}"
         f"\nmethod {sv.name} · status {sv.status}{gap} · wall {sv.wall_s:.2f} s"
     )

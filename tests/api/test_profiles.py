@@ -4,6 +4,7 @@ field and why; oversized bodies 413; the API key guards every route but /healthz
 from __future__ import annotations
 
 import copy
+import json
 
 from fastapi.testclient import TestClient
 
@@ -66,6 +67,9 @@ def test_malformed_profile_names_the_field(client: TestClient) -> None:
 
     r = client.post("/v1/profiles", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
+
+    r = client.post("/v1/profiles", content=json.dumps(profile_doc()), headers={"content-type": "text/plain"})
+    assert r.status_code == 422 and "Content-Type: application/json" in r.json()["detail"][0]["msg"]
 
 
 def test_body_over_limit_413(tmp_path) -> None:
