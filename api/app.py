@@ -32,6 +32,7 @@ from api.routers import health, jobs, plans, profiles
 from api.schemas import CompareRequest, PlanRequest
 from api.settings import Settings
 from api.storage import Storage
+from api.wording import in_api_words
 from planner.errors import PipeplanError
 from planner.formats import Profile
 
@@ -97,7 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(PipeplanError)
     async def _user_error(request: Request, exc: PipeplanError) -> JSONResponse:
-        return error_response(request, 422, str(exc))
+        return error_response(request, 422, in_api_words(str(exc)))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

@@ -20,6 +20,7 @@ import time
 import traceback
 from typing import Any
 
+from api.wording import in_api_words
 from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
 
@@ -85,7 +86,7 @@ def run_one(task: dict[str, Any]) -> tuple[str, Any]:
     try:
         return "ok", execute(task)
     except PipeplanError as exc:
-        return "user", str(exc)
+        return "user", in_api_words(str(exc))
     except Exception as exc:  # noqa: BLE001 - any bug is reported to the parent, not lost
         tail = "".join(traceback.format_exception(exc)[-3:])
         return "internal", f"{type(exc).__name__}: {exc}\n{tail}"

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.storage import Storage
+from api.wording import in_api_words
 from planner.errors import PipeplanError
 from planner.formats import Plan
 from planner.simulator import simulate
@@ -123,8 +124,17 @@ def test_unfittable_cluster_is_422_with_memory_needed(client: TestClient) -> Non
         direct(body)
     r = client.post("/v1/plans", json=body)
     assert r.status_code == 422
-    assert r.json()["detail"] == str(expected.value)
+    # the same message, the command line's flags named as the request's fields
+    assert r.json()["detail"] == in_api_words(str(expected.value))
     assert "memory" in r.json()["detail"].lower()
+
+
+def test_errors_name_the_request_fields_not_the_command_line_flags(client: TestClient) -> None:
+    body = {"profile": profile_doc(n_layers=12), "cluster": cluster_doc(nodes=1, per_node=4),
+            "options": {"method": "manual", "split": [3, 9, 2], "global_batch": 16, "microbatch_size": 8}}
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 422, r.text
+    assert "options.split 3,9,2 covers 14 layers" in r.json()["detail"] and "--" not in r.json()["detail"]
 
 
 def test_bad_plan_requests(client: TestClient) -> None:
