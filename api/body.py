@@ -128,7 +128,7 @@ class StrictJSONRoute(APIRoute):
                 raise invalid(("body",), f"the body is sent as {request.headers.get('content-type')!r}; "
                               "send it as JSON with the header Content-Type: application/json",
                               "content_type")
-            if raw and _is_json(request):
+            if raw:
                 doc = parse(raw)
                 check = getattr(request.app.state, "prechecks", {}).get(body_type)
                 if check is not None:

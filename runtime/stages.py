@@ -178,6 +178,15 @@ def tie_sets(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
+def parameter_name_sets(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter of the model, one list per parameter (several where it is
+    tied): what `cross_stage_ties` looks for in the stages."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return list(by_id.values())
+
+
 def complete_aliases(state: dict[str, object], ties: list[list[str]]) -> dict[str, object]:
     """Add every other name of a tied tensor (a stage holds it under one name)."""
     out = dict(state)

@@ -142,14 +142,10 @@ class Worker:
         self.routing = stages.routing_of(modules)
         names = [set(stages.named_tensors(mod)) for mod in modules]
         self.aliases = stages.tie_sets(model)
-        param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        # a parameter two stages hold: under several names (tied weights) or under one (a
+        # a parameter two stages hold, under several names (tied weights) or under one (a
         # module called at two depths, a top-level parameter used twice): its gradient is
         # summed over them
-        tied = [t for t in self.aliases if t[0] in param_names]
-        named = {n for t in tied for n in t}
-        self.ties = stages.cross_stage_ties(
-            tied + [[n] for n in sorted(param_names - named)], names)
+        self.ties = stages.cross_stage_ties(stages.parameter_name_sets(model), names)
         self.module = modules[self.stage].to(self.device)
         self.module.train()
         self.forward_fn = None

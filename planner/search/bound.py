@@ -503,10 +503,12 @@ def memory_band(c: Conditions) -> np.ndarray:
     L = c.L
     lim = c.memory_bytes * (1 + BAND_SLACK)
     band = np.arange(L)
+    if np.any(c.layer_act < 0):
+        return np.full(L, L)  # not monotone: no band (every j looked at)
     for v in c.variants:
         base = c.static_coef * v.Pp + (c.kept_lo if v.recompute else v.Ap)  # (L+1,)
-        if np.any(np.diff(base) < 0) or np.any(c.layer_act < 0):
-            return np.full(L, L)  # not monotone: no band (every j looked at)
+        if np.any(np.diff(base) < 0):
+            return np.full(L, L)
         if not v.recompute:
             band = np.maximum(band, np.searchsorted(base, base[:L] + lim, side="right") - 1)
             continue
