@@ -35,7 +35,7 @@ from planner.schedules import (
     plan_schedule_fields,
     zb_h1_memory_deferrals,
 )
-from planner.simulator import Simulation, simulate_costs
+from planner.simulator import Simulation, simulate_costs, simulate_generated
 from planner.units import format_bytes
 
 
@@ -81,12 +81,15 @@ def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options:
     """Cost model + schedule + simulation for one candidate (what every method is judged by).
     `devices` (`cluster.devices()`) may be passed by a caller that evaluates many candidates;
     without `record` the simulation keeps no events (the search: same times and memory)."""
-    candidate.check(table.num_layers, cluster.num_devices)
+    candidate.check(table.num_layers, len(devices) if devices is not None else cluster.num_devices)
     costs = pipeline_costs(table, cluster, candidate, options.optimizer, devices)
     m = candidate.num_microbatches
-    sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, m,
-                                         schedule_deferrals(costs, options.schedule)),
-                         record, memory_representatives(costs.stage_devices, m))
+    deferred = schedule_deferrals(costs, options.schedule)
+    if record:
+        sim = simulate_costs(costs, generate(options.schedule, costs.stage_devices, m, deferred),
+                             True, memory_representatives(costs.stage_devices, m))
+    else:
+        sim = simulate_generated(costs, options.schedule, deferred)
     memory = tuple(max(sim.peak_memory_bytes[d] for d in devs) for devs in costs.stage_devices)
     return Evaluation(candidate, costs, sim, memory)
 

@@ -16,10 +16,18 @@ plus, while a backward (B or W) runs, `transient_bytes` (a recomputed block's ac
 
 The simulation is dependency-driven (each action is timed once its inputs are timed), so it
 costs O(actions x stage pairs) and handles plans with thousands of ranks quickly.
+
+The search scores thousands of candidates that share a schedule's shape (the replicas of each
+stage, the microbatches, which stages send to which) and differ only in durations and bytes.
+`simulate_generated` keeps, per shape, the actions in an order where every action comes after
+those it waits for (`_Shape`, made once by the same dependency walk); a candidate is then timed
+by one pass over that order, with the same additions and comparisons as `simulate_costs`, so
+the same times and memory to the bit (tests/planner/test_search_evaluation.py).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -29,6 +37,7 @@ from typing import NamedTuple
 from planner.actions import Action
 from planner.cost import PipelineCosts, Send, rank_memory_peak
 from planner.formats import Plan
+from planner.schedules import generate, memory_representatives
 
 _mb, _kind = attrgetter("mb"), attrgetter("kind")
 
@@ -190,6 +199,201 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
         events=events, iteration_ms=makespan, busy_ms=busy, comm_ms=comm, idle_ms=idle,
         bubble_fraction=sum(idle.values()) / total if total > 0 else 0.0,
         peak_inflight=peak, peak_memory_bytes=memory, stage_of_rank=stage_of_rank,
+    )
+
+
+class _Shape(NamedTuple):
+    """A generated schedule's dependency structure, without durations or bytes. Slots are the
+    (stage, replica) pairs in `generate`'s order (stage-major); `items` holds every action in
+    an order where each comes after the actions it waits for: (slot, duration index 4 s +
+    {F 0, full B 1, split B 2, W 3}, ((item it waits for, index of its send in `pairs`), ...))."""
+
+    slots: tuple[tuple[int, int], ...]
+    items: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+    pairs: tuple[tuple[int, int], ...]
+    memory_slot: tuple[int, ...]  # per slot, the slot whose actions hold the same memory
+    # per slot that is its own memory_slot: its peak in flight, and its actions' kinds for
+    # `_held_peak` (0 F, 1 split B, 2 full B, 3 W)
+    memory: dict[int, tuple[int, tuple[int, ...]]]
+
+
+SHAPES_KEPT = 512  # shapes of at most SHAPE_ACTIONS actions each (a few MB in all)
+SHAPE_ACTIONS = 8192
+_shapes: OrderedDict[tuple, _Shape] = OrderedDict()
+
+
+def _shape(name: str, replicas: tuple[int, ...], m: int, deferred: tuple[int, ...] | None,
+           pairs: tuple[tuple[int, int], ...]) -> _Shape | None:
+    """The walk `simulate_costs` does, once per shape, recording the order instead of times;
+    None where the schedule cannot run (`simulate_costs` says why)."""
+    S = len(replicas)
+    fake = [list(range(sum(replicas[:s]), sum(replicas[:s + 1]))) for s in range(S)]
+    schedule = generate(name, fake, m, list(deferred) if deferred is not None else None)
+    slots = tuple((s, k) for s in range(S) for k in range(replicas[s]))
+    # what each kind of action waits for: (key of that action less the microbatch, index of
+    # the send it waits through or -1 for an earlier action of its own rank); key = (stage * 3
+    # + kind) * m + mb with kind F 0, B 1, W 2
+    need: list[list[tuple[int, int]]] = []
+    for s in range(S):
+        need += [[], [(s * 3 * m, -1)], [((s * 3 + 1) * m, -1)]]
+    for q, (s, t) in enumerate(pairs):
+        need[3 * t].append((s * 3 * m, q))
+        need[3 * s + 1].append(((t * 3 + 1) * m, q))
+    kinds = {"F": 0, "B": 1, "W": 2}
+    index: dict[int, int] = {}  # key -> item
+    items: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
+    waiters: dict[int, list[int]] = {}
+    pos = [0] * len(slots)
+    split = [any(a.kind == "W" for a in schedule[r]) for r in range(len(slots))]
+    stack = list(range(len(slots)))
+    while stack:
+        r = stack.pop()
+        acts = schedule[r]
+        i = pos[r]
+        b_dur = 2 if split[r] else 1
+        while i < len(acts):
+            a = acts[i]
+            s, j, kind = a.stage, a.mb, kinds[a.kind]
+            waits = need[3 * s + kind]
+            missing = -1
+            for k0, _ in waits:
+                if k0 + j not in index:
+                    missing = k0 + j
+                    break
+            if missing >= 0:
+                waiters.setdefault(missing, []).append(r)
+                break
+            key = (s * 3 + kind) * m + j
+            index[key] = len(items)
+            items.append((r, 4 * s + (0 if kind == 0 else b_dur if kind == 1 else 3),
+                          tuple([(index[k0 + j], q) for k0, q in waits if q >= 0])))
+            i += 1
+            woken = waiters.pop(key, None)
+            if woken:
+                stack.extend(woken)
+        pos[r] = i
+    if any(pos[r] < len(schedule[r]) for r in range(len(slots))):
+        return None
+    reps = memory_representatives(fake, m)
+    same = tuple(reps[r] for r in range(len(slots)))
+    memory = {}
+    for r in set(same):
+        codes = tuple(0 if a.kind == "F" else 3 if a.kind == "W" else 1 if split[r] else 2
+                      for a in schedule[r])
+        memory[r] = (_inflight_peak(codes), codes)
+    return _Shape(slots, tuple(items), pairs, same, memory)
+
+
+def _inflight_peak(codes: tuple[int, ...]) -> int:
+    inflight = peak = 0
+    for c in codes:
+        if c == 0:
+            inflight += 1
+            peak = max(peak, inflight)
+        elif c != 1:
+            inflight -= 1
+    return peak
+
+
+def _held_peak(codes: tuple[int, ...], act: float, hold: float, transient: float) -> float:
+    """`rank_memory_peak(actions, costs)[1]` of a rank whose actions are all of one stage,
+    from their kinds: the same additions in the same order, so the same bytes to the bit."""
+    held = peak = 0.0
+    swap = hold - act
+    for c in codes:
+        if c == 0:
+            held += act
+        else:
+            v = held + transient
+            if v > peak:
+                peak = v
+            if c == 1:
+                held += swap
+            elif c == 2:
+                held -= act
+            else:
+                held -= hold
+        if held > peak:
+            peak = held
+    return peak
+
+
+def simulate_generated(costs: PipelineCosts, name: str,
+                       deferred: Sequence[int] | None = None) -> Simulation:
+    """`simulate_costs(costs, generate(name, costs.stage_devices, m, deferred), record=False,
+    same_memory=memory_representatives(...))`, to the bit, without events: the search's
+    scoring. The schedule's shape is kept between calls (`_Shape`)."""
+    replicas = tuple(len(d) for d in costs.stage_devices)
+    m = costs.num_microbatches
+    pairs = tuple(costs.sends)
+    key = (name, replicas, m, tuple(deferred) if deferred is not None else None, pairs)
+    shape = _shapes.get(key)
+    if shape is None:
+        shape = _shape(name, replicas, m, key[3], pairs)
+        if shape is None:  # the validator names what blocks it
+            return simulate_costs(costs, generate(name, costs.stage_devices, m, deferred), False)
+        if len(shape.items) <= SHAPE_ACTIONS:
+            _shapes[key] = shape
+            if len(_shapes) > SHAPES_KEPT:
+                _shapes.popitem(last=False)
+    else:
+        _shapes.move_to_end(key)
+    S = len(replicas)
+    durs: list[float] = []
+    for s in range(S):
+        b, w = costs.bwd_split(s)
+        durs += (costs.fwd_ms[s], costs.bwd_ms[s], b, w)
+    ms = [costs.sends[p].ms for p in pairs]
+    n_slots = len(shape.slots)
+    end = [0.0] * len(shape.items)
+    free = [0.0] * n_slots
+    busy = [0.0] * n_slots
+    i = 0
+    for r, d, deps in shape.items:
+        ready = free[r]
+        for e_i, q in deps:
+            e = end[e_i] + ms[q]
+            if e > ready:
+                ready = e
+        dur = durs[d]
+        t = ready + dur
+        end[i] = t
+        free[r] = t
+        busy[r] += dur
+        i += 1
+    ranks = [costs.stage_devices[s][k] for s, k in shape.slots]
+    first = [0] * S  # first slot of each stage
+    for x in range(n_slots - 1, -1, -1):
+        first[shape.slots[x][0]] = x
+    comm = [0.0] * n_slots
+    for s in range(S):
+        ar = costs.allreduce_ms[s]
+        r_s = replicas[s]
+        if r_s <= 1 or ar <= 0:
+            continue
+        lo = first[s]
+        start = max(free[lo:lo + r_s])
+        for x in range(lo, lo + r_s):
+            free[x] = start + ar
+            comm[x] += ar
+    makespan = max(free, default=0.0)
+    idle = [makespan - busy[x] - comm[x] for x in range(n_slots)]
+    total = makespan * n_slots
+    act = costs.activation_bytes_per_microbatch
+    hold = costs.weight_hold_bytes_per_microbatch or act
+    transient = costs.transient_bytes or (0.0,) * S
+    held: dict[int, tuple[int, float]] = {}
+    for rep, (inflight, codes) in shape.memory.items():
+        s = shape.slots[rep][0]
+        held[rep] = (inflight, _held_peak(codes, act[s], hold[s], transient[s]))
+    return Simulation(
+        events=[], iteration_ms=makespan, busy_ms=dict(zip(ranks, busy, strict=True)),
+        comm_ms=dict(zip(ranks, comm, strict=True)), idle_ms=dict(zip(ranks, idle, strict=True)),
+        bubble_fraction=sum(idle) / total if total > 0 else 0.0,
+        peak_inflight={ranks[x]: held[shape.memory_slot[x]][0] for x in range(n_slots)},
+        peak_memory_bytes={ranks[x]: costs.static_memory_bytes[shape.slots[x][0]]
+                           + held[shape.memory_slot[x]][1] for x in range(n_slots)},
+        stage_of_rank={ranks[x]: shape.slots[x][0] for x in range(n_slots)},
     )
 
 

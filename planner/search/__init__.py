@@ -32,8 +32,13 @@ runs once more from the DP's memory-safe plan (`_memory_rescue`).
 
 Same input, same plan: every step is deterministic and budgeted by work, not time (the
 bound's bisections count their DP cells, `bound.dp_work`, and take at most a third of the budget;
-the search gets what they leave); the wall-clock limit (`time_limit_s`) is a safety net that
-only a machine more than twice as slow as our idle 2 cores reaches.
+the search gets what they leave). `time_limit_s` sets that budget (WORK_PER_SECOND of work per
+second: 2-9 s for a 10 s limit on an idle 2-core machine, benchmarks/README.md); the wall clock
+stops the search only at WALL_NET x `time_limit_s`, a safety net that a machine up to three
+times slower than that, or one whose cores other work keeps busy, does not reach. (At 1 x, on
+a machine 1.5-1.7x slower than the one the budget was fitted on, half the plan-quality suite
+reached it, and those plans and bounds then moved with the machine's load: benchmarks/README.md.)
+The service sets WALL_NET to 1: it promises an answer within `time_limit_s` plus its grace.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ __all__ = ["solve", "solve_detailed"]
 # search together take ~40 % of it on our 2 cores, idle, so a loaded machine still ends on
 # work, not on the clock
 WORK_PER_SECOND = 140_000
+WALL_NET = 3.0  # the wall-clock safety net, x --time-limit (the module docstring)
 DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
 TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound
 PROOF_SHARE = 0.4  # more work after that, to prove the 1 % with each microbatch's backward (`bound.prove`)
@@ -452,7 +458,7 @@ def _search_more(starts: list[Structure], work: float, best_s: Score, cand: Cand
 def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                ) -> tuple[Candidate, dict[str, object]]:
     t0 = time.perf_counter()
-    deadline = t0 + options.time_limit_s
+    deadline = t0 + WALL_NET * options.time_limit_s
     table = layer_table(profile)
     sizes = microbatch_sizes(profile, options)
     check_transfers(table, cluster, microbatch_scale(table.batch_size, sizes[-1]))
@@ -539,13 +545,13 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             more = total_work // 2
             ev.work_limit = ev.work + int(1.3 * more)
             got, got_s = iterated_search(rescued, ev, table, D,
-                                         Budget(ev.work + more, time.perf_counter() + options.time_limit_s / 2),
+                                         Budget(ev.work + more, time.perf_counter() + WALL_NET * options.time_limit_s / 2),
                                          options.seed)
             if got is not None and got_s is not None and got_s.fits:
                 best_s, cand = ev.scored(got)
             # what follows is budgeted by work as well: the safety net moves with the rescue
             # (else the wall clock, not the work, would end it on the rescued instances)
-            deadline = max(deadline, time.perf_counter() + options.time_limit_s / 2)
+            deadline = max(deadline, time.perf_counter() + WALL_NET * options.time_limit_s / 2)
     if not bisected and best_s is not None and best_s.fits and options.objective == "iteration" \
             and table.num_layers <= COARSE_SEED_LAYERS:
         # where the DP was too large to bisect, the search once more from its plans on a

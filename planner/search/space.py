@@ -218,7 +218,7 @@ class Evaluator:
         that are powers of two with `powers_of_two`; TP degrees the search may use."""
         if self.options.powers_of_two and any(r & (r - 1) for r in st.replicas):
             return False
-        if st.num_devices > self.cluster.num_devices:
+        if st.num_devices > len(self.devices):
             return False
         if st.tp and any(t not in self.degrees for t in st.tp):
             return False

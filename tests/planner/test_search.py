@@ -160,6 +160,35 @@ def test_no_device_for_a_stage_that_computes_nothing_and_same_plan_twice() -> No
     assert a.solver.bound is not None and a.solver.bound <= a.predicted.iteration_ms
 
 
+def test_a_slower_or_busier_machine_gives_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is work: a machine on which that work takes 2x --time-limit (slower, or
+    its cores busy with other work: a clock that runs faster stands for both) still does all
+    of it and gives the same plan and bound. The wall clock stops it only at WALL_NET x the
+    limit; at 1 x, the same clock cuts the work short (the test's own check that it could)."""
+    import time
+
+    import planner.search as search
+
+    profile = gnmt_like()
+    cluster = Cluster(nodes=16, devices_per_node=1, device_memory_gb=16, intra_node_gb_per_s=1,
+                      inter_node_gb_per_s=1)
+    options = PlanOptions(global_batch=1024, microbatch_size=64, optimizer="sgd", time_limit_s=1)
+    solve(profile, cluster, options)  # imports and caches warm
+    t0 = time.perf_counter()
+    ref = solve(profile, cluster, options)
+    factor = 2 * options.time_limit_s / (time.perf_counter() - t0)  # this machine, 2x over
+    real = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: factor * real())
+    slow = solve(profile, cluster, options)
+    key = [(s.start, s.stop, s.devices) for s in ref.stages]
+    assert [(s.start, s.stop, s.devices) for s in slow.stages] == key
+    for field in ("objective", "bound", "work"):
+        assert slow.solver[field] == ref.solver[field], field
+    monkeypatch.setattr(search, "WALL_NET", 1.0)
+    cut = solve(profile, cluster, options)
+    assert cut.solver["work"] < ref.solver["work"]
+
+
 def test_powers_of_two_replicas() -> None:
     profile, cluster, options = random_instance(11, mixed=False)
     cluster = Cluster(nodes=1, devices_per_node=7, device_memory_gb=40, intra_node_gb_per_s=300,
