@@ -59,6 +59,10 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
         f"{pr.ratio_to_lower_bound:.3f}"
         f"\nmethod {sv.name} · status {sv.status}{gap} · wall {sv.wall_s:.2f} s"
     )
+    if getattr(sv, "clock_stopped", False):
+        text += ("\nthe wall-clock safety net stopped the search before its work budget was "
+                 "spent (this machine is much slower or busier than the budget assumes): "
+                 "another run may give another plan")
     return text
 
 

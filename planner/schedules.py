@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from planner.actions import Action, parse_actions
-from planner.cost import PipelineCosts, rank_memory_peak, warmup_1f1b
+from planner.cost import PipelineCosts, held_peak, memory_codes, warmup_1f1b
 from planner.errors import PipeplanError
 from planner.formats import Plan, ScheduleGenerator
 
@@ -121,17 +121,26 @@ def _replica_kinds(num_microbatches: int, replicas: int) -> tuple[int, ...]:
     return (0,) if num_microbatches % replicas == 0 or replicas == 1 else (0, replicas - 1)
 
 
+@lru_cache(maxsize=4096)
+def _memory_codes(name: str, stage: int, stage_replicas: tuple[int, ...], replica: int,
+                  num_microbatches: int, deferred: int | None) -> tuple[int, ...]:
+    return memory_codes(replica_actions(name, stage, stage_replicas, replica, num_microbatches, deferred))
+
+
 def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     """Per stage, the W's a ZB-H1 replica defers: `zb_h1_deferred_w`, lowered until the stage's
     peak memory (static + what its microbatches hold, action by action: `rank_memory_peak`) is
     within the 1F1B peak of the busiest stage on the same costs (never below 0: a stage whose
     W's all run right after their B may still exceed it by one microbatch's W gradients)."""
     m, S = costs.num_microbatches, costs.num_stages
-    replicas = [len(devs) for devs in costs.stage_devices]
+    replicas = tuple(len(devs) for devs in costs.stage_devices)
+    act = costs.activation_bytes_per_microbatch
+    hold = costs.weight_hold_bytes_per_microbatch or act
+    transient = costs.transient_bytes or (0.0,) * S
 
     def peak(s: int, name: str, d: int | None) -> float:
         return costs.static_memory_bytes[s] + max(
-            rank_memory_peak(replica_actions(name, s, replicas, k, m, d), costs)[1]
+            held_peak(_memory_codes(name, s, replicas, k, m, d), act[s], hold[s], transient[s])
             for k in _replica_kinds(m, replicas[s]))
 
     cap = max(peak(s, "1f1b", None) for s in range(S))

@@ -35,7 +35,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from planner.actions import Action
-from planner.cost import PipelineCosts, Send, rank_memory_peak
+from planner.cost import PipelineCosts, Send, held_peak, memory_codes, rank_memory_peak
 from planner.formats import Plan
 from planner.schedules import generate, memory_representatives
 
@@ -212,14 +212,16 @@ class _Shape(NamedTuple):
     items: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
     pairs: tuple[tuple[int, int], ...]
     memory_slot: tuple[int, ...]  # per slot, the slot whose actions hold the same memory
-    # per slot that is its own memory_slot: its peak in flight, and its actions' kinds for
-    # `_held_peak` (0 F, 1 split B, 2 full B, 3 W)
+    # per slot that is its own memory_slot: its peak in flight and its actions' `memory_codes`
     memory: dict[int, tuple[int, tuple[int, ...]]]
 
 
-SHAPES_KEPT = 512  # shapes of at most SHAPE_ACTIONS actions each (a few MB in all)
+SHAPES_KEPT = 2048  # shapes of at most SHAPE_ACTIONS actions each (tens of MB at most)
 SHAPE_ACTIONS = 8192
 _shapes: OrderedDict[tuple, _Shape] = OrderedDict()
+# shapes seen once: a shape costs about 1.5 plain simulations to make, and a third of the
+# search's shapes come only once, so a shape is made the second time it comes
+_seen: OrderedDict[tuple, None] = OrderedDict()
 
 
 def _shape(name: str, replicas: tuple[int, ...], m: int, deferred: tuple[int, ...] | None,
@@ -278,8 +280,7 @@ def _shape(name: str, replicas: tuple[int, ...], m: int, deferred: tuple[int, ..
     same = tuple(reps[r] for r in range(len(slots)))
     memory = {}
     for r in set(same):
-        codes = tuple(0 if a.kind == "F" else 3 if a.kind == "W" else 1 if split[r] else 2
-                      for a in schedule[r])
+        codes = memory_codes(schedule[r])
         memory[r] = (_inflight_peak(codes), codes)
     return _Shape(slots, tuple(items), pairs, same, memory)
 
@@ -295,29 +296,6 @@ def _inflight_peak(codes: tuple[int, ...]) -> int:
     return peak
 
 
-def _held_peak(codes: tuple[int, ...], act: float, hold: float, transient: float) -> float:
-    """`rank_memory_peak(actions, costs)[1]` of a rank whose actions are all of one stage,
-    from their kinds: the same additions in the same order, so the same bytes to the bit."""
-    held = peak = 0.0
-    swap = hold - act
-    for c in codes:
-        if c == 0:
-            held += act
-        else:
-            v = held + transient
-            if v > peak:
-                peak = v
-            if c == 1:
-                held += swap
-            elif c == 2:
-                held -= act
-            else:
-                held -= hold
-        if held > peak:
-            peak = held
-    return peak
-
-
 def simulate_generated(costs: PipelineCosts, name: str,
                        deferred: Sequence[int] | None = None) -> Simulation:
     """`simulate_costs(costs, generate(name, costs.stage_devices, m, deferred), record=False,
@@ -329,6 +307,12 @@ def simulate_generated(costs: PipelineCosts, name: str,
     key = (name, replicas, m, tuple(deferred) if deferred is not None else None, pairs)
     shape = _shapes.get(key)
     if shape is None:
+        if key not in _seen:  # the first time: simulated as it comes (also where it cannot run)
+            _seen[key] = None
+            if len(_seen) > 4 * SHAPES_KEPT:
+                _seen.popitem(last=False)
+            return simulate_costs(costs, generate(name, costs.stage_devices, m, deferred), False,
+                                  memory_representatives(costs.stage_devices, m))
         shape = _shape(name, replicas, m, key[3], pairs)
         if shape is None:  # the validator names what blocks it
             return simulate_costs(costs, generate(name, costs.stage_devices, m, deferred), False)
@@ -385,7 +369,7 @@ def simulate_generated(costs: PipelineCosts, name: str,
     held: dict[int, tuple[int, float]] = {}
     for rep, (inflight, codes) in shape.memory.items():
         s = shape.slots[rep][0]
-        held[rep] = (inflight, _held_peak(codes, act[s], hold[s], transient[s]))
+        held[rep] = (inflight, held_peak(codes, act[s], hold[s], transient[s]))
     return Simulation(
         events=[], iteration_ms=makespan, busy_ms=dict(zip(ranks, busy, strict=True)),
         comm_ms=dict(zip(ranks, comm, strict=True)), idle_ms=dict(zip(ranks, idle, strict=True)),

@@ -184,9 +184,10 @@ def test_a_slower_or_busier_machine_gives_the_same_plan(monkeypatch: pytest.Monk
     assert [(s.start, s.stop, s.devices) for s in slow.stages] == key
     for field in ("objective", "bound", "work"):
         assert slow.solver[field] == ref.solver[field], field
+    assert not ref.solver["clock_stopped"] and not slow.solver["clock_stopped"]
     monkeypatch.setattr(search, "WALL_NET", 1.0)
     cut = solve(profile, cluster, options)
-    assert cut.solver["work"] < ref.solver["work"]
+    assert cut.solver["work"] < ref.solver["work"] and cut.solver["clock_stopped"]
 
 
 def test_powers_of_two_replicas() -> None:
