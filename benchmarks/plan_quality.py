@@ -13,6 +13,7 @@ pipedream. Prints a table and writes benchmarks/results/plan_quality.json.
     .venv/bin/python benchmarks/plan_quality.py [--rs-seconds 60] [--only gnmt,chain100]
         [--clusters slow16,hier4x4,fast2x8,fast16x8] [--memory generous,tight]
         [--microbatch fixed,chosen] [--loaded-rerun] [--schedule 1f1b] [--schedules zb-h1,gpipe,auto]
+        [--planned results.json]   # the planner's figures from an earlier run: random search only
 
 With `--schedules`, each instance is also planned with those schedules (the planner only):
 `auto` must never predict worse than the best fixed schedule, and the summary counts which
@@ -223,12 +224,28 @@ def schedule_rows(profile: Profile, cluster: Cluster, options: PlanOptions,
     return out
 
 
+PLANNER_FIELDS = ("planner_ms", "bound_ms", "gap", "status", "wall_s", "stages", "used_devices",
+                  "microbatch_size", "idle_stages", "rerun_wall_s", "same_plan_on_rerun",
+                  "same_bound_on_rerun", "planner_error")
+
+
+class _Planned(Exception):
+    """The planner's figures come from an earlier run (`--planned`)."""
+
+
 def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOptions,
-                 sizes: list[int], rs_seconds: float, loaded_rerun: bool) -> dict:
+                 sizes: list[int], rs_seconds: float, loaded_rerun: bool,
+                 planned: dict | None = None) -> dict:
+    """One row; with `planned` (a row of an earlier run's results) the planner's figures are
+    taken from it instead of planning again (the random search and baselines still run)."""
     table = layer_table(profile)
     row: dict = {"instance": name, "layers": table.num_layers, "devices": cluster.num_devices}
     t0 = time.perf_counter()
+    if planned is not None:
+        row.update({k: planned[k] for k in PLANNER_FIELDS if k in planned})
     try:
+        if planned is not None:
+            raise _Planned
         plan = make_plan(profile, cluster, options)
         wall = time.perf_counter() - t0
         idle = [s.index for s in plan.stages if s.predicted.compute_ms <= 0]
@@ -255,6 +272,8 @@ def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOpt
         row["same_plan_on_rerun"] = plan_key(again) == plan_key(plan) and \
             again.predicted.iteration_ms == plan.predicted.iteration_ms
         row["same_bound_on_rerun"] = again.solver.bound == plan.solver.bound
+    except _Planned:
+        pass
     except PipeplanError as exc:
         row.update(planner_error=str(exc), wall_s=time.perf_counter() - t0)
     for method in BASELINES:
@@ -291,6 +310,9 @@ def main() -> None:
     ap.add_argument("--schedules", default="",
                     help="also plan with these schedules (e.g. zb-h1,gpipe,auto)")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/plan_quality.json"))
+    ap.add_argument("--planned", default="",
+                    help="results JSON of an earlier run: take the planner's figures from its rows "
+                         "instead of planning again (the random search and baselines run)")
     ap.add_argument("--memory-cache", default=str(LEAST_MEMORY_CACHE),
                     help="JSON of the tight instances' least memory, read and extended ('' for none)")
     args = ap.parse_args()
@@ -299,6 +321,7 @@ def main() -> None:
         if cache_path is not None and cache_path.exists() else {}
     cached = len(cache)
     only = [x for x in args.only.split(",") if x]
+    planned = {r["instance"]: r for r in json.loads(Path(args.planned).read_text())} if args.planned else {}
     rows = []
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -324,8 +347,10 @@ def main() -> None:
                                            for b in sizes)
                     cluster = Cluster(**CLUSTERS[cname], device_memory_gb=gbytes)
                     name = f"{pname}/{cname}/{mem}/{mb}"
+                    if args.planned and name not in planned:
+                        continue
                     row = run_instance(name, profile, cluster, base, sizes, args.rs_seconds,
-                                       args.loaded_rerun)
+                                       args.loaded_rerun, planned.get(name))
                     row.update(profile=pname, cluster=cname, memory=mem, microbatch=mb,
                                device_memory_gb=gbytes)
                     if args.schedules:
