@@ -33,12 +33,12 @@ runs once more from the DP's memory-safe plan (`_memory_rescue`).
 Same input, same plan: every step is deterministic and budgeted by work, not time (the
 bound's bisections count their DP cells, `bound.dp_work`, and take at most a third of the budget;
 the search gets what they leave). `time_limit_s` sets that budget (WORK_PER_SECOND of work per
-second: 2-9 s for a 10 s limit on an idle 2-core machine, benchmarks/README.md); the wall clock
-stops the search only at WALL_NET x `time_limit_s`, a safety net that a machine up to three
-times slower than that, or one whose cores other work keeps busy, does not reach. (At 1 x, on
-a machine 1.5-1.7x slower than the one the budget was fitted on, half the plan-quality suite
-reached it, and those plans and bounds then moved with the machine's load: benchmarks/README.md.)
-The service sets WALL_NET to 1: it promises an answer within `time_limit_s` plus its grace.
+second, fitted on a 2-core machine where a 10 s plan took a median 5.8 s); the wall clock stops
+the search only at WALL_NET x `time_limit_s`, a safety net that a machine up to three times
+slower, or one whose cores other work keeps busy, does not reach. (At 1 x, on a machine
+1.5-1.7x slower than that one, 71 of the 160 plan-quality rows reached it and 21 gave another
+plan or bound on a rerun; at 3 x none did, idle or loaded: benchmarks/README.md.) The service
+sets WALL_NET to 1: it promises an answer within `time_limit_s` plus its grace.
 """
 
 from __future__ import annotations
@@ -96,9 +96,7 @@ from planner.search.space import (
 
 __all__ = ["solve", "solve_detailed"]
 
-# work (about one simulated action each) per second of --time-limit: the bound's DP and the
-# search together take ~40 % of it on our 2 cores, idle, so a loaded machine still ends on
-# work, not on the clock
+# work (about one simulated action each, when the units were fitted) per second of --time-limit
 WORK_PER_SECOND = 140_000
 WALL_NET = 3.0  # the wall-clock safety net, x --time-limit (the module docstring)
 GC_THRESHOLD = 50_000  # new objects between two collections while the search runs (`_fewer_collections`)
