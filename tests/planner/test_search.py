@@ -190,6 +190,33 @@ def test_a_slower_or_busier_machine_gives_the_same_plan(monkeypatch: pytest.Monk
     assert cut.solver["work"] < ref.solver["work"] and cut.solver["clock_stopped"]
 
 
+def test_a_proof_out_of_reach_gives_its_work_to_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the tightened bound is more than HOPELESS_GAP below the plan, `prove` (1 % below
+    the plan) is not tried and its work searches on: the plan is no worse and the bound is the
+    same as when it is tried."""
+    import planner.search as search
+
+    profile = gnmt_like()
+    cluster = Cluster(nodes=16, devices_per_node=1, device_memory_gb=16, intra_node_gb_per_s=1,
+                      inter_node_gb_per_s=1)
+    options = PlanOptions(global_batch=1024, microbatch_size=64, optimizer="sgd", time_limit_s=1)
+    calls: list[float] = []
+    real = search.prove
+
+    def counted(c, T, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(T)
+        return real(c, T, *args, **kwargs)
+
+    monkeypatch.setattr(search, "prove", counted)
+    now = solve(profile, cluster, options)
+    assert now.solver["gap"] > search.HOPELESS_GAP and not calls
+    monkeypatch.setattr(search, "HOPELESS_GAP", 10.0)  # always tried
+    tried = solve(profile, cluster, options)
+    assert calls  # the instance is one where it is tried otherwise
+    assert now.solver["objective"] <= tried.solver["objective"] * (1 + REL)
+    assert now.solver["bound"] == tried.solver["bound"]
+
+
 def test_powers_of_two_replicas() -> None:
     profile, cluster, options = random_instance(11, mixed=False)
     cluster = Cluster(nodes=1, devices_per_node=7, device_memory_gb=40, intra_node_gb_per_s=300,
