@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from planner.build import evaluate  # noqa: E402
-from planner.cost import layer_table  # noqa: E402
+from planner.cost import layer_table, microbatch_scale, stage_memory_bytes  # noqa: E402
 from planner.errors import PipeplanError  # noqa: E402
 from planner.formats import Cluster, PlanOptions, Profile  # noqa: E402
 from planner.importers.pipedream import import_pipedream_file  # noqa: E402
@@ -130,17 +130,19 @@ def random_search(profile: Profile, cluster: Cluster, options: PlanOptions, size
     """Random (split, replicas, microbatch size) on consecutive ranks + hill climbing, judged by
     `evaluate()`. With `allow_idle` False, a stage that computes nothing is not allowed. A
     split that overflows memory is scored once more with recomputation on the stages that
-    overflow (where the options allow it): on tight memory most plans need it."""
+    overflow (where the options allow it): on tight memory most plans need it; a random start
+    that still overflows is repaired by splitting its most overflowing stage (`repair`). Half
+    the starts lay their boundaries to fit memory (`packed`), the others are uniform."""
     table = layer_table(profile)
     L, D = table.num_layers, cluster.num_devices
     rng = random.Random(seed)
     best = (math.inf, None)
     evals = 0
 
-    def score(bounds: list[int], reps: list[int], b: int) -> float:
+    def judge(bounds: list[int], reps: list[int], b: int):
         nonlocal evals
         if not allow_idle and any(table.compute_ms(a, z) <= 0 for a, z in zip(bounds, bounds[1:], strict=False)):
-            return math.inf
+            return None
         evals += 1
         m = options.global_batch // b
         ev = evaluate(table, cluster, _candidate(bounds, reps, b, m), options)
@@ -149,17 +151,68 @@ def random_search(profile: Profile, cluster: Cluster, options: PlanOptions, size
                 zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes, strict=True)) if need > lim)
             evals += 1
             ev = evaluate(table, cluster, _candidate(bounds, reps, b, m, over), options)
-        return ev.iteration_ms if ev.fits else math.inf
+        return ev
+
+    def score(bounds: list[int], reps: list[int], b: int) -> float:
+        ev = judge(bounds, reps, b)
+        return ev.iteration_ms if ev is not None and ev.fits else math.inf
+
+    def repair(bounds: list[int], reps: list[int], b: int) -> tuple[list[int], list[int], float]:
+        """Where a random plan overflows memory (tight rows: nearly every one does), split
+        its most overflowing stage at a random layer, the new stage on a free device or on a
+        replica taken from the most replicated stage, until it fits or cannot split."""
+        for _ in range(2 * D):
+            ev = judge(bounds, reps, b)
+            if ev is None:
+                return bounds, reps, math.inf
+            if ev.fits:
+                return bounds, reps, ev.iteration_ms
+            ratio = [need / lim for need, lim in zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes,
+                                                      strict=True)]
+            k = max((x for x in range(len(reps)) if bounds[x + 1] - bounds[x] >= 2),
+                    key=lambda x: ratio[x], default=None)
+            if k is None or ratio[k] <= 1:
+                return bounds, reps, math.inf
+            reps = list(reps)
+            if sum(reps) >= D:
+                most = max(range(len(reps)), key=lambda x: reps[x])
+                if reps[most] < 2:
+                    return bounds, reps, math.inf
+                reps[most] -= 1
+            cut = rng.randint(bounds[k] + 1, bounds[k + 1] - 1)
+            bounds = bounds[:k + 1] + [cut] + bounds[k + 1:]
+            reps = reps[:k + 1] + [1] + reps[k + 1:]
+        return bounds, reps, math.inf
+
+    limit = min(d.memory_bytes for d in cluster.devices())
+
+    def packed(b: int) -> list[int] | None:
+        """Random boundaries laid from the last layer back, each stage at most as long as fits
+        memory with 1F1B's in-flight microbatches at one replica per stage (one more per stage
+        after it), biased to the longest: on tight memory, uniform cuts almost never fit."""
+        scale, m = microbatch_scale(table.batch_size, b), options.global_batch // b
+        bounds, j = [L], L
+        while j > 0:
+            inflight = min(m, len(bounds))
+            i = j - 1
+            while i > 0 and stage_memory_bytes(table.param_bytes(i - 1, j), table.activation_bytes(i - 1, j),
+                                               scale, inflight, options.optimizer) <= limit:
+                i -= 1
+            j = i + int(rng.random() ** 3 * (j - 1 - i))
+            bounds.append(j)
+        return bounds[::-1] if len(bounds) - 1 <= D else None
 
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         b = rng.choice(sizes)
         S = rng.randint(1, min(L, D, rng.choice([4, 8, 16, 32, 64])))
         bounds = [0, *sorted(rng.sample(range(1, L), S - 1)), L]
+        if rng.random() < 0.5 and (got := packed(b)) is not None:
+            bounds, S = got, len(got) - 1
         reps = [1] * S
         for _ in range(rng.randint(0, D - S)):
             reps[rng.randrange(S)] += 1
-        cur = score(bounds, reps, b)
+        bounds, reps, cur = repair(bounds, reps, b)
         if not math.isfinite(cur):
             continue
         improved = True
