@@ -74,12 +74,15 @@ MEASURED = {0: (691.12, 634.32), 2: (724.33, 717.63), 4: (474.16, 474.16), 31: (
 
 
 @pytest.mark.parametrize("seed", sorted(MEASURED))
-def test_the_tightened_dps_plans_never_make_the_plan_worse(seed: int) -> None:
+def test_the_tightened_dps_plans_never_make_the_plan_worse(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """They run after the search on extra work: the plan is the search's own or better, and the
     bound holds for it. On 4 of these 5 instances the plan is better for them (seed 39: 1076.9
-    -> 928.4 ms); on 9 of the first 40 seeds, and worse on none."""
+    -> 928.4 ms); on 9 of the first 40 seeds, and worse on none. (Measured with the 1 % proof
+    always tried: where it is out of reach its work searches on from the best plan, which
+    reaches the same plans on seeds 0 and 2 without these seeds.)"""
     import planner.search as search
 
+    monkeypatch.setattr(search, "HOPELESS_GAP", math.inf)
     profile, cluster, options = tight_chain_or_dag(seed)
     with_them = solve_detailed(profile, cluster, options)[1]
     saved = search.TIGHTENED_SHARE
