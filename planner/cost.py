@@ -233,6 +233,15 @@ def loss_activation_bytes(profile: Profile) -> int:
     return int(getattr(profile.measured, "loss_activation_bytes", 0) or 0) if profile.measured else 0
 
 
+def reserved_memory_bytes(profile: Profile, cluster: Cluster) -> float:
+    """Memory of every device the model cannot use: the cluster's `reserved_memory_gb` where
+    given, else what the profiler measured the CUDA libraries keep (`device.workspace_bytes`;
+    0 for a CPU profile)."""
+    if cluster.reserved_memory_gb is not None:
+        return cluster.reserved_memory_gb * GB
+    return float(getattr(profile.device, "workspace_bytes", 0) or 0)
+
+
 DEFAULT_WEIGHT_SHARE = 0.5  # of bwd_ms, for a layer with parameters and no measured bwd_weight_ms
 
 

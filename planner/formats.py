@@ -50,6 +50,10 @@ class ModelRef(_Open):
 class DeviceInfo(_Open):
     type: str  # "cpu" | "cuda" | "gpu" (imported)
     name: str
+    # what the CUDA libraries keep on the device for the whole run beyond the model's tensors
+    # (cuBLAS workspaces), measured by the profiler on CUDA; the planner leaves it out of every
+    # device's memory unless the cluster says otherwise (`Cluster.reserved_memory_gb`)
+    workspace_bytes: NonNegativeInt = 0
 
 
 class LayerTP(_Open):
@@ -230,6 +234,9 @@ class Cluster(_Closed):
     allreduce_efficiency: float = Field(default=1.0, gt=0, le=1)
     # what calibrate measured, for people (points, fits, per-rank speeds, nominal figures)
     calibration: dict[str, Any] | None = None
+    # memory of every device the model cannot use (the framework's own: cuBLAS workspaces);
+    # None: the profile's `device.workspace_bytes` (0 for a CPU profile)
+    reserved_memory_gb: NonNegativeFloat | None = None
 
     @model_validator(mode="after")
     def _check_form(self) -> Cluster:
@@ -251,6 +258,22 @@ class Cluster(_Closed):
             raise ValueError(f"{total} devices; pipeplan plans for at most {MAX_CLUSTER_DEVICES} "
                              "(the search's memory grows with the devices): describe a smaller cluster")
         return self
+
+    def with_memory_reserved(self, nbytes: float) -> Cluster:
+        """The cluster as the model sees it: every device's memory less `nbytes`."""
+        if nbytes <= 0:
+            return self
+        gb = nbytes / GB
+        specs = self.node_specs()
+        small = min(s.device_memory_gb for s in specs)
+        if small <= gb:
+            raise ValueError(f"devices of {small:g} GB cannot hold the {gb:.3f} GB the framework "
+                             "reserves on each (reserved_memory_gb, or the profile's "
+                             "device.workspace_bytes): describe larger devices")
+        if isinstance(self.nodes, int):
+            return self.model_copy(update={"device_memory_gb": self.device_memory_gb - gb})  # type: ignore[operator]
+        return self.model_copy(update={"nodes": [s.model_copy(update={"device_memory_gb": s.device_memory_gb - gb})
+                                                 for s in specs]})
 
     def node_specs(self) -> list[NodeSpec]:
         if isinstance(self.nodes, int):

@@ -121,7 +121,9 @@ def fit(plan: Plan, report: Report) -> Corrections:
         ranks = by_stage[st.index]
         p = st.predicted
         fwd, bwd = _mean([r.fwd_ms_per_microbatch for r in ranks]), _mean([r.bwd_ms_per_microbatch for r in ranks])
-        static = float(getattr(p, "static_memory_bytes", 0.0) or 0.0)
+        # the framework's reserve (cuBLAS workspaces) is in both the prediction and the peak
+        static = (float(getattr(p, "static_memory_bytes", 0.0) or 0.0)
+                  + float(getattr(p, "reserved_memory_bytes", 0) or 0))
         act_pred = float(p.memory_bytes) - static
         peaks = [r.peak_memory_bytes for r in ranks]
         act_meas = float(max(peaks)) - static if peaks else None

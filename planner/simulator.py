@@ -400,7 +400,10 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
         fwd_ms=tuple(st.predicted.fwd_ms for st in stages),
         bwd_ms=tuple(st.predicted.bwd_ms for st in stages),
         allreduce_ms=tuple(st.predicted.allreduce_ms for st in stages),
-        static_memory_bytes=tuple(extra(st.predicted, "static_memory_bytes") for st in stages),
+        # what the framework reserves on each device (planner.solve.make_plan) is held from
+        # the start, like the parameters
+        static_memory_bytes=tuple(extra(st.predicted, "static_memory_bytes")
+                                  + extra(st.predicted, "reserved_memory_bytes") for st in stages),
         activation_bytes_per_microbatch=tuple(
             extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
         memory_limit_bytes=tuple(float(st.predicted.memory_limit_bytes) for st in stages),

@@ -8,18 +8,20 @@ the other methods work without it; when it exists it is the default.
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from planner.baselines import solve_blocks, solve_manual, solve_params, solve_uniform
 from planner.build import Evaluation, build_plan, evaluate, memory_error, resolve_microbatch
-from planner.cost import layer_table
+from planner.cost import layer_table, reserved_memory_bytes
 from planner.errors import PipeplanError
 from planner.formats import Cluster, Plan, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
 from planner.schedules import SCHEDULES
+from planner.units import format_bytes
 
 Method = Callable[[Profile, Cluster, PlanOptions], Candidate]
 
@@ -68,6 +70,8 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     A plan that does not fit in device memory raises a PipeplanError saying what it needs."""
     t0 = time.perf_counter()
     table = layer_table(profile)
+    reserved = reserved_memory_bytes(profile, cluster)
+    nominal, cluster = cluster, _usable(cluster, reserved)
     if options.schedule == "auto":
         candidate, concrete, ev = _auto_schedule(profile, cluster, options, table)
     else:
@@ -75,13 +79,33 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
         concrete = options
         ev = evaluate(table, cluster, candidate, options)
     if not ev.fits:
-        raise memory_error(ev, options.method)
+        err = memory_error(ev, options.method)
+        if reserved > 0:
+            err = PipeplanError(f"{err} (Usable memory: each device's less the "
+                                f"{format_bytes(reserved)} the framework keeps for itself, "
+                                "cuBLAS workspaces, as the profiler measured; set the cluster's "
+                                "reserved_memory_gb to change it.)")
+        raise err
     plan = build_plan(profile, cluster, candidate, concrete, table=table, evaluation=ev)
+    if reserved > 0:  # the plan describes the real devices: what the runtime will measure
+        plan.cluster = nominal
+        for st in plan.stages:
+            p = st.predicted
+            p.memory_bytes += math.ceil(reserved)
+            p.memory_limit_bytes += int(reserved)
+            p.reserved_memory_bytes = int(reserved)  # type: ignore[attr-defined]
     if options.schedule == "auto":  # the plan records what the user asked for, and what it got
         plan.options = plan.options.model_copy(update={"schedule": "auto"})
     if "wall_s" not in candidate.solver:
         plan.solver.wall_s = time.perf_counter() - t0
     return plan
+
+
+def _usable(cluster: Cluster, reserved: float) -> Cluster:
+    try:
+        return cluster.with_memory_reserved(reserved)
+    except ValueError as exc:
+        raise PipeplanError(str(exc)) from exc
 
 
 def solve_seconds(options: PlanOptions) -> float:

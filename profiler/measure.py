@@ -43,6 +43,28 @@ from profiler.graph import LayerGraph, StageModule, build_stage, input_key
 from profiler.inwhole import InWholeRunner
 
 
+def library_workspace_bytes(device: torch.device) -> int:
+    """Bytes the CUDA libraries keep in PyTorch's allocator for as long as the process runs,
+    beyond any tensor: cuBLAS keeps a workspace per thread and stream (32 MiB each on Hopper),
+    and training uses two threads (the forward on the caller's, the backward on autograd's
+    device thread). Measured as what one `linear` forward and backward leave allocated after
+    the tensors are gone, from freshly cleared workspaces. 0 on CPU."""
+    if device.type != "cuda":
+        return 0
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    torch.cuda.synchronize(device)
+    if clear is not None:
+        clear()
+    before = torch.cuda.memory_allocated(device)
+    a = torch.randn(256, 256, device=device, requires_grad=True)
+    w = torch.randn(256, 256, device=device, requires_grad=True)
+    b = torch.randn(256, device=device, requires_grad=True)
+    torch.nn.functional.linear(a, w, b).sum().backward()
+    torch.cuda.synchronize(device)
+    del a, w, b
+    return max(0, torch.cuda.memory_allocated(device) - before)
+
+
 @dataclass
 class LayerMeasurement:
     name: str

@@ -16,7 +16,7 @@ from planner.errors import PipeplanError
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
 from profiler.graph import LayerGraph, trace
 from profiler.loader import batch_checked, build_checked, call_user, load_model_file, loss_checked
-from profiler.measure import measure_all
+from profiler.measure import library_workspace_bytes, measure_all
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,6 +93,7 @@ def profile_model_file(
             "--threads 1 (with more threads the work in the other threads would not be counted)"
         )
     mf = load_model_file(path)
+    workspace = library_workspace_bytes(dev)  # before the model's own work allocates any
     torch.manual_seed(seed)
     model = build_checked(mf).to(dev).train()
     inputs, target = batch_checked(mf, batch_size)
@@ -131,7 +132,8 @@ def profile_model_file(
     whole_ms = whole.fwd_ms + whole.bwd_ms
     return Profile(
         model=ModelRef(path=mf.path, sha256=mf.sha256),
-        device=DeviceInfo(type=dev.type, name=device_name(dev)),
+        device=DeviceInfo(type=dev.type, name=device_name(dev),
+                          **({"workspace_bytes": workspace} if workspace else {})),
         batch_size=batch_size,
         dtype=_dtype(model),
         layers=[
