@@ -30,12 +30,14 @@ def _profile(tmp: Path, device: str, name: str) -> Profile:
 def test_cuda_profile_layers_sum_to_the_whole_model(tmp_path):
     p = _profile(tmp_path, "cuda", "gpu.json")
     assert p.device.type == "cuda" and p.measured is not None
+    assert p.device.workspace_bytes >= 2**20  # cuBLAS's workspaces (64 MiB on an H100)
     layers = sum(x.fwd_ms + x.bwd_ms for x in p.layers)
     whole = p.measured.fwd_ms + p.measured.bwd_ms
     assert 0.5 < layers / whole < 2.0, (layers, whole)
 
 
-def test_one_rank_cuda_plan_peak_memory_matches_the_prediction(tmp_path, run):
+@pytest.mark.parametrize("recompute", ["0", "1"])
+def test_one_rank_cuda_plan_peak_memory_matches_the_prediction(tmp_path, run, recompute):
     p = _profile(tmp_path, "cuda", "gpu.json")
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"nodes": 1, "devices_per_node": 1, "device_memory_gb": 16,
@@ -43,13 +45,18 @@ def test_one_rank_cuda_plan_peak_memory_matches_the_prediction(tmp_path, run):
     plan = tmp_path / "plan.json"
     assert planner_main(["plan", str(tmp_path / "gpu.json"), "--cluster", str(cluster), "--global-batch", "16",
                          "--microbatch-size", "8", "--method", "manual", "--split", str(len(p.layers)),
-                         "-o", str(plan)]) == 0
+                         "--recompute", recompute, "-o", str(plan)]) == 0
     rc, _, err, _ = run(plan, "--model", EXAMPLES / "gpt.py", "--steps", 3, "--optimizer", "adam",
                         "--report", tmp_path / "report.json")
     assert rc == 0, err
     rank = json.loads((tmp_path / "report.json").read_text())["ranks"][0]
     assert rank["memory_measure"] == "cuda_max_allocated"
-    # the allocator rounds blocks up and keeps the batch and cuBLAS workspace: within 30 %
+    print(f"recompute={recompute}: peak {rank['peak_memory_bytes']} B, predicted "
+          f"{rank['predicted_memory_bytes']} B, ratio "
+          f"{rank['peak_memory_bytes'] / rank['predicted_memory_bytes']:.3f}")
+    # the prediction includes cuBLAS's workspaces (the profile's device.workspace_bytes); the
+    # allocator rounds blocks up and the optimizer's and loss's temporaries are not modelled:
+    # within 30 % (H100, before the workspaces were counted: 6.4x and 7.9x)
     assert rank["peak_memory_bytes"] == pytest.approx(rank["predicted_memory_bytes"], rel=0.3)
 
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The checks only a machine with a GPU (and 16 cores) can show, in one run (issues 13, 15):
+# the CUDA tests, the profiler with CUDA events, and the CPU pipeline benchmarks with a core per
+# rank. Writes its logs and JSON under $OUT (default benchmarks/results/gpu). Each step has a
+# time limit of its own so one slow step cannot eat the others' time.
+#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh
+# On the lent device machine (no pipeplan dependencies, no network) the dependencies travel as
+# wheels in .whl/ (see the device tool's README) and are installed first, into its python3:
+#   python3 -m pip install -q --no-index --no-deps .whl/*.whl; bash benchmarks/gpu_check.sh
+# Run 2026-11-27 on an H100 (416 s): results in benchmarks/results/h100/ and benchmarks/README.md.
+set -u
+OUT=${OUT:-benchmarks/results/gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+step() { local t=$1; shift; echo "=== $(date +%T) [$t s] $*"; local s=$SECONDS
+         timeout "$t" "$@"; echo "=== rc=$? in $((SECONDS - s)) s"; }
+{
+nvidia-smi -L; nproc; $PY -c 'import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0))'
+step 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py -s -rA
+step 200 $PY benchmarks/gpu_memory.py -o "$OUT/gpu_memory.json"
+step 60 $PY benchmarks/profile_accuracy.py --device cuda --repeats 10 --models mlp,gpt,unet -o "$OUT/profile_accuracy_cuda.json"
+step 200 $PY benchmarks/schedules.py --repeats 1 --steps 6 -o "$OUT/schedules_16core.json"
+step 200 $PY benchmarks/prediction.py --steps 6 --only sleep,calibrate --out "$OUT/prediction_16core.json"
+} 2>&1 | tee "$OUT/gpu_check.log"
