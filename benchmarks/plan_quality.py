@@ -340,6 +340,8 @@ def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOpt
         rs = random_search(profile, cluster, options, sizes, rs_seconds)
         row["random"] = rs["iteration_ms"]
         row["random_evaluations"] = rs["evaluations"]
+        if rs.get("bounds") is not None:  # so a plan that beats the planner can be checked again
+            row["random_plan"] = {k: rs[k] for k in ("bounds", "replicas", "microbatch_size")}
     best_other = min((v for k in BASELINES + ["random"] if (v := row.get(k)) is not None),
                      default=None)
     row["best_other"] = best_other
