@@ -257,3 +257,45 @@ def test_per_microbatch_conditions_skip_arrays_too_large(monkeypatch) -> None:
     assert _per_microbatch(c, 1.0, 100.0, float("inf"), 1e-4, float("inf")) == (1.0, 0)
     monkeypatch.setattr(bound_mod, "PER_MICROBATCH_CELLS", cells)
     assert _per_microbatch(c, 1.0, 100.0, float("inf"), 1e-4, float("inf"))[1] > 0
+
+
+
+def test_the_prefix_hops_price_every_replica_count_by_its_own_warm_up() -> None:
+    """5 replicas at m = 16 run ceil(16 / 5) = 4 microbatches on the busiest, as 4 do, but hold
+    fewer in flight: ceil(10 / 5) = 2 with 5 devices after them, where 4 replicas hold 3. The
+    prefix DP priced the 5 as the 4 (its replica choice), so a stage that fits memory only as
+    5 replicas was no prefix at all, and `exhaust` missed every plan through it: SqueezeNet on
+    16 x 1 devices, tight, reported "optimal" at 4016.0 ms against a plan of 3901.8 that fits.
+    Here (found by random plans, the instance of seed 28), every stage of the plan of 6, 5 and
+    5 replicas must be one the DP allows at the plan's own time."""
+    from helpers import chain_profile
+
+    from planner.build import evaluate
+    from planner.partition import Candidate, StageChoice
+    from planner.search import proof_conditions
+    from planner.search.bound import allowed_stages
+
+    rng = random.Random(28)
+    L = rng.randint(3, 5)
+    profile = chain_profile([rng.uniform(0.5, 2) for _ in range(L)],
+                            params=[rng.randrange(10**6, 10**8) for _ in range(L)],
+                            act=[rng.randrange(10**8, 2 * 10**9) for _ in range(L)],
+                            out=[rng.randrange(10**6, 10**8) for _ in range(L)], batch_size=2)
+    cluster = Cluster(nodes=16, devices_per_node=1, device_memory_gb=rng.uniform(1, 8),
+                      intra_node_gb_per_s=1, inter_node_gb_per_s=1)
+    table = layer_table(profile)
+    bounds, reps = (0, 1, 2, 3), (6, 5, 5)
+    assert table.num_layers == 3
+    stages, rank = [], 0
+    for a, z, r in zip(bounds, bounds[1:], reps, strict=False):
+        stages.append(StageChoice(a, z, tuple(range(rank, rank + r))))
+        rank += r
+    ev = evaluate(table, cluster, Candidate(tuple(stages), 2, 16),
+                  PlanOptions(global_batch=32, microbatch_size=2, optimizer="sgd"))
+    assert ev.fits
+    cz = proof_conditions(conditions(table, cluster, "sgd", "1f1b", 32, 2, hop_bytes(table), (1,), False))
+    edges = allowed_stages(cz, ev.iteration_ms * (1 + REL), cap=10**9)
+    d = sum(reps)
+    for a, z, r in zip(bounds, bounds[1:], reps, strict=False):
+        assert (z, r, 1) in edges.by_state.get((a, d), ()), (a, z, r, d)
+        d -= r
