@@ -23,18 +23,9 @@ CONFIGS = {
                   "PIPEPLAN_GPT_SEQ": "512", "PIPEPLAN_GPT_VOCAB": "32000"},
     "mlp-large": {"PIPEPLAN_MLP_BLOCKS": "8", "PIPEPLAN_MLP_DIM": "4096"},
 }
-PROBE = """
-import threading, torch
-d = torch.device('cuda'); torch.cuda.init()
-base = torch.cuda.memory_allocated(d)
-a = torch.randn(256, 256, device=d, requires_grad=True)
-w = torch.randn(256, 256, device=d, requires_grad=True)
-t = torch.cuda.memory_allocated(d)
-y = (a @ w).sum(); torch.cuda.synchronize(); fwd = torch.cuda.memory_allocated(d) - t
-y.backward(); torch.cuda.synchronize()
-kept = torch.cuda.memory_allocated(d) - t - a.grad.nbytes - w.grad.nbytes
-print(fwd, kept)
-"""
+# in a process of its own: the workspaces of a process that ran matmuls before are counted already
+PROBE = ("import torch; from profiler.measure import library_workspace_bytes; "
+         "print(library_workspace_bytes(torch.device('cuda')))")
 
 
 def sh(*args: str, env: dict[str, str] | None = None) -> None:
@@ -73,9 +64,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "gpu_memory.json"))
     args = ap.parse_args()
-    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
-    fwd_ws, kept_ws = map(int, probe.stdout.split())
-    print(f"cuBLAS probe: {fwd_ws} B held after a forward matmul, {kept_ws} B kept after its backward")
+    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True,
+                           check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    kept_ws = int(probe.stdout.split()[-1])
+    print(f"cuBLAS workspaces (profiler.measure.library_workspace_bytes): {kept_ws} B")
     rows = []
     with tempfile.TemporaryDirectory() as t:
         for name, sizes in CONFIGS.items():
@@ -86,7 +78,7 @@ def main() -> None:
                     rows.append({"model": name, "recompute": rc, "error": str(e)[-1500:]})
                 print(json.dumps(rows[-1]), flush=True)
                 Path(args.output).write_text(json.dumps(  # kept as it goes: a cut run keeps its rows
-                    {"probe_fwd_bytes": fwd_ws, "probe_kept_bytes": kept_ws, "rows": rows}, indent=1))
+                    {"probe_kept_bytes": kept_ws, "rows": rows}, indent=1))
     print("| model | recompute | peak MB | predicted MB | peak − predicted MB | ratio | saved measured MB | static predicted MB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from planner.errors import PipeplanError
+
 SCHEMA_VERSION = 1
 GB = 1e9
 INPUT_NODE = "<input>"  # edge source for tensors that are model inputs (available before layer 0)
@@ -267,7 +269,7 @@ class Cluster(_Closed):
         specs = self.node_specs()
         small = min(s.device_memory_gb for s in specs)
         if small <= gb:
-            raise ValueError(f"devices of {small:g} GB cannot hold the {gb:.3f} GB the framework "
+            raise PipeplanError(f"devices of {small:g} GB cannot hold the {gb:.3f} GB the framework "
                              "reserves on each (reserved_memory_gb, or the profile's "
                              "device.workspace_bytes): describe larger devices")
         if isinstance(self.nodes, int):

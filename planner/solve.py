@@ -71,7 +71,7 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     t0 = time.perf_counter()
     table = layer_table(profile)
     reserved = reserved_memory_bytes(profile, cluster)
-    nominal, cluster = cluster, _usable(cluster, reserved)
+    nominal, cluster = cluster, cluster.with_memory_reserved(reserved)
     if options.schedule == "auto":
         candidate, concrete, ev = _auto_schedule(profile, cluster, options, table)
     else:
@@ -99,13 +99,6 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     if "wall_s" not in candidate.solver:
         plan.solver.wall_s = time.perf_counter() - t0
     return plan
-
-
-def _usable(cluster: Cluster, reserved: float) -> Cluster:
-    try:
-        return cluster.with_memory_reserved(reserved)
-    except ValueError as exc:
-        raise PipeplanError(str(exc)) from exc
 
 
 def solve_seconds(options: PlanOptions) -> float:

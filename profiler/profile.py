@@ -132,8 +132,7 @@ def profile_model_file(
     whole_ms = whole.fwd_ms + whole.bwd_ms
     return Profile(
         model=ModelRef(path=mf.path, sha256=mf.sha256),
-        device=DeviceInfo(type=dev.type, name=device_name(dev),
-                          **({"workspace_bytes": workspace} if workspace else {})),
+        device=DeviceInfo(type=dev.type, name=device_name(dev), workspace_bytes=workspace),
         batch_size=batch_size,
         dtype=_dtype(model),
         layers=[

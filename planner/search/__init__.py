@@ -291,6 +291,12 @@ def _packed_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: 
     lo_s, hi_s = len(first) - 1, min(D, L)
     want = sorted({round(lo_s + k * (hi_s - lo_s) / max(1, PACK_SEEDS - 1)) for k in range(PACK_SEEDS)})
     out: dict[tuple[int, ...], Structure] = {}
+
+    def add(bounds: tuple[int, ...] | None) -> None:
+        if bounds is not None and bounds not in out:
+            n = len(bounds) - 1
+            out[bounds] = _seed(b, bounds, (1,) * n, (1,) * n)
+
     for S in want:
         lo, hi = 0.0, limit  # the cap: below `hi` there are more stages than S (or it fails)
         best = first if len(first) - 1 == S else None
@@ -304,13 +310,8 @@ def _packed_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: 
                 if len(got) - 1 == S:
                     best = got
                     break
-        if best is not None and best not in out:
-            n = len(best) - 1
-            out[best] = _seed(b, best, (1,) * n, (1,) * n)
-        got = _balanced_pack(table, b, m, options.optimizer, limit, S)
-        if got is not None and got not in out:
-            n = len(got) - 1
-            out[got] = _seed(b, got, (1,) * n, (1,) * n)
+        add(best)
+        add(_balanced_pack(table, b, m, options.optimizer, limit, S))
     return list(out.values())
 
 

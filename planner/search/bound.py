@@ -569,6 +569,15 @@ def _most_prefix_hops(hop, base_rt, f2, c2, n, w, comp, wgt, room_busy, room_ful
     return np.where(mem_ok, np.minimum((room_busy - crit_busy) / 2, room_full - full_busy), -np.inf)
 
 
+def replica_counts(c: Conditions, v: Variant) -> np.ndarray:
+    """Every replica count a stage run as `v` may have (1 .. min(D / tp, m)), each priced by
+    its own microbatches in flight and devices; the replica choices alone (the smallest count
+    of each n = ceil(m / r)) under the pessimistic seed conditions."""
+    if c.pessimistic:
+        return c.rs[c.rs * v.tp <= c.D]
+    return np.arange(1, min(c.D // v.tp, c.m) + 1, dtype=float)
+
+
 def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
     """X[i, e]: the least sum of hop transfers of a prefix of stages covering layers [0, i),
     the stages from layer i on having exactly e devices, each prefix stage meeting at T the
@@ -612,12 +621,8 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
         # 4, both 4 microbatches at m = 16, found it over memory and raised the bound above a
         # plan that fits: SqueezeNet on 16 x 1 devices, tight, "optimal" at 4016.0 ms against
         # 3901.8); the pessimistic seed conditions keep the choices
-        if c.pessimistic:
-            keep = c.rs * v.tp <= D
-            rs, n = c.rs[keep], c.n[keep]
-        else:
-            rs = np.arange(1, min(D // v.tp, c.m) + 1, dtype=float)
-            n = np.ceil(c.m / rs)
+        rs = replica_counts(c, v)
+        n = np.ceil(c.m / rs)
         dd = (rs * v.tp).astype(int)
         # without groups, the hop out of a stage is inside a node only if the stage and one
         # more device fit one
@@ -791,7 +796,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
             w = np.where(valid, np.minimum(n[:, None], np.ceil(dvec[None, :] / rs[:, None])), 1.0)
         # every replica count of each choice's n (`replica_choices`; the choices alone for the
         # pessimistic seeds), consecutive: `starts` indexes each choice's first
-        ra = rs if c.pessimistic else np.arange(1, min(D // v.tp, c.m) + 1, dtype=float)
+        ra = replica_counts(c, v)
         na = np.ceil(c.m / ra)
         starts = np.searchsorted(-na, -n)  # na is non-increasing; n[k] first appears there
         dda = (ra * v.tp).astype(int)
@@ -1212,9 +1217,9 @@ def tighten_step_work(c: Conditions) -> int:
     prefix = 0
     if c.prefix_hops:  # without classes; with node groups, a state per group fill; a row per
         # replica count where the suffix DP has one per replica choice (`_prefix_hops`)
-        counts = sum(min(c.D // v.tp, c.m) for v in c.variants)
+        counts = sum(len(replica_counts(c, v)) for v in c.variants)
         choices = sum(int((c.rs * v.tp <= c.D).sum()) for v in c.variants)
-        rows = 1.0 if c.pessimistic or not choices else counts / choices
+        rows = counts / choices if choices else 1.0
         prefix = dp_work(replace(without_classes(c), grouped=False)) * (1 + PREFIX_GROUP_WORK * (_group_size(c) - 1)) * rows
     suffix = dp_work(c) * LAST_BACKWARD_WORK * (MICROBATCH_PATHS_WORK if c.microbatch_paths else 1.0)
     if c.per_microbatch:

@@ -14,15 +14,14 @@ from planner.cost import layer_table, microbatch_scale, stage_memory_bytes
 from planner.formats import Cluster, PlanOptions, Profile
 from planner.partition import Candidate, StageChoice
 from planner.search import _balanced_pack, _packed_seeds, solve
+from tests.planner.helpers import chain_profile
 from tests.planner.test_search import gnmt_like
 
 
 def _chain(rng: random.Random, n: int) -> Profile:
-    layers = [dict(name=f"l{i}", fwd_ms=rng.uniform(0.1, 3.0), bwd_ms=rng.uniform(0.2, 6.0),
-                   param_bytes=rng.randrange(10**6, 10**8), activation_bytes=rng.randrange(10**6, 10**8),
-                   output_bytes=10**5) for i in range(n)]
-    return Profile(model={"path": "chain", "sha256": "0"}, device={"type": "gpu", "name": "x"},
-                   batch_size=4, layers=layers)
+    return chain_profile([rng.uniform(0.1, 3.0) for _ in range(n)], [rng.uniform(0.2, 6.0) for _ in range(n)],
+                         params=[rng.randrange(10**6, 10**8) for _ in range(n)],
+                         act=[rng.randrange(10**6, 10**8) for _ in range(n)], out=[10**5] * n, batch_size=4)
 
 
 def _memory(table, bounds: tuple[int, ...], scale: float, m: int, S: int) -> list[float]:
