@@ -9,7 +9,9 @@ evaluated three ways side by side, best of `--repeats` passes each:
 - `kept shape`: without events, each schedule shape's dependency order kept between
   candidates (`simulator.simulate_generated`; the passes after the first, as in a search that
   meets a shape again);
-and whether the three agree to the bit. Also the plan's own wall time with the garbage
+and whether the three agree to the bit; the cost model (`pipeline_costs`) for the same
+candidates with and without the search's per-stage cache (a fresh one, filled in the order the
+search scored them), and whether the two agree to the bit. Also the plan's own wall time with the garbage
 collector at Python's default threshold against the search's (`search.GC_THRESHOLD`).
 Prints a table and writes benchmarks/results/search_speed.json.
 
@@ -76,9 +78,9 @@ def captured(profile, cluster, options: PlanOptions) -> list:
     cands = []
     scored = space.evaluate
 
-    def capture(table, cl, cand, opts, devices=None, record=True):
+    def capture(table, cl, cand, opts, devices=None, record=True, stage_cache=None):
         cands.append(cand)
-        return scored(table, cl, cand, opts, devices, record)
+        return scored(table, cl, cand, opts, devices, record, stage_cache)
 
     space.evaluate = capture
     try:
@@ -105,6 +107,15 @@ def measure(spec: str, repeats: int) -> dict:
     cands = captured(profile, cluster, options)
     table, devs = layer_table(profile), cluster.devices()
     costs = [build.pipeline_costs(table, cluster, c, options.optimizer, devs) for c in cands]
+
+    def cached_costs() -> list:  # a fresh cache, filled in the order the search scored them
+        kept_stages: dict = {}
+        return [build.pipeline_costs(table, cluster, c, options.optimizer, devs, kept_stages) for c in cands]
+
+    t_costs = best_of(lambda: [build.pipeline_costs(table, cluster, c, options.optimizer, devs) for c in cands],
+                      repeats)
+    t_cached = best_of(cached_costs, repeats)
+    same_costs = cached_costs() == costs
     name = options.schedule
     deferred = [build.schedule_deferrals(k, name) for k in costs]
     full = [lambda c=c: build.evaluate(table, cluster, c, options, devs) for c in cands]
@@ -125,6 +136,8 @@ def measure(spec: str, repeats: int) -> dict:
     return {"instance": spec, "candidates": n, "full_us": 1e6 * t_full / n,
             "as_it_comes_us": 1e6 * t_plain / n, "kept_shape_us": 1e6 * t_kept / n,
             "speedup": t_plain / t_kept, "same_to_the_bit": same,
+            "costs_us": 1e6 * t_costs / n, "costs_stage_cache_us": 1e6 * t_cached / n,
+            "costs_speedup": t_costs / t_cached, "costs_same_to_the_bit": same_costs,
             "plan_s": {"gc_default": plan_seconds(profile, cluster, options, 700),
                        "gc_search": plan_seconds(profile, cluster, options, search.GC_THRESHOLD)}}
 
@@ -137,12 +150,15 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     print(f"{'instance':36} {'cands':>6} {'full us':>8} {'as it comes':>11} {'kept shape':>10} "
-          f"{'speedup':>7} {'same':>5} {'plan s, gc default':>18} {'gc 50k':>7}")
+          f"{'speedup':>7} {'same':>5} {'costs us':>8} {'stage cache':>11} {'speedup':>7} {'same':>5} "
+          f"{'plan s, gc default':>18} {'gc 50k':>7}")
     for spec in args.only.split(","):
         row = measure(spec, args.repeats)
         rows.append(row)
         print(f"{spec:36} {row['candidates']:6d} {row['full_us']:8.0f} {row['as_it_comes_us']:11.0f} "
               f"{row['kept_shape_us']:10.0f} {row['speedup']:7.2f} {str(row['same_to_the_bit']):>5} "
+              f"{row['costs_us']:8.0f} {row['costs_stage_cache_us']:11.0f} {row['costs_speedup']:7.2f} "
+              f"{str(row['costs_same_to_the_bit']):>5} "
               f"{row['plan_s']['gc_default']:18.2f} {row['plan_s']['gc_search']:7.2f}", flush=True)
     Path(args.output).write_text(json.dumps(rows, indent=1))
 

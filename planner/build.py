@@ -77,12 +77,14 @@ class Evaluation:
 
 
 def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options: PlanOptions,
-             devices: Sequence[Device] | None = None, record: bool = True) -> Evaluation:
+             devices: Sequence[Device] | None = None, record: bool = True,
+             stage_cache: dict | None = None) -> Evaluation:
     """Cost model + schedule + simulation for one candidate (what every method is judged by).
     `devices` (`cluster.devices()`) may be passed by a caller that evaluates many candidates;
-    without `record` the simulation keeps no events (the search: same times and memory)."""
+    without `record` the simulation keeps no events (the search: same times and memory);
+    `stage_cache` keeps each stage's costs between calls (`pipeline_costs`)."""
     candidate.check(table.num_layers, len(devices) if devices is not None else cluster.num_devices)
-    costs = pipeline_costs(table, cluster, candidate, options.optimizer, devices)
+    costs = pipeline_costs(table, cluster, candidate, options.optimizer, devices, stage_cache)
     m = candidate.num_microbatches
     deferred = schedule_deferrals(costs, options.schedule)
     if record:

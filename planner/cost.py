@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from planner.errors import PipeplanError
 from planner.formats import GB, INPUT_NODE, Cluster, Device, Profile, crossing_bytes
-from planner.partition import Candidate
+from planner.partition import Candidate, StageChoice
 
 if TYPE_CHECKING:
     from planner.actions import Action
@@ -478,93 +478,132 @@ def stages_without_input_grad(candidate: Candidate, stage: object) -> bool:
     return stage is candidate.stages[0]
 
 
+StageCost = tuple[float, ...]  # `_stage_cost`: f, bwd, B, W, act, transient, hold, ar, static, limit, tp f, tp b
+
+
+def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], st: StageChoice, i: int,
+                first: bool, scale: float, optimizer: str) -> StageCost:
+    """Stage `st`'s numbers in `pipeline_costs` (`first`: it is the candidate's first stage)."""
+    speed = min(devices[d].speed for d in st.devices)
+    t = getattr(st, "tp", 1)
+    w_share = table.bwd_weight_ms(st.start, st.stop) / max(table.bwd_ms(st.start, st.stop), 1e-300)
+    tp_f = tp_b = 0.0
+    if t == 1:
+        f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
+        full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
+        params = table.param_bytes(st.start, st.stop)
+        full = scale * table.activation_bytes(st.start, st.stop)
+    else:  # the shard's measured time plus its TP all-reduces on the node's links
+        if st.recompute:
+            raise PipeplanError(f"stage {i}: recomputation of a tensor-parallel stage is not "
+                                "supported yet; use --recompute 0 on it or --tp 1")
+        tt = table.at_degree(t)
+        for k in range(st.replicas):
+            if link_kind(devices, st.devices[k * t:(k + 1) * t]) != "intra":
+                raise PipeplanError(f"stage {i}: the tensor-parallel group of replica {k} "
+                                    f"(devices {list(st.devices[k * t:(k + 1) * t])}) spans "
+                                    "nodes; a TP group must stay inside one node")
+        gbps, lat = link_gb_per_s(cluster, "intra"), link_latency_us(cluster, "intra")
+        tp_f = tp_allreduce_ms(scale * tt.span("ar_fwd_prefix_bytes", st.start, st.stop),
+                               tt.span("ar_fwd_prefix_count", st.start, st.stop), t, gbps,
+                               lat) / cluster.allreduce_efficiency
+        tp_b = tp_allreduce_ms(scale * tt.span("ar_bwd_prefix_bytes", st.start, st.stop),
+                               tt.span("ar_bwd_prefix_count", st.start, st.stop), t, gbps,
+                               lat) / cluster.allreduce_efficiency
+        f = scale * tt.span("fwd_prefix_ms", st.start, st.stop) / speed + tp_f
+        full_bwd = scale * tt.span("bwd_prefix_ms", st.start, st.stop) / speed + tp_b
+        params = tt.span("param_prefix_bytes", st.start, st.stop)
+        full = scale * tt.span("activation_prefix_bytes", st.start, st.stop)
+    # zero bubble: B and W of the backward (a TP stage splits in the unsharded ratio)
+    w = full_bwd * min(w_share, 1.0)
+    if first:
+        w = full_bwd  # nothing to send back: the whole backward runs in W (runtime's choice)
+    # recomputation runs the forward once more, in the backward's B (before W)
+    bwd = full_bwd + (f if st.recompute else 0.0)
+    inp = full_bwd - w + (f if st.recompute else 0.0)
+    # split and recomputed: W differentiates from the stage's outputs again (runtime's
+    # split_backward `direct`), the backward and the recomputation once more
+    wgt = full_bwd + f if st.recompute else w
+    # from B until W a microbatch keeps what its forward saved (the retained graph), the
+    # gradients of the stage's outputs, and, unless W differentiates from the outputs (a
+    # stage whose inputs need no gradient, a recomputed stage: `direct`), the gradients at
+    # the intermediates where weights join the input path (`weight_grad_bytes`). A
+    # recomputed stage's graph keeps only the blocks' inputs (its recomputed activations
+    # are freed once B has used them; W recomputes them again).
+    out_grads = scale * table.output_bytes(st.start, st.stop)
+    if st.recompute:
+        kept, peak = table.recompute_bytes(st.start, st.stop)
+        act, transient, hold = scale * kept, scale * peak, scale * kept + out_grads
+    else:
+        act, transient = full, 0.0
+        hold = full + out_grads + (0.0 if first else scale * table.weight_grad_bytes(st.start, st.stop))
+    kind = link_kind(devices, st.devices)
+    ar = allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
+                      link_latency_us(cluster, kind)) / cluster.allreduce_efficiency
+    return (f, bwd, inp, wgt, act, transient, hold, ar, static_memory_bytes(params, optimizer),
+            min(devices[d].memory_bytes for d in st.devices), tp_f, tp_b)
+
+
+STAGE_COSTS_KEPT = 200_000  # entries of a `stage_cache` (`pipeline_costs`) before it is cleared
+
+
 def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, optimizer: str,
-                   devices: Sequence[Device] | None = None) -> PipelineCosts:
+                   devices: Sequence[Device] | None = None,
+                   stage_cache: dict | None = None) -> PipelineCosts:
     """The cost model applied to one candidate (ARCHITECTURE.md, formula by formula).
 
     Stage s depends on stage s-1 even when no tensor crosses (the pipeline order); such a send
-    has zero bytes and takes zero time."""
+    has zero bytes and takes zero time. `stage_cache`: a dict kept between calls on the same
+    table, cluster, devices and optimizer (the search's), where each stage's numbers are kept
+    by the stage (its layers, devices, recomputation, TP degree), whether it is the first and
+    the microbatch scale: the same floats, most of them looked up where a move changed one
+    or two stages."""
     devices = devices if devices is not None else cluster.devices()
     scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
     bounds = [0] + [st.stop for st in candidate.stages]
     fwd, bwd, ar, static, act, limit, tp_f, tp_b = [], [], [], [], [], [], [], []
     wgt, inp, hold, transient = [], [], [], []
     for i, st in enumerate(candidate.stages):
-        speed = min(devices[d].speed for d in st.devices)
-        t = getattr(st, "tp", 1)
-        w_share = table.bwd_weight_ms(st.start, st.stop) / max(table.bwd_ms(st.start, st.stop), 1e-300)
-        if t == 1:
-            f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
-            full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
-            params = table.param_bytes(st.start, st.stop)
-            full = scale * table.activation_bytes(st.start, st.stop)
-            tp_f.append(0.0)
-            tp_b.append(0.0)
-        else:  # the shard's measured time plus its TP all-reduces on the node's links
-            if st.recompute:
-                raise PipeplanError(f"stage {i}: recomputation of a tensor-parallel stage is not "
-                                    "supported yet; use --recompute 0 on it or --tp 1")
-            tt = table.at_degree(t)
-            for k in range(st.replicas):
-                if link_kind(devices, st.devices[k * t:(k + 1) * t]) != "intra":
-                    raise PipeplanError(f"stage {i}: the tensor-parallel group of replica {k} "
-                                        f"(devices {list(st.devices[k * t:(k + 1) * t])}) spans "
-                                        "nodes; a TP group must stay inside one node")
-            gbps, lat = link_gb_per_s(cluster, "intra"), link_latency_us(cluster, "intra")
-            comm_f = tp_allreduce_ms(scale * tt.span("ar_fwd_prefix_bytes", st.start, st.stop),
-                                     tt.span("ar_fwd_prefix_count", st.start, st.stop), t, gbps,
-                                     lat) / cluster.allreduce_efficiency
-            comm_b = tp_allreduce_ms(scale * tt.span("ar_bwd_prefix_bytes", st.start, st.stop),
-                                     tt.span("ar_bwd_prefix_count", st.start, st.stop), t, gbps,
-                                     lat) / cluster.allreduce_efficiency
-            f = scale * tt.span("fwd_prefix_ms", st.start, st.stop) / speed + comm_f
-            full_bwd = scale * tt.span("bwd_prefix_ms", st.start, st.stop) / speed + comm_b
-            params = tt.span("param_prefix_bytes", st.start, st.stop)
-            full = scale * tt.span("activation_prefix_bytes", st.start, st.stop)
-            tp_f.append(comm_f)
-            tp_b.append(comm_b)
-        fwd.append(f)
-        # zero bubble: B and W of the backward (a TP stage splits in the unsharded ratio)
-        w = full_bwd * min(w_share, 1.0)
-        if stages_without_input_grad(candidate, st):
-            w = full_bwd  # nothing to send back: the whole backward runs in W (runtime's choice)
-        # recomputation runs the forward once more, in the backward's B (before W)
-        bwd.append(full_bwd + (f if st.recompute else 0.0))
-        inp.append(full_bwd - w + (f if st.recompute else 0.0))
-        # split and recomputed: W differentiates from the stage's outputs again (runtime's
-        # split_backward `direct`), the backward and the recomputation once more
-        wgt.append(full_bwd + f if st.recompute else w)
-        # from B until W a microbatch keeps what its forward saved (the retained graph), the
-        # gradients of the stage's outputs, and, unless W differentiates from the outputs (a
-        # stage whose inputs need no gradient, a recomputed stage: `direct`), the gradients at
-        # the intermediates where weights join the input path (`weight_grad_bytes`). A
-        # recomputed stage's graph keeps only the blocks' inputs (its recomputed activations
-        # are freed once B has used them; W recomputes them again).
-        out_grads = scale * table.output_bytes(st.start, st.stop)
-        if st.recompute:
-            kept, peak = table.recompute_bytes(st.start, st.stop)
-            act.append(scale * kept)
-            transient.append(scale * peak)
-            hold.append(scale * kept + out_grads)
+        first = stages_without_input_grad(candidate, st)
+        if stage_cache is None:
+            x = _stage_cost(table, cluster, devices, st, i, first, scale, optimizer)
         else:
-            act.append(full)
-            transient.append(0.0)
-            direct = stages_without_input_grad(candidate, st)
-            hold.append(full + out_grads + (0.0 if direct else scale * table.weight_grad_bytes(st.start, st.stop)))
-        kind = link_kind(devices, st.devices)
-        ar.append(allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
-                               link_latency_us(cluster, kind)) / cluster.allreduce_efficiency)
-        static.append(static_memory_bytes(params, optimizer))
-        limit.append(min(devices[d].memory_bytes for d in st.devices))
+            key = (st.start, st.stop, st.devices, st.recompute, getattr(st, "tp", 1), first, scale)
+            x = stage_cache.get(key)
+            if x is None:
+                x = _stage_cost(table, cluster, devices, st, i, first, scale, optimizer)
+                if len(stage_cache) >= STAGE_COSTS_KEPT:
+                    stage_cache.clear()
+                stage_cache[key] = x
+        f, b, b_in, b_w, a, tr, h, r, sm, lim, tf, tb = x
+        fwd.append(f)
+        bwd.append(b)
+        inp.append(b_in)
+        wgt.append(b_w)
+        act.append(a)
+        transient.append(tr)
+        hold.append(h)
+        ar.append(r)
+        static.append(sm)
+        limit.append(lim)
+        tp_f.append(tf)
+        tp_b.append(tb)
     traffic = stage_traffic_bytes(table, bounds)
     for s in range(1, len(candidate.stages)):
         traffic.setdefault((s - 1, s), 0)
     sends = {}
     for (s, t), nbytes in sorted(traffic.items()):
-        kind = link_kind(devices, candidate.stages[s].devices, candidate.stages[t].devices)
-        scaled = scale * nbytes
-        sends[(s, t)] = Send(scaled, transfer_ms(scaled, link_gb_per_s(cluster, kind),
-                                                 link_latency_us(cluster, kind) + cluster.p2p_overhead_us))
+        src, dst = candidate.stages[s].devices, candidate.stages[t].devices
+        key = (src, dst, nbytes, scale)  # a tuple of devices first: no stage's key
+        snd = None if stage_cache is None else stage_cache.get(key)
+        if snd is None:
+            kind = link_kind(devices, src, dst)
+            scaled = scale * nbytes
+            snd = Send(scaled, transfer_ms(scaled, link_gb_per_s(cluster, kind),
+                                           link_latency_us(cluster, kind) + cluster.p2p_overhead_us))
+            if stage_cache is not None:
+                stage_cache[key] = snd
+        sends[(s, t)] = snd
     tps = tuple(getattr(st, "tp", 1) for st in candidate.stages)
     return PipelineCosts(
         stage_devices=tuple(st.devices[::t] for st, t in zip(candidate.stages, tps, strict=True)),

@@ -209,6 +209,7 @@ class Evaluator:
         self.evaluations = 0
         self.sizes = sizes or []  # the microbatch sizes the search may move between
         self.cache_extra: dict[object, object] = {}  # what move generators derive from the table
+        self.stage_costs: dict = {}  # `pipeline_costs`' per-stage numbers, for this table and cluster
 
     def __call__(self, st: Structure) -> Score:
         return self.scored(st)[0]
@@ -255,7 +256,8 @@ class Evaluator:
         scores better. That is the best choice of recomputation for these stages and devices:
         recomputing adds time and never makes the simulated iteration shorter, and a stage's
         memory does not depend on whether another stage recomputes."""
-        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices, record=False)
+        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices, record=False,
+                      stage_cache=self.stage_costs)
         self._count(cand)
         score = self._score(ev, st.num_devices, st.num_stages)
         if score.fits or not self.options.allow_recompute:
@@ -268,7 +270,8 @@ class Evaluator:
         rc = Candidate(tuple(replace(x, recompute=x.recompute or s in over)
                              for s, x in enumerate(cand.stages)),
                        cand.microbatch_size, cand.num_microbatches)
-        ev2 = evaluate(self.table, self.cluster, rc, self.options, self.devices, record=False)
+        ev2 = evaluate(self.table, self.cluster, rc, self.options, self.devices, record=False,
+                       stage_cache=self.stage_costs)
         self._count(rc)
         score2 = self._score(ev2, st.num_devices, st.num_stages)
         return (score2, rc) if score2.better_than(score) else (score, cand)

@@ -73,3 +73,40 @@ def test_uneven_replicas_hold_their_own_memory(schedule: str) -> None:
     if schedule == "gpipe":
         peaks = full.simulation.peak_inflight
         assert peaks[1] == 6 and peaks[2] == 5 and peaks[4] == 4 and peaks[5] == 3
+
+
+def test_per_stage_cache_gives_the_same_costs() -> None:
+    """`pipeline_costs` through one cache kept across many candidates (the search's
+    `Evaluator.stage_costs`) equals the cost model without it, field for field and to the
+    bit: the same stage met again as the first stage or not, recomputed or not, at another
+    microbatch size, on other devices, and the cache cleared when it is full."""
+    import planner.cost as cost
+    from planner.cost import pipeline_costs
+
+    for seed in range(12):
+        profile, cluster, options = random_instance(seed)
+        table = layer_table(profile)
+        rng = random.Random(seed)
+        L, D = table.num_layers, cluster.num_devices
+        kept: dict = {}
+        saved = cost.STAGE_COSTS_KEPT
+        cost.STAGE_COSTS_KEPT = 25 if seed % 2 else saved  # cleared over and over on odd seeds
+        try:
+            for _ in range(60):
+                S = rng.randint(1, min(L, D, 3))
+                cuts = (0, *sorted(rng.sample(range(1, L), S - 1)), L)
+                devs = list(range(D))
+                rng.shuffle(devs)
+                stages, at = [], 0
+                for k in range(S):
+                    r = rng.randint(1, min(2, D - at - (S - k - 1)))
+                    stages.append(StageChoice(cuts[k], cuts[k + 1], tuple(sorted(devs[at:at + r])),
+                                              recompute=rng.random() < 0.3))
+                    at += r
+                b = rng.choice([1, 2, 4])
+                cand = Candidate(tuple(stages), b, 8)
+                got = pipeline_costs(table, cluster, cand, options.optimizer, stage_cache=kept)
+                assert got == pipeline_costs(table, cluster, cand, options.optimizer)
+                assert len(kept) <= max(cost.STAGE_COSTS_KEPT, 1) + S + len(got.sends)
+        finally:
+            cost.STAGE_COSTS_KEPT = saved
