@@ -239,6 +239,11 @@ class Worker:
 
     # ------------------------------------------------------------------ gradients
     def sync_grads(self) -> list[TimedEvent]:
+        """Sum each gradient over the stage's replicas (and a tied parameter's over the stages
+        that hold it). A parameter no replica used this step keeps no gradient (None), as in
+        single-device training, where the optimizer then skips it (momentum, Adam's moments
+        and its step count stay as they were): each rank adds a flag per parameter, 1 where it
+        has a gradient, to the same all-reduce."""
         events = []
         t0 = time.time()
         if self.stage_group is not None:
@@ -249,21 +254,27 @@ class Worker:
                 grads = [tensor_parallel.local(p.grad) if p.grad is not None
                          else torch.zeros_like(tensor_parallel.local(p.detach())) for p in own]
                 flat = torch.cat([g.reshape(-1) for g in grads])
+                used = torch.tensor([float(p.grad is not None) for p in own], dtype=flat.dtype, device=flat.device)
+                flat = torch.cat([flat, used])
                 _wait(dist.all_reduce(flat, group=self.stage_group, async_op=True),
                       self.opts.timeout, f"gradient all-reduce of stage {self.stage}")
                 i = 0
-                for p, g in zip(own, grads, strict=True):
+                flags = flat[-len(own):].tolist()
+                for p, g, anyone in zip(own, grads, flags, strict=True):
                     n = g.numel()
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    tensor_parallel.local(p.grad).copy_(flat[i:i + n].view_as(g))
+                    if anyone > 0:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        tensor_parallel.local(p.grad).copy_(flat[i:i + n].view_as(g))
                     i += n
         for tie_names, g in self.tie_groups:
             p = next(self.params[n] for n in tie_names if n in self.params)
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            _wait(dist.all_reduce(grad, group=g, async_op=True), self.opts.timeout,
+            used = torch.full((1,), float(p.grad is not None), dtype=grad.dtype, device=grad.device)
+            buf = torch.cat([grad.reshape(-1), used])
+            _wait(dist.all_reduce(buf, group=g, async_op=True), self.opts.timeout,
                   f"gradient sum of tied parameter {tie_names[0]!r}")
-            p.grad = grad
+            p.grad = buf[:-1].view_as(p) if float(buf[-1]) > 0 else None
         t1 = time.time()
         if self.stage_group is not None or self.tie_groups:
             events.append(TimedEvent(f"allreduce {self.stage}", "allreduce", self.stage, -1, t0, t1))

@@ -74,3 +74,22 @@ def test_setup_runs_no_user_code_on_the_ranks(run, tmp_path, monkeypatch):
     on_ranks = [c for c in calls if c[0] != "-"]
     # 6 blocks, 3 per stage, 4 microbatches, one step: 12 training forwards per rank
     assert sorted(on_ranks) == [("0", "1")] * 12 + [("1", "1")] * 12
+
+
+def test_parameters_no_replica_used_keep_no_gradient(run, tmp_path):
+    """A branch switched off for a whole step: its parameters get no gradient on any replica,
+    so the optimizer must skip them as single-device training does (momentum and Adam would
+    move them with a zero gradient). One stage on 2 replicas, and 3 stages with the middle one
+    replicated; 5 steps, the branch off in steps 0 and 3."""
+    from reference import max_abs_diff
+
+    model = MODELS / "optional_branch.py"
+    for optimizer in ("momentum", "adam"):
+        for split, replicas in (([5], [2]), ([2, 2, 1], [1, 2, 1])):
+            plan = run.plan(model, split, replicas, name=f"plan{len(split)}.json")
+            ck = tmp_path / f"ck-{optimizer}-{len(split)}"
+            rc, _, err, _ = run(plan, "--model", model, "--steps", 5, "--optimizer", optimizer,
+                                "--lr", 0.05, "--save", ck, "--timeout", 60)
+            assert rc == 0, err
+            ref = reference_train(str(model), 5, optimizer=optimizer, lr=0.05)
+            assert max_abs_diff(ref, torch.load(ck / "model.pt")) < TOL, (optimizer, split)
