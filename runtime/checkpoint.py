@@ -12,6 +12,7 @@ A checkpoint directory holds
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -74,7 +75,23 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
         raise PipeplanError(
             f"--resume {d}: not a checkpoint written by --save (missing {', '.join(missing)})"
         )
-    model_state = torch.load(d / MODEL_FILE, map_location="cpu", weights_only=True)
-    opt = torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    loaded = []
+    for name in (MODEL_FILE, OPTIMIZER_FILE):
+        try:  # tensors and plain containers only: what `save` writes
+            loaded.append(torch.load(d / name, map_location="cpu", weights_only=True))
+        except Exception as exc:  # truncated, overwritten or not a checkpoint at all
+            # (an unpickling error's own text advises weights_only=False: not for a file --save
+            # wrote, which holds tensors only)
+            why = "not a tensor checkpoint" if isinstance(exc, pickle.UnpicklingError) else \
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            raise PipeplanError(
+                f"--resume {d}: {name} cannot be read as a checkpoint written by --save ({why}); "
+                "it is damaged or was written by something else: resume from another checkpoint "
+                "or start again"
+            ) from None
+    model_state, opt = loaded
+    if not isinstance(model_state, dict) or not isinstance(opt, dict) or "state" not in opt:
+        raise PipeplanError(f"--resume {d}: {MODEL_FILE} / {OPTIMIZER_FILE} do not hold what --save "
+                            "writes; resume from another checkpoint or start again")
     meta = json.loads((d / META_FILE).read_text())
     return model_state, opt["state"], meta

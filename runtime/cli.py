@@ -135,7 +135,16 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
                                 "from") from None
     batch = batch_checked(mf, plan.microbatch_size)
     example, _ = split_batch(batch, plan.microbatch_size, 1)
-    graph, granularity = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
+    try:
+        graph, granularity = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity)
+    except PipeplanError:
+        raise
+    except Exception as exc:  # the user's model on one microbatch of the plan's size
+        raise PipeplanError(
+            f"{opts.model}: the model fails on one microbatch of {plan.microbatch_size} rows, the "
+            f"plan's microbatch size ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            "make the plan with a --microbatch-size the model accepts (BatchNorm in training needs "
+            "more than one row)") from None
     if trace_info:
         stages.save_trace_info(graph, granularity, trace_info)
     return granularity

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from planner.errors import PipeplanError
+
 _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -193,9 +195,11 @@ class P2P:
         skey = (peer, key, grad, True)
         what = f"sending {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
         if skey in self._shapes and self._shapes[skey] != (t.dtype, tuple(t.shape)):
-            raise ValueError(
+            raise PipeplanError(
                 f"{key!r} of microbatch {mb} has dtype/shape {t.dtype}/{tuple(t.shape)} but earlier "
-                f"microbatches had {self._shapes[skey]}: every microbatch must have the same shapes"
+                f"microbatches had {self._shapes[skey]}: the tensors a stage sends must have the same "
+                "shape in every microbatch and step (the receiver allocates them from the first); "
+                "pad variable-length batches to one length in make_batch"
             )
         if skey not in self._shapes:
             self._shapes[skey] = (t.dtype, tuple(t.shape))

@@ -74,6 +74,13 @@ def split_batch(batch: object, microbatch_size: int, m: int
     inputs, target = batch  # type: ignore[misc]
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
+    rows = microbatch_size * m
+    for what, x in [*((f"input {k}", x) for k, x in enumerate(inputs)), ("the target", target)]:
+        if x.dim() == 0 or x.shape[0] != rows:
+            raise PipeplanError(
+                f"make_batch({rows}) returned {what} of shape {tuple(x.shape)}: every input and the "
+                f"target must have exactly {rows} rows (the global batch) in dimension 0, which is "
+                f"split into {m} microbatches of {microbatch_size}")
     parts = [x.split(microbatch_size) for x in inputs]
     return ([tuple(p[j].clone() for p in parts) for j in range(m)],
             [t.clone() for t in target.split(microbatch_size)])

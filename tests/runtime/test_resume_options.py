@@ -23,3 +23,40 @@ def test_resume_takes_optimizer_lr_and_seed_from_the_checkpoint(run, tmp_path):
     rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--resume", tmp_path / "a",
                         "--optimizer", "adam", "--timeout", 60)
     assert rc == 2 and "trained with momentum" in err and "Traceback" not in err
+
+
+def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
+    """--resume from a model.pt that is not a tensor checkpoint, or is cut short: one message
+    that names the file, not torch.load's traceback (whose advice, weights_only=False, is not
+    for a file --save wrote)."""
+    import pytest
+    import torch
+
+    from planner.errors import PipeplanError
+    from runtime import checkpoint
+
+    checkpoint.save(tmp_path, {"w": torch.ones(3)}, {}, {"step": 1})
+    assert checkpoint.load(tmp_path)[0]["w"].sum() == 3
+    whole = (tmp_path / checkpoint.MODEL_FILE).read_bytes()
+    for damaged, why in ((b"garbage\n", "not a tensor checkpoint"), (whole[:100], "RuntimeError")):
+        (tmp_path / checkpoint.MODEL_FILE).write_bytes(damaged)
+        with pytest.raises(PipeplanError, match=f"model.pt cannot be read.*{why}"):
+            checkpoint.load(tmp_path)
+
+
+def test_make_batch_with_the_wrong_rows_is_a_clear_error():
+    """A make_batch that returns fewer (or more) rows than asked: the message says which tensor
+    and how many rows, not an IndexError from the split."""
+    import pytest
+    import torch
+
+    from planner.errors import PipeplanError
+    from runtime.worker import split_batch
+
+    ok = ((torch.randn(8, 4), torch.zeros(8)), torch.randn(8, 1))
+    inputs, targets = split_batch(ok, 2, 4)
+    assert len(inputs) == 4 and inputs[3][0].shape == (2, 4) and targets[0].shape == (2, 1)
+    with pytest.raises(PipeplanError, match=r"make_batch\(8\) returned input 1 of shape \(6,\)"):
+        split_batch(((torch.randn(8, 4), torch.zeros(6)), torch.randn(8, 1)), 2, 4)
+    with pytest.raises(PipeplanError, match=r"the target of shape \(10, 1\)"):
+        split_batch((torch.randn(8, 4), torch.randn(10, 1)), 2, 4)
