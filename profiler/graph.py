@@ -33,8 +33,12 @@ in different stages (tied weights) appears in each such stage and in `lg.shared_
 sum its gradient across those stages. After building its stage a rank should drop the
 LayerGraph and the model, so that only its own parameters stay alive.
 
-Limitations: in-place mutation of a tensor that is also sent to another stage is not
-reproduced; models traced with `torch.export` (the fallback when torch.fx fails) are
+A tensor modified in place (`nn.ReLU(inplace=True)`, `x += y`, a block that changes its input)
+stays in one layer with its producer and every node that reads it (`segment.merge_mutated`,
+found by the version counters of the one run under no_grad).
+
+Limitations: a modification through a view of a tensor (`x.view(...).add_(...)`) is seen on
+the view, not on the other readers of `x`; models traced with `torch.export` (the fallback when torch.fx fails) are
 specialised on the example inputs' shapes, so trace with the batch size you will run.
 """
 
@@ -102,6 +106,8 @@ class LayerGraph:
     orphans: dict[int, list[str]] = field(repr=False, default_factory=dict)
     layer_needs: list[list[str]] = field(repr=False, default_factory=list)  # node names per layer
     is_tensor: dict[str, bool] = field(repr=False, default_factory=dict)  # per traced node
+    # nodes that modify tensors they read in place, and those tensors' nodes (`_record`)
+    mutations: dict[str, list[str]] = field(repr=False, default_factory=dict)
 
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self.layers]
@@ -157,14 +163,30 @@ class StageModule(fx.GraphModule):
 # ---------------------------------------------------------------- tracing
 
 
-def _record(traced: Traced, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, bool], dict[str, int]]:
-    """Run the graph once; per node: is its value a tensor, and its bytes."""
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):  # tensors without a version counter
+        return None
+
+
+def _record(traced: Traced, inputs: tuple[torch.Tensor, ...]
+            ) -> tuple[dict[str, bool], dict[str, int], dict[str, list[str]]]:
+    """Run the graph once; per node: is its value a tensor, and its bytes; and the nodes that
+    modify a tensor they read in place (its version counter moves), with the nodes they
+    modify: `nn.ReLU(inplace=True)`, `x += y`, `x.add_(...)`, a block that changes its input."""
     is_tensor: dict[str, bool] = {}
     nbytes: dict[str, int] = {}
+    mutates: dict[str, list[str]] = {}
 
     class Rec(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
+            before = [(a.name, t, _version(t)) for a in n.all_input_nodes
+                      if isinstance(t := self.env.get(a), torch.Tensor)]
             value = super().run_node(n)
+            changed = [name for name, t, v in before if v is not None and _version(t) != v]
+            if changed:
+                mutates[n.name] = changed
             is_tensor[n.name] = isinstance(value, torch.Tensor)
             leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
             nbytes[n.name] = sum(v.numel() * v.element_size() for v in leaves)
@@ -172,7 +194,7 @@ def _record(traced: Traced, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str,
 
     with torch.no_grad():
         Rec(traced.gm).run(*inputs)
-    return is_tensor, nbytes
+    return is_tensor, nbytes, mutates
 
 
 def _closure(lg_gm: fx.GraphModule, kind: dict[str, str], owner: dict[str, int],
@@ -227,16 +249,23 @@ def _get(root: torch.nn.Module, target: str) -> Any:
 
 
 def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | list[torch.Tensor],
-          granularity: str = "blocks", tensor_kinds: dict[str, bool] | None = None) -> LayerGraph:
+          granularity: str = "blocks", tensor_kinds: dict[str, bool] | None = None,
+          mutations: dict[str, list[str]] | None = None) -> LayerGraph:
     """Trace `model(*example_inputs)` into layers at `granularity` (blocks | modules | depth:N |
     split:A,B). To learn which values are tensors, and their bytes, the traced graph runs once
     under no_grad (the model's buffers are left as they were; hooks and prints do fire). Given
     `tensor_kinds` (`LayerGraph.is_tensor` of an earlier trace of the same model and
     granularity, e.g. made by the launcher) that run is skipped — no user code runs, and edge
-    bytes are 0 — unless the graph's nodes differ from it."""
+    bytes are 0 — unless the graph's nodes differ from it; `mutations` (`LayerGraph.mutations`
+    of that trace) then says which nodes modify a tensor in place.
+
+    A tensor modified in place keeps in one layer the node that modifies it, the node that
+    made it and every node that reads it (`segment.merge_mutated`): autograd forbids the
+    modification on a received tensor (a stage's input is a leaf), and a stage that read the
+    tensor before it changed would otherwise see it changed, or the other way round."""
     saved = {k: v.detach().clone() for k, v in model.named_buffers()}
     try:
-        return _trace(model, tuple(example_inputs), granularity, tensor_kinds)
+        return _trace(model, tuple(example_inputs), granularity, tensor_kinds, mutations)
     finally:
         with torch.no_grad():
             for k, v in model.named_buffers():
@@ -245,7 +274,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
 
 
 def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str,
-           tensor_kinds: dict[str, bool] | None = None) -> LayerGraph:
+           tensor_kinds: dict[str, bool] | None = None,
+           mutations: dict[str, list[str]] | None = None) -> LayerGraph:
     mode, _ = seg.parse_granularity(granularity)  # a bad value fails before tracing
     leaves = seg.leaf_modules(model, granularity)
     keep = seg.natural_blocks(model)[0] if mode in ("blocks", "split") else None
@@ -255,13 +285,14 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
     if traced.out_spec is not None:
         setattr(gm, OUT_SPEC_ATTR, traced.out_spec)
     if tensor_kinds is not None and set(tensor_kinds) == {n.name for n in gm.graph.nodes}:
-        is_tensor, nbytes = dict(tensor_kinds), {}
+        is_tensor, nbytes, mutates = dict(tensor_kinds), {}, dict(mutations or {})
     else:
-        is_tensor, nbytes = _record(traced, inputs)
+        is_tensor, nbytes, mutates = _record(traced, inputs)
     kind = seg.classify(gm, is_tensor)
     keys, labels = seg.group_keys(gm, model, traced.paths, granularity)
     segs, owner = seg.segment(gm, keys, kind, labels)
     segs, owner = seg.merge_untransferable(segs, owner, gm, kind, is_tensor)
+    segs, owner = seg.merge_mutated(segs, owner, gm, mutates)
     segs, owner = seg.merge_at_split_points(segs, owner, seg.split_points(granularity))
     named = seg.name_segments(segs, model)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -333,6 +364,7 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
         method=traced.method, granularity=granularity,
         num_inputs=len(inputs), gm=gm, root=root, kind=kind, owner=owner,
         alias_groups=alias_groups, orphans=orphans, layer_needs=layer_needs, is_tensor=is_tensor,
+        mutations=mutates,
     )
 
 

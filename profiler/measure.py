@@ -141,15 +141,39 @@ class Timer:
         return (self.now() - started) * 1e3
 
 
+INPLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+
+
 def _fresh(stage: StageModule, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The stage's inputs as new autograd leaves (model inputs stay plain data)."""
+    """The stage's inputs as new autograd leaves (model inputs stay plain data); copies of
+    them where the stage modifies an input in place (`copy_inputs`, set by `_forward_fresh`):
+    autograd forbids that on a leaf, while in the whole model the tensor is an intermediate."""
     feed = {}
+    copy = getattr(stage, "copy_inputs", False)
     for k in stage.input_keys:
         v = values[k]
         if not k.startswith(INPUT_NODE):
-            v = v.detach().requires_grad_(v.is_floating_point() or v.is_complex())
+            grad = v.is_floating_point() or v.is_complex()
+            v = v.detach().requires_grad_(grad)
+            if copy:
+                v = v.clone()
         feed[k] = v
     return feed
+
+
+def _forward_fresh(stage: StageModule, values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`stage(_fresh(stage, values))` and its feed. A layer that modifies its input in place
+    (`nn.ReLU(inplace=True)` as a layer of its own, `x.add_(...)` first thing in a block)
+    fails on a leaf: the first time, it runs again on copies, and from then on always."""
+    feed = _fresh(stage, values)
+    try:
+        return feed, stage(feed)
+    except RuntimeError as exc:
+        if INPLACE_ON_LEAF not in str(exc) or getattr(stage, "copy_inputs", False):
+            raise
+    stage.copy_inputs = True  # type: ignore[attr-defined]
+    feed = _fresh(stage, values)
+    return feed, stage(feed)
 
 
 def _grad_targets(out: dict[str, Any]) -> list[torch.Tensor]:
@@ -173,8 +197,15 @@ class StageRunner:
                  clock: str = "wall") -> None:
         self.stage, self.values, self.timer = stage, values, Timer(device, clock)
         state = list(stage.parameters()) + list(stage.buffers())
-        with count_saved_bytes(state) as seen:
-            out = stage(_fresh(stage, values))
+        for _ in range(2):
+            try:
+                with count_saved_bytes(state) as seen:
+                    out = stage(_fresh(stage, values))
+                break
+            except RuntimeError as exc:  # an input modified in place: on copies (`_forward_fresh`)
+                if INPLACE_ON_LEAF not in str(exc) or getattr(stage, "copy_inputs", False):
+                    raise
+                stage.copy_inputs = True  # type: ignore[attr-defined]
         self.activation_bytes = sum(seen.values())
         self.output_bytes = tensor_bytes(out)
         self.grads = [torch.ones_like(t) for t in _grad_targets(out)]
@@ -364,8 +395,7 @@ class SplitRunner:
         self.w: list[float] = []
 
     def once(self, keep: bool) -> None:
-        feed = _fresh(self.stage, self.values)
-        out = self.stage(feed)
+        feed, out = _forward_fresh(self.stage, self.values)
         targets = _grad_targets(out)
         leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
         b = w = 0.0
@@ -414,6 +444,7 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
     what its forward saves is its own inputs (a recomputed block keeps those anyway)."""
     from runtime.split_backward import backward_input
 
+    _forward_fresh(stage, values)  # (copies of the inputs from here on where it needs them)
     feed = _fresh(stage, values)
     weights = [p for p in stage.parameters() if p.requires_grad]
     skip = {_storage_key(t)[0] for t in [*stage.parameters(), *stage.buffers()]}

@@ -301,6 +301,39 @@ def merge_untransferable(segs: list[Segment], owner: dict[str, int], gm: fx.Grap
             if t != s and not is_tensor.get(node.name, True):
                 for i in range(min(s, t) + 1, max(s, t) + 1):
                     parent[i] = parent[i - 1]
+    return _merged(segs, owner, gm, parent)
+
+
+def merge_mutated(segs: list[Segment], owner: dict[str, int], gm: fx.GraphModule,
+                  mutates: dict[str, list[str]]) -> tuple[list[Segment], dict[str, int]]:
+    """A tensor modified in place (`mutates`: node -> the nodes whose tensors it modifies) keeps
+    its producer, the node that modifies it and every node that reads it in one layer: the
+    layers from the first of them to the last are merged. (Across layers, the modification
+    would fail on a stage's input, a leaf of autograd, or a stage that read the tensor before
+    or after it would see another value than in the whole model.)"""
+    parent = list(range(len(segs)))
+    by_name = {n.name: n for n in gm.graph.nodes}
+    last = len(segs) - 1
+    for name, targets in mutates.items():
+        if name not in owner:
+            continue
+        involved = {owner[name]}
+        for t in targets:
+            node = by_name.get(t)
+            if node is None:
+                continue
+            if t in owner:
+                involved.add(owner[t])
+            involved.update(owner.get(u.name, last) for u in node.users)
+        lo, hi = min(involved), max(involved)
+        for i in range(lo + 1, hi + 1):
+            parent[i] = parent[i - 1]
+    return _merged(segs, owner, gm, parent)
+
+
+def _merged(segs: list[Segment], owner: dict[str, int], gm: fx.GraphModule,
+            parent: list[int]) -> tuple[list[Segment], dict[str, int]]:
+    """Segments i with parent[i] != i joined to the one before them."""
     if parent == list(range(len(segs))):
         return segs, owner
     merged: list[Segment] = []

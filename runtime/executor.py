@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from planner.actions import Action
-from profiler.measure import _storage_key, count_saved_bytes
+from planner.errors import PipeplanError
+from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 
@@ -176,7 +177,16 @@ class StageExecutor:
         t0 = time.time()
         # saved activations, each storage once, parameters and buffers not (as the profiler counts)
         with count_saved_bytes(self._state) as seen:
-            out = self.forward_fn(feed)
+            try:
+                out = self.forward_fn(feed)
+            except RuntimeError as exc:
+                if INPLACE_ON_LEAF not in str(exc) or not received:
+                    raise
+                raise PipeplanError(
+                    f"stage {self.stage} modifies a tensor it receives ({', '.join(map(repr, received))}) "
+                    "in place, e.g. nn.ReLU(inplace=True) or x.add_(...) at the start of its first "
+                    "layer: autograd forbids that on a received tensor. Cut the model elsewhere "
+                    "(plan --method manual --split ...) or make that operation out of place") from None
             for ptr, nbytes in getattr(self.forward_fn, "kept", {}).items():  # recomputed blocks' inputs
                 seen.setdefault(ptr, nbytes)
             loss = None

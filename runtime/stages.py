@@ -74,33 +74,42 @@ def layer_names(graph: object) -> list[str]:
     return list(graph.layer_names())  # type: ignore[attr-defined]
 
 
+TraceInfo = tuple[dict[str, bool], dict[str, list[str]]]  # LayerGraph.is_tensor, .mutations
+
+
 def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], granularity: str,
-                tensor_kinds: dict[str, bool] | None = None) -> object:
+                tensor_kinds: dict[str, bool] | TraceInfo | None = None) -> object:
     """The profiler's layer graph (tracing leaves the model's buffers as they were; with
-    `tensor_kinds` from the launcher's trace it runs no user code)."""
+    `tensor_kinds` from the launcher's trace it runs no user code): which traced values are
+    tensors, or that and which nodes modify a tensor in place (`load_trace_info`)."""
     from profiler.graph import trace
 
-    return trace(model, example_inputs, granularity=granularity, tensor_kinds=tensor_kinds)
+    kinds, mutations = tensor_kinds if isinstance(tensor_kinds, tuple) else (tensor_kinds, None)
+    return trace(model, example_inputs, granularity=granularity, tensor_kinds=kinds,
+                 mutations=mutations)
 
 
 def save_trace_info(graph: object, granularity: str, path: str | Path) -> None:
     """What a rank needs to trace without running the model (see `load_trace_info`)."""
     Path(path).write_text(json.dumps({"granularity": granularity,
-                                      "is_tensor": graph.is_tensor}))  # type: ignore[attr-defined]
+                                      "is_tensor": graph.is_tensor,  # type: ignore[attr-defined]
+                                      "mutations": graph.mutations}))  # type: ignore[attr-defined]
 
 
-def load_trace_info(path: str | None, granularity: str | None) -> dict[str, bool] | None:
-    """The launcher's record of which traced values are tensors, if it was made at this
-    granularity (else None: the rank records it itself)."""
+def load_trace_info(path: str | None, granularity: str | None) -> TraceInfo | None:
+    """The launcher's record of which traced values are tensors and which nodes modify a
+    tensor in place, if it was made at this granularity (else None: the rank records it)."""
     if not path or not Path(path).is_file():
         return None
     data = json.loads(Path(path).read_text())
-    return data["is_tensor"] if data.get("granularity") == granularity else None
+    if data.get("granularity") != granularity:
+        return None
+    return data["is_tensor"], data.get("mutations", {})
 
 
 def trace_for_plan(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], plan: Plan,
                    model_path: str, granularity: str | None,
-                   tensor_kinds: dict[str, bool] | None = None) -> tuple[object, str]:
+                   tensor_kinds: dict[str, bool] | TraceInfo | None = None) -> tuple[object, str]:
     """Trace at `granularity`, or (None) at the first of the profiler's granularities whose
     layers are the plan's; checks the plan's layer names against the model."""
     tried = [granularity] if granularity else ["blocks", "modules"]

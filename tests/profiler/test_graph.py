@@ -243,3 +243,90 @@ def test_two_inputs_default_argument_and_dict_output() -> None:
     out, _, _ = run_pipeline(lg, [["emb", "blocks.0"], ["blocks.1"], ["blocks.2", "out"]], (x, mask),
                              ref["y"].detach(), lambda o, t: ((o["y"] - t) ** 2).sum() + o["h"].sum())
     assert torch.equal(out["y"], ref["y"]) and torch.equal(out["h"], ref["h"])
+
+
+class _MutatingBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.full((6,), 0.1))
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(self.shift)  # its input, modified in place
+        return self.lin(torch.tanh(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) + ids.unsqueeze(-1).float() * 0.1
+
+
+class _InPlace(torch.nn.Module):
+    """In place across layers: a ReLU(inplace=True) after a Linear; a block that changes its
+    input; glue that changes a tensor between two blocks that read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 6)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.mid = torch.nn.Linear(6, 6)
+        self.muts = torch.nn.Sequential(_MutatingBlock(), _MutatingBlock())
+        self.gate = torch.nn.Linear(6, 3)
+        self.blocks = torch.nn.ModuleList([_Block() for _ in range(3)])
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.muts(self.mid(self.act(self.inp(x))))
+        ids = self.gate(h).argmax(-1)
+        h = self.blocks[0](h, ids)
+        ids.add_(1)  # blocks.0 reads ids before, blocks.1 after
+        h = self.blocks[1](h, ids)
+        return self.out(self.blocks[2](h, ids))
+
+
+@pytest.mark.parametrize("granularity", ["modules", "blocks"])
+def test_tensors_modified_in_place_keep_their_readers_in_one_layer(granularity: str) -> None:
+    """Each tensor modified in place stays in one layer with its producer, the node that
+    modifies it and every node that reads it: at every cut the stages reproduce the whole
+    model's output and gradients exactly (a cut between them fails on the stage's input, a
+    leaf, or gives blocks.0 the changed ids). A rank that traces from the launcher's record
+    (no user code run) gets the same layers."""
+    from runtime import stages as rt_stages
+
+    torch.manual_seed(0)
+    ref = _InPlace()
+    torch.manual_seed(0)
+    model = _InPlace()
+    x, target = torch.randn(5, 4), torch.randn(5, 2)
+    ref_out = ref(x)
+    torch.nn.functional.mse_loss(ref_out, target).backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    lg = trace(model, (x,), granularity=granularity)
+    names = lg.layer_names()
+    if granularity == "modules":
+        assert "inp+act" in names, names  # the ReLU modifies the Linear's output
+    else:  # each of the opaque blocks modifies its input, the layer before's output; the
+        # blocks read ids, which the glue between blocks.0 and blocks.1 modifies
+        assert not any(n.startswith("muts.") for n in names), names
+        assert [n for n in names if "blocks.0" in n] == [n for n in names if "blocks.1" in n], names
+    rng = random.Random(1)
+    for sizes in _partitions(len(names), rng):
+        model.zero_grad(set_to_none=True)
+        parts, i = [], 0
+        for s in sizes:
+            parts.append(names[i:i + s])
+            i += s
+        out, _, stages = run_pipeline(lg, parts, (x,), target, torch.nn.functional.mse_loss)
+        assert torch.equal(out, ref_out), sizes
+        for st in stages.values():
+            for k, p in st.named_parameters():  # (the gate's: no gradient through argmax)
+                assert (p.grad is None and ref_grads[k] is None) or torch.equal(p.grad, ref_grads[k]), (sizes, k)
+    # the launcher's record, as a rank traces with it
+    again = rt_stages.trace_model(model, (x,), granularity, (lg.is_tensor, lg.mutations))
+    assert again.layer_names() == names
+    bare = rt_stages.trace_model(model, (x,), granularity, (lg.is_tensor, {}))
+    assert bare.layer_names() != names  # the record is what keeps them together
