@@ -45,6 +45,7 @@ specialised on the example inputs' shapes, so trace with the batch size you will
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ import torch.utils._pytree as pytree
 from planner.errors import PipeplanError
 from planner.formats import INPUT_NODE, Edge
 from profiler import segment as seg
-from profiler.tracing import Traced, capture
+from profiler.tracing import Traced, TracingWarning, capture
 
 OUTPUT_KEY = "<output>"
 OUT_SPEC_ATTR = "_pipeplan_out_spec"
@@ -335,10 +336,20 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
         for key, tensor in params.items():
             by_id.setdefault(id(tensor), []).append((layer.name, key))
     shared = []
-    for refs in by_id.values():
+    tensor_of = {id(t): t for params in per_layer_params for t in params.values()}
+    shared_buffers: dict[tuple[str, ...], list[str]] = {}
+    for tid, refs in by_id.items():
         layer_set = list(dict.fromkeys(lname for lname, _ in refs))
         if len(layer_set) > 1:
             shared.append(SharedParameter(list(dict.fromkeys(k for _, k in refs)), layer_set))
+            if not isinstance(tensor_of[tid], torch.nn.Parameter):
+                shared_buffers.setdefault(tuple(layer_set), []).append(refs[0][1])
+    for layer_set, keys in shared_buffers.items():
+        warnings.warn(
+            f"buffers {', '.join(keys)} belong to a module that layers {', '.join(layer_set)} all "
+            "call: where those layers run in different stages, each stage updates its own copy "
+            "(running statistics then differ from one process's); keep them in one stage (plan "
+            "--method manual --split) or call the module once", TracingWarning, stacklevel=3)
 
     # names of tied tensors (for complete_state_dict) and unreferenced state (orphans)
     state = model.state_dict(keep_vars=True)

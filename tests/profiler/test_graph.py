@@ -330,3 +330,35 @@ def test_tensors_modified_in_place_keep_their_readers_in_one_layer(granularity: 
     assert again.layer_names() == names
     bare = rt_stages.trace_model(model, (x,), granularity, (lg.is_tensor, {}))
     assert bare.layer_names() != names  # the record is what keeps them together
+
+
+def test_a_module_with_buffers_called_by_two_layers_is_warned_about() -> None:
+    """Its parameters are tied across stages (gradients summed), its buffers cannot be: each
+    stage would update its own running statistics. A module without buffers: no warning."""
+    import warnings
+
+    from profiler.tracing import TracingWarning
+
+    class Twice(torch.nn.Module):
+        def __init__(self, norm: bool) -> None:
+            super().__init__()
+            self.shared = torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                              torch.nn.BatchNorm1d(4) if norm else torch.nn.Identity())
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+                                               for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.shared(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.shared(x)
+
+    for norm in (True, False):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            lg = trace(Twice(norm), (torch.randn(3, 4),))
+        assert lg.shared_parameters
+        told = [str(w.message) for w in said if issubclass(w.category, TracingWarning) and "buffers" in str(w.message)]
+        assert len(told) == (1 if norm else 0), told
+        if norm:
+            assert "shared.1.running_mean" in told[0] and "in different stages" in told[0]
