@@ -123,11 +123,20 @@ def profile_model_file(
     lg = trace(model, inputs, granularity=granularity)
     if on_traced:
         on_traced(lg)
-    layers, whole, overhead = measure_all(
-        lg, model, inputs, target, lambda o, t: call_user(mf.path, "loss_fn", mf.loss_fn, o, t),
-        dev, warmup, repeats, on_round=on_round, clock=clock, subtract_overhead=subtract_overhead,
-        layer_timing=layer_timing,
-    )
+    try:
+        layers, whole, overhead = measure_all(
+            lg, model, inputs, target, lambda o, t: call_user(mf.path, "loss_fn", mf.loss_fn, o, t),
+            dev, warmup, repeats, on_round=on_round, clock=clock, subtract_overhead=subtract_overhead,
+            layer_timing=layer_timing,
+        )
+    except (PipeplanError, KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001  # the model, run once more, failed this time
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise PipeplanError(
+            f"{mf.path}: the model ran once, then raised {type(exc).__name__}: {first} while it "
+            "was timed (forward and backward passes, whole and layer by layer). Profiling runs "
+            "the model many times: it must run the same way each time") from exc
     layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
     whole_ms = whole.fwd_ms + whole.bwd_ms
     return Profile(

@@ -67,6 +67,12 @@ def loss_fn(out, y):
         ("dict_target", GOOD.replace("torch.randn(n, 2)", "{'y': torch.randn(n, 2)}")
          .replace("return ((out - y) ** 2).mean()", "return ((out - y['y']) ** 2).mean()"),
          ["returned a target of type dict", "one tensor whose first dimension is the batch"]),
+        ("fails_later", GOOD.replace("return torch.nn.Linear(4, 2)",
+                                     "class M(torch.nn.Linear):\n        calls = 0\n"
+                                     "        def forward(self, x):\n            M.calls += 1\n"
+                                     "            if M.calls == 5:\n                raise RuntimeError('fifth call')\n"
+                                     "            return super().forward(x)\n    return M(4, 2)"),
+         ["the model ran once, then raised RuntimeError: fifth call", "the same way each time"]),
         ("flat_target", GOOD.replace("torch.randn(n, 2)", "torch.randn(n * 2)")
          .replace("return ((out - y) ** 2).mean()", "return ((out.reshape(-1) - y) ** 2).mean()"),
          ["the target has shape (8,)", "first dimension must be the batch (4)"]),
