@@ -20,12 +20,14 @@ reads, code derived only from model inputs) joins the first layer that uses it.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from planner.errors import PipeplanError
+from profiler.tracing import TracingWarning
 
 RUN = "~run"  # group key shared by consecutive non-block modules
 _RANDOM = re.compile(r"rand|dropout|bernoulli|normal|multinomial|poisson|uniform", re.IGNORECASE)
@@ -292,6 +294,7 @@ def merge_untransferable(segs: list[Segment], owner: dict[str, int], gm: fx.Grap
     """A non-tensor value that cannot be recomputed (a tuple returned by a module, ...) must not
     cross a layer boundary: merge the layers from its producer to its last consumer."""
     parent = list(range(len(segs)))
+    said: list[str] = []
     for node in gm.graph.nodes:
         if kind[node.name] != "value" or node.name not in owner:
             continue
@@ -301,6 +304,15 @@ def merge_untransferable(segs: list[Segment], owner: dict[str, int], gm: fx.Grap
             if t != s and not is_tensor.get(node.name, True):
                 for i in range(min(s, t) + 1, max(s, t) + 1):
                     parent[i] = parent[i - 1]
+                if len(said) < 3:
+                    said.append(f"{node.name!r} ({segs[s].key} -> {segs[t].key})")
+    if said:
+        warnings.warn(
+            "values that are not tensors cross between layers, which are kept as one layer so no "
+            f"cut falls between them: {', '.join(said)}{' and more' if len(said) == 3 else ''}. A "
+            "block that returns a tuple, dict or None beside its tensors (e.g. a cache=None) "
+            "makes its neighbours one layer: return only tensors, or compute such values in the "
+            "block that uses them", TracingWarning, stacklevel=4)
     return _merged(segs, owner, gm, parent)
 
 

@@ -362,3 +362,39 @@ def test_a_module_with_buffers_called_by_two_layers_is_warned_about() -> None:
         assert len(told) == (1 if norm else 0), told
         if norm:
             assert "shared.1.running_mean" in told[0] and "in different stages" in told[0]
+
+
+def test_blocks_that_pass_non_tensors_on_are_one_layer_with_a_warning() -> None:
+    """A block returning a dict with a None beside its tensor (a Hugging Face style cache),
+    passed to the next block: no cut may fall between them, and the warning says why."""
+    import warnings
+
+    from profiler.tracing import TracingWarning
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, cache: object = None) -> dict:
+            return {"hidden": x + torch.tanh(self.lin(x)), "cache": None}
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(3)])
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            cache = None
+            for b in self.blocks:
+                o = b(x, cache=cache)
+                x, cache = o["hidden"], o["cache"]
+            return self.head(x)
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        lg = trace(Net(), (torch.randn(2, 4),))
+    assert lg.layer_names()[0] == "blocks.0+blocks.1+blocks.2", lg.layer_names()
+    text = [str(w.message) for w in said if issubclass(w.category, TracingWarning)]
+    assert any("not tensors cross between layers" in t and "blocks.0 -> blocks.1" in t for t in text), text
