@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="write the measured last step as a Chrome trace")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a rank waits for a peer before it gives up (default 300)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: this machine's cores / the ranks on it; "
+                        "1 on a machine other jobs keep busy)")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="run even if the model file changed since it was profiled")
     p.add_argument("--granularity", default=None,
@@ -71,6 +74,8 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         raise PipeplanError("--steps must be at least 1")
     if args.timeout <= 0:
         raise PipeplanError("--timeout must be positive (seconds)")
+    if args.threads is not None and args.threads < 1:
+        raise PipeplanError("--threads must be at least 1")
     granularity = args.granularity or getattr(plan, "granularity", None)
     meta = _resume_meta(args.resume) if args.resume else {}
     optimizer = args.optimizer or meta.get("optimizer") or plan.options.optimizer
@@ -86,7 +91,7 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         optimizer=optimizer, seed=seed, save=args.save,
         resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
         allow_mismatch=args.allow_mismatch, granularity=granularity,
-        trace_info=getattr(args, "trace_info", None),
+        trace_info=getattr(args, "trace_info", None), threads=args.threads,
     )
 
 
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan.microbatch_size}, schedule {plan.schedule})", flush=True)
     try:
         extra = [] if args.granularity else ["--granularity", granularity]
-        failures = launch(argv + extra + ["--trace-info", info], plan.world_size)
+        failures = launch(argv + extra + ["--trace-info", info], plan.world_size, opts.threads)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

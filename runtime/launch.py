@@ -66,14 +66,15 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def launch(argv: list[str], world_size: int) -> list[Failure]:
-    """Run `python -m runtime *argv` on `world_size` local ranks; the failures, most telling
-    first (empty when every rank succeeded)."""
+def launch(argv: list[str], world_size: int, threads: int | None = None) -> list[Failure]:
+    """Run `python -m runtime *argv` on `world_size` local ranks (`threads` torch threads each;
+    None: the cores / the ranks); the failures, most telling first (empty when every rank
+    succeeded)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         procs = []
         for rank in range(world_size):

@@ -18,6 +18,7 @@ class RunOptions:
     report: str | None = None
     trace: str | None = None
     timeout: float = 300.0  # seconds a rank waits for a peer before giving up
+    threads: int | None = None  # torch's intra-op threads per rank (None: the cores / local ranks)
     allow_mismatch: bool = False
     granularity: str | None = None  # how the profiler traced the model into layers (None: find it)
     trace_info: str | None = None  # the launcher's trace record (runtime.stages.save_trace_info)

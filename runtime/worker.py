@@ -427,7 +427,7 @@ class Worker:
 
 def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     """Run one rank to the end; exceptions propagate (the caller reports them)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
     worker = Worker(plan, opts, env)
     comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)
     worker.setup()

@@ -60,3 +60,61 @@ def test_make_batch_with_the_wrong_rows_is_a_clear_error():
         split_batch(((torch.randn(8, 4), torch.zeros(6)), torch.randn(8, 1)), 2, 4)
     with pytest.raises(PipeplanError, match=r"the target of shape \(10, 1\)"):
         split_batch((torch.randn(8, 4), torch.randn(10, 1)), 2, 4)
+
+
+THREADS_MODEL = '''
+import os
+
+import torch
+from torch import nn
+
+
+class Probe(nn.Module):
+    def forward(self, x):  # runs in the rank as written (a leaf of the trace)
+        path = os.environ.get("PIPEPLAN_TEST_THREADS_DIR")
+        if path:
+            with open(os.path.join(path, str(os.getpid())), "w") as f:
+                f.write(str(torch.get_num_threads()))
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.probe = Probe()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(self.probe(x))
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 1)
+
+
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+'''
+
+
+def test_threads_per_rank(run, tmp_path, monkeypatch):
+    """--threads sets torch's threads in every rank (a loaded machine wants 1); 0 is refused."""
+    model = tmp_path / "threads_model.py"
+    model.write_text(THREADS_MODEL)
+    plan = run.plan(model, 1, [2])
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    monkeypatch.setenv("PIPEPLAN_TEST_THREADS_DIR", str(seen))
+    import os
+
+    threads = (os.cpu_count() or 1) // 2 + 1  # not the default (the cores / 2 ranks)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--threads", threads, "--timeout", 60)
+    assert rc == 0, err
+    ranks = {f.name: f.read_text() for f in seen.iterdir() if f.name != str(os.getpid())}
+    assert len(ranks) == 2 and set(ranks.values()) == {str(threads)}, ranks
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--threads", 0)
+    assert rc == 2 and "--threads must be at least 1" in err
