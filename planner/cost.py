@@ -60,6 +60,8 @@ class LayerTable:
     saved_input_bytes: tuple[int, ...] = ()
     tp: tuple[TPTable, ...] = ()
     loss_activation_bytes: int = 0  # the loss's saved bytes, inside the last layer's activations  # per profiled tensor-parallel degree > 1
+    # of the parameters, those without gradients (`LayerProfile.frozen_param_bytes`); None: none
+    frozen_prefix_bytes: tuple[int, ...] | None = None
     # per (what, start, stop): the stage totals that scan every tensor (`_memo`); the search
     # asks for the same stages thousands of times
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -145,6 +147,11 @@ class LayerTable:
 
     def param_bytes(self, start: int, stop: int) -> int:
         return self.param_prefix_bytes[stop] - self.param_prefix_bytes[start]
+
+    def frozen_bytes(self, start: int, stop: int) -> int:
+        """Of `param_bytes`, the parameters that take no gradient (nor optimizer state)."""
+        z = self.frozen_prefix_bytes
+        return 0 if z is None else z[stop] - z[start]
 
     def activation_bytes(self, start: int, stop: int) -> int:
         return self.activation_prefix_bytes[stop] - self.activation_prefix_bytes[start]
@@ -283,6 +290,8 @@ def layer_table(profile: Profile) -> LayerTable:
         saved_input_bytes=tuple(int(getattr(x, "saved_input_bytes", 0) or 0) for x in layers),
         tp=tp_tables(profile),
         loss_activation_bytes=loss_activation_bytes(profile),
+        frozen_prefix_bytes=_prefix([int(getattr(x, "frozen_param_bytes", 0) or 0) for x in layers])
+        if any(getattr(x, "frozen_param_bytes", 0) for x in layers) else None,
     )
 
 
@@ -344,15 +353,17 @@ def tp_allreduce_ms(nbytes: float, count: float, degree: int, gb_per_s: float,
     return 2 * (t - 1) / t * nbytes / (gb_per_s * GB) * 1e3 + count * 2 * (t - 1) * latency_us / 1e3
 
 
-def static_memory_bytes(param_bytes: float, optimizer: str) -> float:
-    """Parameters, gradients and `0 | 1 | 2` optimizer copies for `sgd | momentum | adam`."""
-    return param_bytes * (2 + OPTIMIZER_EXTRA_COPIES[optimizer])
+def static_memory_bytes(param_bytes: float, optimizer: str, frozen_bytes: float = 0.0) -> float:
+    """Parameters, gradients and `0 | 1 | 2` optimizer copies for `sgd | momentum | adam`; the
+    `frozen_bytes` of them (no gradient) only once: `param * (2 + k) - frozen * (1 + k)`."""
+    k = OPTIMIZER_EXTRA_COPIES[optimizer]
+    return param_bytes * (2 + k) - frozen_bytes * (1 + k)
 
 
 def stage_memory_bytes(param_bytes: float, activation_bytes: float, scale: float,
-                       inflight: int, optimizer: str) -> float:
-    """Peak memory of one device of a stage: `param * (2 + k) + scale * act * inflight`."""
-    return static_memory_bytes(param_bytes, optimizer) + scale * activation_bytes * inflight
+                       inflight: int, optimizer: str, frozen_bytes: float = 0.0) -> float:
+    """Peak memory of one device of a stage: `static_memory_bytes + scale * act * inflight`."""
+    return static_memory_bytes(param_bytes, optimizer, frozen_bytes) + scale * activation_bytes * inflight
 
 
 def replica_microbatches(num_microbatches: int, replicas: int, replica: int) -> int:
@@ -488,10 +499,12 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
     t = getattr(st, "tp", 1)
     w_share = table.bwd_weight_ms(st.start, st.stop) / max(table.bwd_ms(st.start, st.stop), 1e-300)
     tp_f = tp_b = 0.0
+    frozen = 0  # (a TP shard's frozen part is not profiled: its parameters all count as trained)
     if t == 1:
         f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
         full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
         params = table.param_bytes(st.start, st.stop)
+        frozen = table.frozen_bytes(st.start, st.stop)
         full = scale * table.activation_bytes(st.start, st.stop)
     else:  # the shard's measured time plus its TP all-reduces on the node's links
         if st.recompute:
@@ -538,9 +551,9 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
         act, transient = full, 0.0
         hold = full + out_grads + (0.0 if first else scale * table.weight_grad_bytes(st.start, st.stop))
     kind = link_kind(devices, st.devices)
-    ar = allreduce_ms(params, st.replicas, link_gb_per_s(cluster, kind),
+    ar = allreduce_ms(params - frozen, st.replicas, link_gb_per_s(cluster, kind),
                       link_latency_us(cluster, kind)) / cluster.allreduce_efficiency
-    return (f, bwd, inp, wgt, act, transient, hold, ar, static_memory_bytes(params, optimizer),
+    return (f, bwd, inp, wgt, act, transient, hold, ar, static_memory_bytes(params, optimizer, frozen),
             min(devices[d].memory_bytes for d in st.devices), tp_f, tp_b)
 
 

@@ -94,6 +94,16 @@ class LayerProfile(_Open):
     weight_grad_output_bytes: NonNegativeInt | None = None
     saved_input_bytes: NonNegativeInt | None = None
     tp: list[LayerTP] | None = None  # per tensor-parallel degree (profile --tp), if profiled
+    # of param_bytes, the parameters that need no gradient (requires_grad=False: a frozen
+    # backbone or embedding): no gradient, no optimizer state, no all-reduce. Absent: 0
+    frozen_param_bytes: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _frozen_within(self) -> LayerProfile:
+        if self.frozen_param_bytes > self.param_bytes:
+            raise ValueError(f"layer {self.name!r}: frozen_param_bytes {self.frozen_param_bytes} > "
+                             f"param_bytes {self.param_bytes}")
+        return self
 
     def at_degree(self, degree: int) -> LayerTP | None:
         """The layer on one of `degree` TP devices (degree 1: the layer itself)."""

@@ -78,6 +78,7 @@ class LayerMeasurement:
     bwd_input_ms: float | None = None  # zero bubble: the backward's two parts, measured apart
     bwd_weight_ms: float | None = None
     split_bytes: SplitBytes | None = None  # zero bubble and recomputation: see `split_bytes`
+    frozen_param_bytes: int = 0  # of param_bytes, parameters with requires_grad=False
 
 
 def tensor_bytes(value: Any) -> int:
@@ -330,11 +331,13 @@ def _layer_result(lg: LayerGraph, runners: list[StageRunner],
     out = []
     for layer, run in zip(lg.layers, runners, strict=True):
         params = sum(p.numel() * p.element_size() for p in run.stage.parameters())
+        frozen = sum(p.numel() * p.element_size() for p in run.stage.parameters() if not p.requires_grad)
         buffers = sum(b.numel() * b.element_size() for b in run.stage.buffers())
         fwd = max(0.0, statistics.median(run.fwd) - oh.fwd_ms) if run.fwd else 0.0
         bwd = max(0.0, statistics.median(run.bwd) - oh.bwd_ms) if any(run.bwd) else 0.0
         out.append(LayerMeasurement(
             layer.name, layer.kind, fwd, bwd, params, buffers, run.activation_bytes, run.output_bytes,
+            frozen_param_bytes=frozen,
         ))
         run.stage.zero_grad(set_to_none=True)
     return out

@@ -336,7 +336,9 @@ class Worker:
             state_bytes = sum(loc(v).numel() * v.element_size() for stt in self.optimizer.state.values()
                               for v in stt.values() if torch.is_tensor(v))
             pbytes = sum(loc(p.detach()).numel() * p.element_size() for p in self.unique_params)
-            peak = 2 * pbytes + state_bytes + st.peak_saved_bytes
+            gbytes = sum(loc(p.detach()).numel() * p.element_size() for p in self.unique_params
+                         if p.requires_grad)  # a frozen parameter has no gradient
+            peak = pbytes + gbytes + state_bytes + st.peak_saved_bytes
             measure = "params+grads+optimizer_state+saved_activations"
         return RankRecord(
             rank=self.rank, stage=self.stage, replica=self.replica, step_ms=step_ms,

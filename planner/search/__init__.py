@@ -155,7 +155,7 @@ def needs_recompute_variant(table: LayerTable, cluster: Cluster, options: PlanOp
     L = table.num_layers
     need = stage_memory_bytes(table.param_bytes(0, L), table.activation_bytes(0, L),
                               microbatch_scale(table.batch_size, b), options.global_batch // b,
-                              options.optimizer)
+                              options.optimizer, table.frozen_bytes(0, L))
     return need > max(d.memory_bytes for d in cluster.devices())
 
 
@@ -224,7 +224,7 @@ def _pack(table: LayerTable, b: int, m: int, optimizer: str, cap: float, most: i
         inflight = min(m, len(bounds))
         i = j - 1
         while i > 0 and stage_memory_bytes(table.param_bytes(i - 1, j), table.activation_bytes(i - 1, j),
-                                           scale, inflight, optimizer) <= cap:
+                                           scale, inflight, optimizer, table.frozen_bytes(i - 1, j)) <= cap:
             i -= 1
         bounds.append(i)
         j = i
@@ -243,7 +243,8 @@ def _front_pack(table: LayerTable, scale: float, m: int, optimizer: str, limit: 
         inflight = min(m, S - s)
         j = i
         while j < L and scale * table.compute_ms(i, j + 1) <= cap_ms and stage_memory_bytes(
-                table.param_bytes(i, j + 1), table.activation_bytes(i, j + 1), scale, inflight, optimizer) <= limit:
+                table.param_bytes(i, j + 1), table.activation_bytes(i, j + 1), scale, inflight, optimizer,
+                table.frozen_bytes(i, j + 1)) <= limit:
             j += 1
         if j == i:
             return None

@@ -234,6 +234,16 @@ class Variant:
     Bp: np.ndarray  # whole backward ms (TP all-reduces included; recomputation not)
     Pp: np.ndarray  # parameter bytes (of one TP shard)
     Ap: np.ndarray  # activation bytes kept per microbatch in flight (scaled); recompute: see `kept`
+    Zp: np.ndarray | None = None  # of Pp, the parameters without gradients (frozen); None: none
+
+    def static_prefix(self, coef: float) -> np.ndarray:
+        """Parameters, gradients and optimizer state, prefix: `coef` copies of every parameter
+        but one of a frozen one (`cost.static_memory_bytes`)."""
+        return coef * self.Pp if self.Zp is None else coef * self.Pp - (coef - 1) * self.Zp
+
+    def trained_prefix(self) -> np.ndarray:
+        """The parameters whose gradients replicas all-reduce, prefix."""
+        return self.Pp if self.Zp is None else self.Pp - self.Zp
 
 
 @dataclass(frozen=True)
@@ -309,12 +319,13 @@ class Conditions:
 
 def _variants(table: LayerTable, cluster: Cluster, scale: float, vmax: float,
               degrees: tuple[int, ...], recompute: bool) -> list[Variant]:
+    frozen = None if table.frozen_prefix_bytes is None else np.array(table.frozen_prefix_bytes, dtype=float)
     out = [Variant(1, False, np.array(table.fwd_prefix_ms) * scale / vmax,
                    np.array(table.bwd_prefix_ms) * scale / vmax,
                    np.array(table.param_prefix_bytes, dtype=float),
-                   np.array(table.activation_prefix_bytes, dtype=float) * scale)]
+                   np.array(table.activation_prefix_bytes, dtype=float) * scale, frozen)]
     if recompute:
-        out.append(Variant(1, True, out[0].Fp, out[0].Bp, out[0].Pp, out[0].Ap))
+        out.append(Variant(1, True, out[0].Fp, out[0].Bp, out[0].Pp, out[0].Ap, frozen))
     gbps = cluster.intra_node_gb_per_s
     lat = least_latency_us(cluster)
     for t in degrees:
@@ -496,7 +507,7 @@ def memory_band(c: Conditions) -> np.ndarray:
     (the tight rows of the plan-quality suite: 20-70 % of the (i, j) pairs) that much less
     work. Non-decreasing in i."""
     key = (c.L, float(c.memory_bytes), float(c.static_coef), id(c.kept_lo), id(c.layer_act),
-           tuple((id(v.Pp), id(v.Ap), v.recompute) for v in c.variants))
+           tuple((id(v.Pp), id(v.Ap), id(v.Zp), v.recompute) for v in c.variants))
     hit = _BAND_MEMO.get(key)
     if hit is not None:
         return hit[1]
@@ -506,7 +517,7 @@ def memory_band(c: Conditions) -> np.ndarray:
     if np.any(c.layer_act < 0):
         return np.full(L, L)  # not monotone: no band (every j looked at)
     for v in c.variants:
-        base = c.static_coef * v.Pp + (c.kept_lo if v.recompute else v.Ap)  # (L+1,)
+        base = v.static_prefix(c.static_coef) + (c.kept_lo if v.recompute else v.Ap)  # (L+1,)
         if np.any(np.diff(base) < 0):
             return np.full(L, L)
         if not v.recompute:
@@ -522,7 +533,7 @@ def memory_band(c: Conditions) -> np.ndarray:
     with _BAND_LOCK:  # the service plans in threads
         while len(_BAND_MEMO) >= _BAND_MEMO_SIZE:
             del _BAND_MEMO[next(iter(_BAND_MEMO))]
-        _BAND_MEMO[key] = ((c.kept_lo, c.layer_act, tuple((v.Pp, v.Ap) for v in c.variants)), band)
+        _BAND_MEMO[key] = ((c.kept_lo, c.layer_act, tuple((v.Pp, v.Ap, v.Zp) for v in c.variants)), band)
     return band
 
 
@@ -535,7 +546,8 @@ def band_cells(c: Conditions) -> int:
 def _stage_costs(c: Conditions, v: Variant, lo, hi, share: np.ndarray, zb: bool):
     """Per microbatch, of stages [lo, hi) run as `v` (one side an index, the other an array):
     forward, critical backward (the whole backward, or B under zb-h1, recomputation's
-    forward included), W, their sum, parameter bytes and activation bytes kept in flight."""
+    forward included), W, their sum, (static bytes: parameters, gradients and optimizer state;
+    the parameter bytes replicas all-reduce) and activation bytes kept in flight."""
     fwd = v.Fp[hi] - v.Fp[lo]
     full = v.Bp[hi] - v.Bp[lo]
     if zb:
@@ -545,7 +557,11 @@ def _stage_costs(c: Conditions, v: Variant, lo, hi, share: np.ndarray, zb: bool)
         wgt = np.zeros_like(full)
         crit = full + (fwd if v.recompute else 0.0)
     act = (c.kept_lo[hi] - c.kept_lo[lo]) if v.recompute else (v.Ap[hi] - v.Ap[lo])
-    return fwd, crit, wgt, fwd + crit + wgt, v.Pp[hi] - v.Pp[lo], act
+    if v.Zp is None:
+        params = v.Pp[hi] - v.Pp[lo]
+        return fwd, crit, wgt, fwd + crit + wgt, (params * c.static_coef, params), act
+    static, trained = v.static_prefix(c.static_coef), v.trained_prefix()
+    return fwd, crit, wgt, fwd + crit + wgt, (static[hi] - static[lo], trained[hi] - trained[lo]), act
 
 
 def _busy(n, w, f2, c2, rt) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -653,9 +669,9 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
         for v, rs, dd, link, n, ar_gbps, valid, src, w, inflight in per_variant:
             if len(rs) == 0:
                 continue
-            fwd, crit, wgt, comp, params, act = _stage_costs(c, v, a, b, share, zb)
+            fwd, crit, wgt, comp, (static, params), act = _stage_costs(c, v, a, b, share, zb)
             transient = peak if v.recompute else 0.0
-            mem_ok = ((params * c.static_coef + transient)[None, :, None]
+            mem_ok = ((static + transient)[None, :, None]
                       + act[None, :, None] * inflight <= c.memory_bytes)  # (R, A, D+1)
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, A)
@@ -875,14 +891,14 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                 w_least in per_variant:
             if len(rs) == 0:
                 continue
-            fwd, crit, wgt, comp, params, act = _stage_costs(c, v, i, j, share, zb)
+            fwd, crit, wgt, comp, (static, params), act = _stage_costs(c, v, i, j, share, zb)
             transient = peak if v.recompute else 0.0
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, J)
             # memory per replica count (Ra, J, D+1); a choice's stage is priced with its own
             # r (the smallest of its n: the most in flight, the cheapest all-reduce), its
             # suffix is the best behind any r of that n that fits (`replica_choices`)
-            room = c.memory_bytes - (params * c.static_coef + transient)  # (J,): for activations
+            room = c.memory_bytes - (static + transient)  # (J,): for activations
             cap = np.divide(room, act, out=np.where(room >= 0, np.inf, -1.0), where=act > 0)
             fits = (inflight[:, None, :] <= cap[None, :, None]) & nonzero[None, :, None] & valida[:, None, :]
 
@@ -1243,7 +1259,8 @@ def restrict(c: Conditions, cuts: np.ndarray) -> Conditions:
     estimate of `c`'s, at about (len(cuts) / L)^2 of the work."""
     cuts = np.asarray(cuts)
     assert cuts[0] == 0 and cuts[-1] == c.L and bool(np.all(np.diff(cuts) > 0)), "cuts: 0 < ... < L"
-    vs = tuple(Variant(v.tp, v.recompute, v.Fp[cuts], v.Bp[cuts], v.Pp[cuts], v.Ap[cuts])
+    vs = tuple(Variant(v.tp, v.recompute, v.Fp[cuts], v.Bp[cuts], v.Pp[cuts], v.Ap[cuts],
+                       None if v.Zp is None else v.Zp[cuts])
                for v in c.variants)
     return replace(
         c, L=len(cuts) - 1, variants=vs, Cp=c.Cp[cuts], Wshare_num=c.Wshare_num[cuts],

@@ -43,7 +43,7 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
     def alone(i: int, t: int) -> float:  # layer i on one of t TP devices, one microbatch
         if t == 1:
             return stage_memory_bytes(table.param_bytes(i, i + 1), table.activation_bytes(i, i + 1),
-                                      scale, 1, options.optimizer)
+                                      scale, 1, options.optimizer, table.frozen_bytes(i, i + 1))
         tt = table.at_degree(t)
         return stage_memory_bytes(tt.span("param_prefix_bytes", i, i + 1),
                                   tt.span("activation_prefix_bytes", i, i + 1), scale, 1, options.optimizer)
@@ -64,7 +64,8 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
     params = sum(min([table.param_bytes(i, i + 1)]
                      + [t * table.at_degree(t).span("param_prefix_bytes", i, i + 1)
                         for t in degrees if t > 1]) for i in range(L))
-    total_static = stage_memory_bytes(params, 0, 0, 0, options.optimizer)
+    total_static = stage_memory_bytes(params, 0, 0, 0, options.optimizer,
+                                      table.frozen_bytes(0, L) if params == table.param_bytes(0, L) else 0.0)
     if total_static > biggest * len(devices):
         return PipeplanError(
             f"the model's parameters, gradients and {options.optimizer} state take "

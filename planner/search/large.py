@@ -46,6 +46,9 @@ class StageBounds:
         F = np.array(table.fwd_prefix_ms) * scale / vmax
         B = np.array(table.bwd_prefix_ms) * scale / vmax
         P = np.array(table.param_prefix_bytes, dtype=float)
+        # frozen parameters (no gradient): counted once in memory, not all-reduced
+        Z = np.zeros(L + 1) if table.frozen_prefix_bytes is None else \
+            np.array(table.frozen_prefix_bytes, dtype=float)
         A = np.array(table.activation_prefix_bytes, dtype=float) * scale
         # a recomputed stage keeps at least the tensors its layers read first per microbatch in
         # flight, and while a layer's backward runs, that layer's activations less its inputs
@@ -79,13 +82,15 @@ class StageBounds:
         into[1:L] = self.hop[np.arange(L - 1), np.arange(1, L)]
         link = self.both_ways(into[:, None])  # (L + 1, R)
 
-        later_stages = np.ceil((P[L] - P) * (2 + k) / mem)  # stages at least, after layer z
+        # static memory after layer z: `cost.static_memory_bytes` (frozen parameters once)
+        later_stages = np.ceil(((P[L] - P) * (2 + k) - (Z[L] - Z) * (1 + k)) / mem)  # stages at least
         ar_coef = np.where(rs > 1, 2 * (rs - 1) / rs / bw * 1e3, 0.0)  # per parameter byte
         ar_lat = np.where(rs > 1, 2 * (rs - 1) * lat, 0.0)
         half = link / 2
 
         self.options, self.devices, self.vmax = options, devices, vmax
         self.L, self.D, self.m, self.F, self.B, self.P, self.A, self.k = L, D, m, F, B, P, A, k
+        self.Z = Z
         self.rs, self.mk, self.mem, self.total, self.link, self.half = rs, mk, mem, total, link, half
         self.rh = rh
         self.later_stages, self.ar_coef, self.ar_lat = later_stages, ar_coef, ar_lat
@@ -103,7 +108,8 @@ class StageBounds:
                     self.ar_coef, self.ar_lat)
         options = self.options
         a = np.arange(z)
-        params = P[z] - P[a]
+        frozen = self.Z[z] - self.Z[a]
+        params = P[z] - P[a] - frozen  # the all-reduced ones
         # in flight on replica 0: ceil(min(m, U) / r), U = replicas from here to the end,
         # at least r plus one device per `mem` of the later layers' static memory
         if options.schedule == "gpipe":
@@ -121,7 +127,7 @@ class StageBounds:
             w_hi = mk[None, :] + 0 * w_hi
         out = self.both_ways(self.hop[:z, z][:, None]) if z < L else np.zeros((z, len(rs)))
         fwd = (F[z] - F[a])[:, None]
-        static = (params * (2 + k))[:, None]
+        static = ((P[z] - P[a]) * (2 + k) - frozen * (1 + k))[:, None]
         ok = np.zeros((z, len(rs)), dtype=bool)
         # plain, and where stages may recompute, recomputed: its forward once more in its
         # backward, its layers' inputs kept and one layer's activations while it runs

@@ -63,6 +63,7 @@ def _tables(ev: Evaluator, b: int) -> dict[str, np.ndarray]:
             "F": np.array(t.fwd_prefix_ms) * scale,
             "C": (np.array(t.fwd_prefix_ms) + np.array(t.bwd_prefix_ms)) * scale,
             "P": np.array(t.param_prefix_bytes, dtype=float),
+            "Z": np.zeros(L + 1) if t.frozen_prefix_bytes is None else np.array(t.frozen_prefix_bytes, dtype=float),
             "A": np.array(t.activation_prefix_bytes, dtype=float) * scale,
             "K": kept * scale, "T": peak * scale}
     return got
@@ -88,7 +89,7 @@ def resplit(ev: Evaluator, b: int, replicas: list[int], hops: bool = False) -> t
     if hops:  # every microbatch waits for its transfers in and out (1F1B does not hide them)
         comp = comp + p["X"][i] + p["X"][j]
     fwd = (p["F"][j] - p["F"][i]) / speed
-    static = (p["P"][j] - p["P"][i]) * coef
+    static = (p["P"][j] - p["P"][i]) * coef - (p["Z"][j] - p["Z"][i]) * (coef - 1)  # frozen: once
     act, kept, transient = p["A"][j] - p["A"][i], p["K"][i, j], p["T"][i, j]
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
