@@ -96,11 +96,11 @@ class LayerProfile(_Open):
     tp: list[LayerTP] | None = None  # per tensor-parallel degree (profile --tp), if profiled
     # of param_bytes, the parameters that need no gradient (requires_grad=False: a frozen
     # backbone or embedding): no gradient, no optimizer state, no all-reduce. Absent: 0
-    frozen_param_bytes: NonNegativeInt = 0
+    frozen_param_bytes: NonNegativeInt | None = None
 
     @model_validator(mode="after")
     def _frozen_within(self) -> LayerProfile:
-        if self.frozen_param_bytes > self.param_bytes:
+        if self.frozen_param_bytes is not None and self.frozen_param_bytes > self.param_bytes:
             raise ValueError(f"layer {self.name!r}: frozen_param_bytes {self.frozen_param_bytes} > "
                              f"param_bytes {self.param_bytes}")
         return self

@@ -150,7 +150,7 @@ def profile_model_file(
                 param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
                 output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
                 bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
-                frozen_param_bytes=m.frozen_param_bytes,
+                frozen_param_bytes=m.frozen_param_bytes or None,
                 **(dataclasses.asdict(m.split_bytes) if m.split_bytes is not None else {}),
             )
             for m in layers
