@@ -27,6 +27,7 @@ preceding layers produced, so what is measured is what a pipeline stage executes
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -162,19 +163,22 @@ def _fresh(stage: StageModule, values: dict[str, torch.Tensor]) -> dict[str, tor
     return feed
 
 
-def _forward_fresh(stage: StageModule, values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """`stage(_fresh(stage, values))` and its feed. A layer that modifies its input in place
+def _forward_fresh(stage: StageModule, values: dict[str, Any], counted: list[torch.Tensor] | None = None
+                   ) -> tuple[dict[str, Any], Any, dict[int, int]]:
+    """`stage(_fresh(stage, values))`, its feed and (with `counted`, the state
+    `count_saved_bytes` leaves out) what it saved. A layer that modifies its input in place
     (`nn.ReLU(inplace=True)` as a layer of its own, `x.add_(...)` first thing in a block)
     fails on a leaf: the first time, it runs again on copies, and from then on always."""
-    feed = _fresh(stage, values)
-    try:
-        return feed, stage(feed)
-    except RuntimeError as exc:
-        if INPLACE_ON_LEAF not in str(exc) or getattr(stage, "copy_inputs", False):
-            raise
-    stage.copy_inputs = True  # type: ignore[attr-defined]
-    feed = _fresh(stage, values)
-    return feed, stage(feed)
+    while True:
+        feed = _fresh(stage, values)
+        try:
+            with (count_saved_bytes(counted) if counted is not None else contextlib.nullcontext({})) as seen:
+                out = stage(feed)
+            return feed, out, seen
+        except RuntimeError as exc:
+            if INPLACE_ON_LEAF not in str(exc) or getattr(stage, "copy_inputs", False):
+                raise
+        stage.copy_inputs = True  # type: ignore[attr-defined]
 
 
 def _grad_targets(out: dict[str, Any]) -> list[torch.Tensor]:
@@ -197,16 +201,7 @@ class StageRunner:
     def __init__(self, stage: StageModule, values: dict[str, Any], device: torch.device,
                  clock: str = "wall") -> None:
         self.stage, self.values, self.timer = stage, values, Timer(device, clock)
-        state = list(stage.parameters()) + list(stage.buffers())
-        for _ in range(2):
-            try:
-                with count_saved_bytes(state) as seen:
-                    out = stage(_fresh(stage, values))
-                break
-            except RuntimeError as exc:  # an input modified in place: on copies (`_forward_fresh`)
-                if INPLACE_ON_LEAF not in str(exc) or getattr(stage, "copy_inputs", False):
-                    raise
-                stage.copy_inputs = True  # type: ignore[attr-defined]
+        _, out, seen = _forward_fresh(stage, values, list(stage.parameters()) + list(stage.buffers()))
         self.activation_bytes = sum(seen.values())
         self.output_bytes = tensor_bytes(out)
         self.grads = [torch.ones_like(t) for t in _grad_targets(out)]
@@ -398,7 +393,7 @@ class SplitRunner:
         self.w: list[float] = []
 
     def once(self, keep: bool) -> None:
-        feed, out = _forward_fresh(self.stage, self.values)
+        feed, out, _ = _forward_fresh(self.stage, self.values)
         targets = _grad_targets(out)
         leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
         b = w = 0.0
@@ -447,12 +442,9 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
     what its forward saves is its own inputs (a recomputed block keeps those anyway)."""
     from runtime.split_backward import backward_input
 
-    _forward_fresh(stage, values)  # (copies of the inputs from here on where it needs them)
-    feed = _fresh(stage, values)
     weights = [p for p in stage.parameters() if p.requires_grad]
     skip = {_storage_key(t)[0] for t in [*stage.parameters(), *stage.buffers()]}
-    with count_saved_bytes(list(stage.parameters()) + list(stage.buffers())) as saved:
-        out = stage(feed)
+    feed, out, saved = _forward_fresh(stage, values, list(stage.parameters()) + list(stage.buffers()))
     inputs = {_storage_key(v)[0] for v in feed.values() if isinstance(v, torch.Tensor)}
     saved_inputs = sum(n for ptr, n in saved.items() if ptr in inputs)
     targets = _grad_targets(out)

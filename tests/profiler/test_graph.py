@@ -24,6 +24,15 @@ def _setup(name: str, env: dict[str, str], batch: int = 2, **extra: str):
     return mf, ref, model, inputs, target
 
 
+def _cut(names: list[str], sizes: list[int]) -> list[list[str]]:
+    """The layer names in consecutive stages of `sizes` layers each."""
+    parts, i = [], 0
+    for s in sizes:
+        parts.append(names[i:i + s])
+        i += s
+    return parts
+
+
 def _partitions(n: int, rng: random.Random) -> list[list[int]]:
     """Every layer alone, everything in one stage, and a few random contiguous splits."""
     out = [[1] * n, [n]]
@@ -46,10 +55,7 @@ def test_stages_reproduce_forward_and_gradients_exactly(small_env, name, extra) 
     rng = random.Random(0)
     for sizes in _partitions(len(names), rng):
         model.zero_grad(set_to_none=True)
-        parts, i = [], 0
-        for s in sizes:
-            parts.append(names[i:i + s])
-            i += s
+        parts = _cut(names, sizes)
         out, _, stages = run_pipeline(lg, parts, inputs, target, mf.loss_fn)
         assert torch.equal(out, ref_out), sizes
         keys = set()
@@ -316,10 +322,7 @@ def test_tensors_modified_in_place_keep_their_readers_in_one_layer(granularity: 
     rng = random.Random(1)
     for sizes in _partitions(len(names), rng):
         model.zero_grad(set_to_none=True)
-        parts, i = [], 0
-        for s in sizes:
-            parts.append(names[i:i + s])
-            i += s
+        parts = _cut(names, sizes)
         out, _, stages = run_pipeline(lg, parts, (x,), target, torch.nn.functional.mse_loss)
         assert torch.equal(out, ref_out), sizes
         for st in stages.values():
