@@ -254,7 +254,8 @@ class Worker:
         events = []
         t0 = time.time()
         if self.stage_group is not None:
-            own = [p for p in self.unique_params if id(p) not in self.tied_ids]
+            # (a frozen parameter has no gradient on any replica: nothing to sum)
+            own = [p for p in self.unique_params if id(p) not in self.tied_ids and p.requires_grad]
             if own:
                 # a sharded parameter's gradient: this rank's shard, summed with the same
                 # shard of the other replicas
