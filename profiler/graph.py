@@ -35,10 +35,10 @@ LayerGraph and the model, so that only its own parameters stay alive.
 
 A tensor modified in place (`nn.ReLU(inplace=True)`, `x += y`, a block that changes its input)
 stays in one layer with its producer and every node that reads it (`segment.merge_mutated`,
-found by the version counters of the one run under no_grad).
+found by the version counters of the one run under no_grad); a change made through a view
+(`x.view(-1).add_(1)`, `x[:, 0].zero_()`) counts for every live tensor on the same storage.
 
-Limitations: a modification through a view of a tensor (`x.view(...).add_(...)`) is seen on
-the view, not on the other readers of `x`; models traced with `torch.export` (the fallback when torch.fx fails) are
+Limitations: models traced with `torch.export` (the fallback when torch.fx fails) are
 specialised on the example inputs' shapes, so trace with the batch size you will run.
 """
 
@@ -171,11 +171,21 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a tensor's data lives (shared by a tensor and its views); None for none."""
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, meta, ...
+        return None
+    return st.data_ptr() if st.nbytes() > 0 else None
+
+
 def _record(traced: Traced, inputs: tuple[torch.Tensor, ...]
             ) -> tuple[dict[str, bool], dict[str, int], dict[str, list[str]]]:
     """Run the graph once; per node: is its value a tensor, and its bytes; and the nodes that
     modify a tensor they read in place (its version counter moves), with the nodes they
-    modify: `nn.ReLU(inplace=True)`, `x += y`, `x.add_(...)`, a block that changes its input."""
+    modify: `nn.ReLU(inplace=True)`, `x += y`, `x.add_(...)`, a block that changes its input,
+    and a change through a view, which modifies every live tensor on the same storage."""
     is_tensor: dict[str, bool] = {}
     nbytes: dict[str, int] = {}
     mutates: dict[str, list[str]] = {}
@@ -187,7 +197,12 @@ def _record(traced: Traced, inputs: tuple[torch.Tensor, ...]
             value = super().run_node(n)
             changed = [name for name, t, v in before if v is not None and _version(t) != v]
             if changed:
-                mutates[n.name] = changed
+                # a change made through a view (`x.view(-1).add_(1)`, `x[:, 0].zero_()`)
+                # changes its base and every other view of it: those nodes too
+                hit = {_storage(t) for name, t, v in before if name in changed} - {None}
+                aliases = [a for a, t in self.env.items() if a.name not in changed and a is not n
+                           and isinstance(t, torch.Tensor) and _storage(t) in hit]
+                mutates[n.name] = changed + sorted(a.name for a in aliases)
             is_tensor[n.name] = isinstance(value, torch.Tensor)
             leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
             nbytes[n.name] = sum(v.numel() * v.element_size() for v in leaves)

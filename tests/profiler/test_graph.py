@@ -275,8 +275,9 @@ class _InPlace(torch.nn.Module):
     """In place across layers: a ReLU(inplace=True) after a Linear; a block that changes its
     input; glue that changes a tensor between two blocks that read it."""
 
-    def __init__(self) -> None:
+    def __init__(self, through_view: bool = False) -> None:
         super().__init__()
+        self.through_view = through_view
         self.inp = torch.nn.Linear(4, 6)
         self.act = torch.nn.ReLU(inplace=True)
         self.mid = torch.nn.Linear(6, 6)
@@ -289,24 +290,30 @@ class _InPlace(torch.nn.Module):
         h = self.muts(self.mid(self.act(self.inp(x))))
         ids = self.gate(h).argmax(-1)
         h = self.blocks[0](h, ids)
-        ids.add_(1)  # blocks.0 reads ids before, blocks.1 after
+        if self.through_view:  # the same change, made on a view of ids
+            ids.view(-1, 1)[:, 0].add_(1)
+        else:
+            ids.add_(1)  # blocks.0 reads ids before, blocks.1 after
         h = self.blocks[1](h, ids)
         return self.out(self.blocks[2](h, ids))
 
 
+@pytest.mark.parametrize("through_view", [False, True])
 @pytest.mark.parametrize("granularity", ["modules", "blocks"])
-def test_tensors_modified_in_place_keep_their_readers_in_one_layer(granularity: str) -> None:
+def test_tensors_modified_in_place_keep_their_readers_in_one_layer(granularity: str, through_view: bool
+                                                                    ) -> None:
     """Each tensor modified in place stays in one layer with its producer, the node that
     modifies it and every node that reads it: at every cut the stages reproduce the whole
     model's output and gradients exactly (a cut between them fails on the stage's input, a
-    leaf, or gives blocks.0 the changed ids). A rank that traces from the launcher's record
-    (no user code run) gets the same layers."""
+    leaf, or gives blocks.0 the changed ids), also where the change is made through a view of
+    the tensor. A rank that traces from the launcher's record (no user code run) gets the same
+    layers."""
     from runtime import stages as rt_stages
 
     torch.manual_seed(0)
-    ref = _InPlace()
+    ref = _InPlace(through_view)
     torch.manual_seed(0)
-    model = _InPlace()
+    model = _InPlace(through_view)
     x, target = torch.randn(5, 4), torch.randn(5, 2)
     ref_out = ref(x)
     torch.nn.functional.mse_loss(ref_out, target).backward()
