@@ -278,7 +278,16 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
     A tensor modified in place keeps in one layer the node that modifies it, the node that
     made it and every node that reads it (`segment.merge_mutated`): autograd forbids the
     modification on a received tensor (a stage's input is a leaf), and a stage that read the
-    tensor before it changed would otherwise see it changed, or the other way round."""
+    tensor before it changed would otherwise see it changed, or the other way round.
+    Lazy modules must be initialised first (`profiler.loader.materialize_lazy`)."""
+    from torch.nn.parameter import is_lazy
+
+    lazy = [k for k, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
+    if lazy:
+        raise PipeplanError(
+            f"the model has lazy modules not initialised yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): run one forward before tracing it "
+            "(profiler.loader.build_checked(model_file, batch_size) does)")
     saved = {k: v.detach().clone() for k, v in model.named_buffers()}
     try:
         return _trace(model, tuple(example_inputs), granularity, tensor_kinds, mutations)

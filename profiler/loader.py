@@ -111,8 +111,9 @@ def load_model_file(path: str | Path) -> ModelFile:
     )
 
 
-def build_checked(mf: ModelFile) -> Any:
-    """`build_model()`, checked to return an nn.Module."""
+def build_checked(mf: ModelFile, batch_size: int | None = None) -> Any:
+    """`build_model()`, checked to return an nn.Module. With `batch_size`, a model with lazy
+    modules (`nn.LazyLinear`, ...) is initialised as well (`materialize_lazy`)."""
     import torch
 
     model = call_user(mf.path, "build_model", mf.build_model)
@@ -121,7 +122,37 @@ def build_checked(mf: ModelFile) -> Any:
             f"{mf.path}: build_model() returned {type(model).__name__}, not a torch.nn.Module. "
             "Return the model object."
         )
+    if batch_size is not None:
+        materialize_lazy(mf, model, batch_size)
     return model
+
+
+def materialize_lazy(mf: ModelFile, model: Any, batch_size: int) -> None:
+    """Initialise the parameters and buffers of lazy modules (`nn.LazyLinear`, ...) the way
+    a training loop's first forward does, so that every process holds the same model before
+    any of it is cut into stages: one forward of `make_batch(batch_size)` under no_grad, in
+    eval mode (no running statistics move), drawing from the random state `build_model()`
+    left (whatever `make_batch` draws is given back). Nothing happens without lazy modules."""
+    import torch
+    from torch.nn.parameter import is_lazy
+
+    if not any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+        return
+    state = torch.get_rng_state()
+    inputs, _ = batch_checked(mf, batch_size)
+    torch.set_rng_state(state)
+    training = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            call_user(mf.path, "the model's first forward (initialising its lazy modules)", model, *inputs)
+    finally:
+        for m, flag in training.items():
+            m.training = flag
+    if any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+        raise PipeplanError(
+            f"{mf.path}: the model has lazy modules (nn.LazyLinear, ...) that one forward of "
+            f"make_batch({batch_size}) does not initialise: call them in forward, or give their sizes")
 
 
 def batch_checked(mf: ModelFile, batch_size: int) -> tuple[tuple[Any, ...], Any]:

@@ -95,7 +95,7 @@ def profile_model_file(
     mf = load_model_file(path)
     workspace = library_workspace_bytes(dev)  # before the model's own work allocates any
     torch.manual_seed(seed)
-    model = build_checked(mf).to(dev).train()
+    model = build_checked(mf, batch_size).to(dev).train()
     inputs, target = batch_checked(mf, batch_size)
     inputs, target = _to(inputs, dev), _to(target, dev)
     try:
@@ -190,7 +190,7 @@ def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch
 
     def build() -> torch.nn.Module:
         torch.manual_seed(seed)
-        return build_checked(mf)
+        return build_checked(mf, batch_size)
 
     if not model_tp_plan(build(), mf.tp_plan):
         raise PipeplanError(f"--tp: {mf.path} has no tensor-parallel plan; define "

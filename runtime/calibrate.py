@@ -158,7 +158,7 @@ def _model_workload(torch: object, device: object, profile_path: str, model_path
                             "profile the model again with python -m planner profile")
     mf = load_model_file(model_path)
     torch.manual_seed(0)  # type: ignore[attr-defined]
-    model = build_checked(mf).to(device)
+    model = build_checked(mf, profile.batch_size).to(device)
     inputs, target = batch_checked(mf, profile.batch_size)
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)  # type: ignore[attr-defined]
     inputs = tuple(x.to(device) for x in inputs)

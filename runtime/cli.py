@@ -127,7 +127,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
         raise PipeplanError(f"--resume {opts.resume}: no such directory")
     mf = load_model_file(opts.model)
     torch.manual_seed(opts.seed)
-    model = build_checked(mf)
+    model = build_checked(mf, plan.microbatch_size)
     if opts.resume:
         from runtime import checkpoint
 

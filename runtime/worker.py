@@ -128,7 +128,7 @@ class Worker:
         from profiler.loader import batch_checked, build_checked
 
         torch.manual_seed(opts.seed)
-        model = build_checked(self.mf)
+        model = build_checked(self.mf, self.b)
         self.start_step = 0
         opt_state: dict = {}
         if opts.resume:

@@ -86,7 +86,9 @@ leaves a replicated stage few microbatches, the one that sets the time is often 
 costs about m / 2 steps without it, so it runs only after that bisection has ended. Each
 microbatch's condition stands on its own, so tracking a few is a relaxation too
 (`Conditions.tracked`): `prove` tests 1 % below the plan with the last microbatch alone, then
-four, then all (chain100 on 2 x 8 devices: all 16 prove the 1 %, four do, at half the work).
+four, then all (chain100 on 2 x 8 devices: all 16 prove the 1 %, four do, at half the work),
+skipping a set where testing it would leave too little work for a larger one (which proves
+whatever the smaller would).
 
 In a DAG the hop from a stage [i, j) carries every tensor of [i, j) the next stage [j, k)
 reads, not only what layer j reads: cut inside a residual block, it sends the block's input on

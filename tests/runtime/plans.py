@@ -19,7 +19,7 @@ from planner.formats import (
 )
 from planner.io import save_model
 from planner.schedules import plan_schedule_fields
-from profiler.loader import file_sha256, load_model_file
+from profiler.loader import build_checked, file_sha256, load_model_file
 from runtime import stages as runtime_stages
 
 
@@ -65,7 +65,8 @@ def write_plan(plan: Plan, path: Path) -> Path:
 def traced_layers(model_path: str | Path, microbatch_size: int = 2) -> list[str]:
     mf = load_model_file(model_path)
     torch.manual_seed(0)
+    model = build_checked(mf, microbatch_size)  # lazy modules initialised, as the runtime does
     inputs, _ = mf.make_batch(microbatch_size)
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    graph = runtime_stages.trace_model(mf.build_model(), inputs, "blocks")
+    graph = runtime_stages.trace_model(model, inputs, "blocks")
     return runtime_stages.layer_names(graph)

@@ -10,11 +10,22 @@ from profiler.loader import load_model_file
 
 
 def reference_train(model_path: str, steps: int, *, seed: int = 0, global_batch: int = 8,
-                    microbatch_size: int = 2, optimizer: str = "sgd", lr: float = 0.01
-                    ) -> dict[str, torch.Tensor]:
+                    microbatch_size: int = 2, optimizer: str = "sgd", lr: float = 0.01,
+                    dry_run: bool = False) -> dict[str, torch.Tensor]:
+    """With `dry_run`, one forward of a microbatch in eval mode right after build_model (its
+    random state kept from make_batch), as PyTorch advises before building the optimizer of
+    a model with lazy modules."""
     mf = load_model_file(model_path)
     torch.manual_seed(seed)
     model = mf.build_model()
+    if dry_run:
+        state = torch.get_rng_state()
+        inputs, _ = mf.make_batch(microbatch_size)
+        torch.set_rng_state(state)
+        model.eval()
+        with torch.no_grad():
+            model(*((inputs,) if isinstance(inputs, torch.Tensor) else inputs))
+        model.train()
     params = list(model.parameters())
     opt = (torch.optim.Adam(params, lr=lr) if optimizer == "adam"
            else torch.optim.SGD(params, lr=lr, momentum=0.9 if optimizer == "momentum" else 0.0))

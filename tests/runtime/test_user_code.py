@@ -93,3 +93,18 @@ def test_parameters_no_replica_used_keep_no_gradient(run, tmp_path):
             assert rc == 0, err
             ref = reference_train(str(model), 5, optimizer=optimizer, lr=0.05)
             assert max_abs_diff(ref, torch.load(ck / "model.pt")) < TOL, (optimizer, split)
+
+
+def test_lazy_modules_start_from_the_same_weights_as_a_dry_run(run, tmp_path):
+    """A model of lazy modules, cut through them (2 and 3 stages, the last replicated; the
+    BatchNorm's stage is not: replicas average running statistics, tests/runtime/test_buffers.py):
+    every rank initialises them as one dry run after build_model would, then trains as one
+    process does. Before, the ranks failed with a traceback on the uninitialised parameters."""
+    from reference import max_abs_diff
+
+    model = MODELS / "lazy_mlp.py"
+    ref = reference_train(str(model), 3, dry_run=True)
+    for split, replicas in (([2, 3], [1, 1]), ([1, 2, 2], [1, 1, 2])):
+        plan = run.plan(model, split, replicas, name=f"plan{len(split)}.json")
+        got = _train(run, tmp_path / str(len(split)), plan, model)
+        assert max_abs_diff(ref, got) < TOL, split
