@@ -4,6 +4,7 @@ against a brute force over every split, and every seed fits memory as `evaluate(
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -77,11 +78,33 @@ def test_every_packed_seed_fits_memory_as_evaluate_counts_it(seed: int) -> None:
                       intra_node_gb_per_s=10, inter_node_gb_per_s=1)
     options = PlanOptions(global_batch=64, microbatch_size=4, optimizer="sgd")
     seeds = _packed_seeds(table, cluster, options, 4)
-    assert seeds and len({s.bounds for s in seeds}) == len(seeds)
+    assert seeds and len({s.bounds for s in seeds}) == len(seeds) and all(set(s.replicas) == {1} for s in seeds)
+    # with `replicas`: the same splits, the free devices as replicas (every device used)
+    spread = _packed_seeds(table, cluster, options, 4, replicas=True)
+    assert {s.bounds for s in spread} == {s.bounds for s in seeds if len(s.replicas) < cluster.num_devices}
+    assert all(sum(s.replicas) == cluster.num_devices for s in spread)
     for st in seeds:
         stages = tuple(StageChoice(a, z, (k,)) for k, (a, z) in enumerate(zip(st.bounds, st.bounds[1:], strict=False)))
         ev = evaluate(table, cluster, Candidate(stages, 4, 16), options)
         assert ev.fits, st.bounds
+
+
+def test_spread_replicas_go_where_the_busiest_replica_gains_most() -> None:
+    """Against a brute force over one free device at a time: each goes to the stage whose
+    ceil(m / r) x compute drops most (ties: the earliest)."""
+    rng = random.Random(7)
+    for _ in range(30):
+        table = layer_table(_chain(rng, rng.randint(4, 12)))
+        L = table.num_layers
+        S = rng.randint(1, min(L, 5))
+        bounds = (0, *sorted(rng.sample(range(1, L), S - 1)), L)
+        m, D = rng.choice([8, 16]), S + rng.randint(0, 6)
+        comp = [table.compute_ms(a, z) for a, z in zip(bounds, bounds[1:], strict=False)]
+        want = [1] * S
+        for _ in range(D - S):
+            gains = [(math.ceil(m / want[k]) - math.ceil(m / (want[k] + 1))) * comp[k] for k in range(S)]
+            want[gains.index(max(gains))] += 1
+        assert search._spread_replicas(table, bounds, m, D) == tuple(want)
 
 
 def test_the_packed_search_never_makes_the_plan_worse(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,6 +117,7 @@ def test_the_packed_search_never_makes_the_plan_worse(monkeypatch: pytest.Monkey
     again = solve(profile, cluster, options)
     assert [(x.start, x.stop, x.replicas) for x in again.stages] == [(x.start, x.stop, x.replicas) for x in now.stages]
     monkeypatch.setattr(search, "PACK_SHARE", 0.0)
+    monkeypatch.setattr(search, "SPREAD_SHARE", 0.0)
     monkeypatch.setattr(search, "_packed_seeds", lambda *a, **k: [])
     before = solve(profile, cluster, options)
     assert now.solver["objective"] <= before.solver["objective"]
