@@ -25,7 +25,9 @@ last backward tests 1 % below the plan, tracking one microbatch, then four, then
 set the work affords, `bound.prove`, on
 PROOF_SHARE more work and what tightening left): failing there proves the 1 %. Where every
 bound is still more than HOPELESS_GAP below the plan, no such test has proven the 1 % on the
-suite, and that work goes to the search once more from the best plan instead. Where a
+suite, and that work goes to the search once more from the best plan instead, then on
+PACK_SHARE and SPREAD_SHARE more from splits that fill memory, with one replica per stage and
+with the free devices as replicas (`_packed_seeds`). Where a
 bound is still below the plan, every plan that bound's DP allows at the plan's time (else at
 1 % below it) is simulated at every placement, if they are few enough for EXHAUST_SHARE more
 work (`exhaust.py`): that gives the optimum and proves it (or proves the 1 %), and a plan
