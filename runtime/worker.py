@@ -94,6 +94,11 @@ def _wait(work: object, timeout_s: float, what: str) -> None:
                             f"({str(exc).splitlines()[0][:200]})") from None
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as a dense tensor (a sparse one, from nn.Embedding(sparse=True), densified)."""
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 class SeededExecutor(StageExecutor):
     """Each forward starts from its own random stream, seeded by (seed, step, stage,
     microbatch): see runtime.rng for what this guarantees."""
@@ -259,30 +264,41 @@ class Worker:
             if own:
                 # a sharded parameter's gradient: this rank's shard, summed with the same
                 # shard of the other replicas
-                grads = [tensor_parallel.local(p.grad) if p.grad is not None
+                # a sparse gradient (nn.Embedding(sparse=True)) is summed dense, and stays
+                # sparse where no replica's is dense (as one process would accumulate it)
+                grads = [_dense(tensor_parallel.local(p.grad)) if p.grad is not None
                          else torch.zeros_like(tensor_parallel.local(p.detach())) for p in own]
                 flat = torch.cat([g.reshape(-1) for g in grads])
-                used = torch.tensor([float(p.grad is not None) for p in own], dtype=flat.dtype, device=flat.device)
+                used = torch.tensor([float(p.grad is not None) for p in own]
+                                    + [float(p.grad is not None and not p.grad.is_sparse) for p in own],
+                                    dtype=flat.dtype, device=flat.device)
                 flat = torch.cat([flat, used])
                 _wait(dist.all_reduce(flat, group=self.stage_group, async_op=True),
                       self.opts.timeout, f"gradient all-reduce of stage {self.stage}")
                 i = 0
-                flags = flat[-len(own):].tolist()
-                for p, g, anyone in zip(own, grads, flags, strict=True):
+                flags = flat[-2 * len(own):].tolist()
+                for p, g, anyone, dense in zip(own, grads, flags[:len(own)], flags[len(own):], strict=True):
                     n = g.numel()
                     if anyone > 0:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        tensor_parallel.local(p.grad).copy_(flat[i:i + n].view_as(g))
+                        summed = flat[i:i + n].view_as(g)
+                        if dense == 0:
+                            p.grad = summed.to_sparse(1) if summed.dim() else summed.clone()
+                        else:
+                            if p.grad is None or p.grad.is_sparse:
+                                p.grad = torch.zeros_like(p)
+                            tensor_parallel.local(p.grad).copy_(summed)
                     i += n
         for tie_names, g in self.tie_groups:
             p = next(self.params[n] for n in tie_names if n in self.params)
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            used = torch.full((1,), float(p.grad is not None), dtype=grad.dtype, device=grad.device)
+            grad = _dense(p.grad) if p.grad is not None else torch.zeros_like(p)
+            used = torch.tensor([float(p.grad is not None), float(p.grad is not None and not p.grad.is_sparse)],
+                                dtype=grad.dtype, device=grad.device)
             buf = torch.cat([grad.reshape(-1), used])
             _wait(dist.all_reduce(buf, group=g, async_op=True), self.opts.timeout,
                   f"gradient sum of tied parameter {tie_names[0]!r}")
-            p.grad = buf[:-1].view_as(p) if float(buf[-1]) > 0 else None
+            summed = buf[:-2].view_as(p)
+            p.grad = None if float(buf[-2]) == 0 else summed.to_sparse(1) if float(buf[-1]) == 0 and summed.dim() \
+                else summed
         t1 = time.time()
         if self.stage_group is not None or self.tie_groups:
             events.append(TimedEvent(f"allreduce {self.stage}", "allreduce", self.stage, -1, t0, t1))
@@ -310,6 +326,12 @@ class Worker:
             loss = self.executor.run(self.actions, inputs, targets)
             self.p2p.flush()
             ar = self.sync_grads()
+            sparse = [n for n, p in self.params.items() if p.grad is not None and p.grad.is_sparse]
+            if sparse and opts.optimizer == "adam":
+                raise PipeplanError(
+                    f"stage {self.stage}: {sparse[0]} has a sparse gradient (nn.Embedding(sparse=True)) and "
+                    "--optimizer adam does not take sparse gradients (torch.optim.Adam refuses them): "
+                    "train with --optimizer sgd or momentum, or make the embedding dense (sparse=False)")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.stage_group is not None:
