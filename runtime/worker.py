@@ -99,6 +99,12 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
 
 
+def _resparse(summed: torch.Tensor, any_dense: float) -> torch.Tensor:
+    """A gradient summed dense, sparse again where no holder's was dense (every holder's
+    sparse gradient has rows as its sparse dimension, as nn.Embedding's)."""
+    return summed if any_dense > 0 else summed.to_sparse(1)
+
+
 class SeededExecutor(StageExecutor):
     """Each forward starts from its own random stream, seeded by (seed, step, stage,
     microbatch): see runtime.rng for what this guarantees."""
@@ -282,7 +288,7 @@ class Worker:
                     if anyone > 0:
                         summed = flat[i:i + n].view_as(g)
                         if dense == 0:
-                            p.grad = summed.to_sparse(1) if summed.dim() else summed.clone()
+                            p.grad = _resparse(summed, dense)
                         else:
                             if p.grad is None or p.grad.is_sparse:
                                 p.grad = torch.zeros_like(p)
@@ -296,9 +302,7 @@ class Worker:
             buf = torch.cat([grad.reshape(-1), used])
             _wait(dist.all_reduce(buf, group=g, async_op=True), self.opts.timeout,
                   f"gradient sum of tied parameter {tie_names[0]!r}")
-            summed = buf[:-2].view_as(p)
-            p.grad = None if float(buf[-2]) == 0 else summed.to_sparse(1) if float(buf[-1]) == 0 and summed.dim() \
-                else summed
+            p.grad = _resparse(buf[:-2].view_as(p), float(buf[-1])) if float(buf[-2]) > 0 else None
         t1 = time.time()
         if self.stage_group is not None or self.tie_groups:
             events.append(TimedEvent(f"allreduce {self.stage}", "allreduce", self.stage, -1, t0, t1))

@@ -281,13 +281,11 @@ def _balanced_pack(table: LayerTable, b: int, m: int, optimizer: str, limit: flo
     return best
 
 
-def _packed_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int,
-                  replicas: bool = False) -> list[Structure]:
+def _packed_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: int) -> list[Structure]:
     """Plans that fill memory, one replica per stage: `_pack` at the device's memory gives the
     fewest stages that fit; smaller caps (bisected) give up to `PACK_SEEDS` plans with stage
-    counts spread evenly from there to the number of devices. With `replicas`, instead, each
-    of them with fewer stages than devices, the free devices as replicas (`_spread_replicas`).
-    Where memory binds, a search from the best plan stays in its basin; these start where
+    counts spread evenly from there to the number of devices (`_spread_seeds` gives them the
+    free devices as replicas). Where memory binds, a search from the best plan stays in its basin; these start where
     stages are long at the back and short at the front, at several depths (with the replicas:
     a 100-layer chain on 4 x 4 devices, tight, 120.9 -> 113.4 ms)."""
     L, D = table.num_layers, cluster.num_devices
@@ -300,14 +298,10 @@ def _packed_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: 
     want = sorted({round(lo_s + k * (hi_s - lo_s) / max(1, PACK_SEEDS - 1)) for k in range(PACK_SEEDS)})
     out: dict[tuple[int, ...], Structure] = {}
 
-    spread: list[Structure] = []
-
     def add(bounds: tuple[int, ...] | None) -> None:
         if bounds is not None and bounds not in out:
             n = len(bounds) - 1
             out[bounds] = _seed(b, bounds, (1,) * n, (1,) * n)
-            if n < D:
-                spread.append(_seed(b, bounds, _spread_replicas(table, bounds, m, D), (1,) * n))
 
     for S in want:
         lo, hi = 0.0, limit  # the cap: below `hi` there are more stages than S (or it fails)
@@ -324,7 +318,14 @@ def _packed_seeds(table: LayerTable, cluster: Cluster, options: PlanOptions, b: 
                     break
         add(best)
         add(_balanced_pack(table, b, m, options.optimizer, limit, S))
-    return list(out.values()) if not replicas else [x for x in spread if x not in out.values()]
+    return list(out.values())
+
+
+def _spread_seeds(table: LayerTable, seeds: list[Structure], m: int, D: int) -> list[Structure]:
+    """Each seed with fewer stages than devices once more, the free devices as replicas
+    (`_spread_replicas`)."""
+    return [_seed(st.microbatch_size, st.bounds, _spread_replicas(table, st.bounds, m, D), (1,) * st.num_stages)
+            for st in seeds if st.num_stages < D]
 
 
 def _spread_replicas(table: LayerTable, bounds: tuple[int, ...], m: int, D: int) -> tuple[int, ...]:
@@ -771,7 +772,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         # the same work as the others they took its descents: GNMT on 2 x 8, tight, 183.8 ->
         # 183.9 ms): a short stage with many replicas is a basin the search does not reach
         # by single moves (a 100-layer chain on 4 x 4 devices, tight: 120.9 -> 113.4 ms)
-        spread = _packed_seeds(table, cluster, options, cand.microbatch_size, replicas=True)
+        spread = _spread_seeds(table, packed, max(1, options.global_batch // cand.microbatch_size), D)
         if spread and time.perf_counter() < deadline:
             best_s, cand = _search_more(spread, SPREAD_SHARE * total_work, best_s, cand, ev, cluster, deadline)
         obj = best_s.objective_ms

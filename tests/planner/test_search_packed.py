@@ -79,8 +79,8 @@ def test_every_packed_seed_fits_memory_as_evaluate_counts_it(seed: int) -> None:
     options = PlanOptions(global_batch=64, microbatch_size=4, optimizer="sgd")
     seeds = _packed_seeds(table, cluster, options, 4)
     assert seeds and len({s.bounds for s in seeds}) == len(seeds) and all(set(s.replicas) == {1} for s in seeds)
-    # with `replicas`: the same splits, the free devices as replicas (every device used)
-    spread = _packed_seeds(table, cluster, options, 4, replicas=True)
+    # the same splits, the free devices as replicas (every device used)
+    spread = search._spread_seeds(table, seeds, 16, cluster.num_devices)
     assert {s.bounds for s in spread} == {s.bounds for s in seeds if len(s.replicas) < cluster.num_devices}
     assert all(sum(s.replicas) == cluster.num_devices for s in spread)
     for st in seeds:
