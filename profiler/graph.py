@@ -309,10 +309,16 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
     root: torch.nn.Module = model if traced.method == "fx" else gm
     if traced.out_spec is not None:
         setattr(gm, OUT_SPEC_ATTR, traced.out_spec)
+    # the buffers the recorded run changes in place (running statistics); None: not recorded
+    changed: set[int] | None = None
     if tensor_kinds is not None and set(tensor_kinds) == {n.name for n in gm.graph.nodes}:
         is_tensor, nbytes, mutates = dict(tensor_kinds), {}, dict(mutations or {})
     else:
+        # (by value too: BatchNorm's kernel updates its running statistics without moving
+        # their version counter)
+        before = {id(b): (b, _version(b), b.detach().clone()) for b in root.buffers() if not b.is_meta}
         is_tensor, nbytes, mutates = _record(traced, inputs)
+        changed = {k for k, (b, v, old) in before.items() if _version(b) != v or not torch.equal(b, old)}
     kind = seg.classify(gm, is_tensor)
     keys, labels = seg.group_keys(gm, model, traced.paths, granularity)
     segs, owner = seg.segment(gm, keys, kind, labels)
@@ -366,7 +372,8 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
         layer_set = list(dict.fromkeys(lname for lname, _ in refs))
         if len(layer_set) > 1:
             shared.append(SharedParameter(list(dict.fromkeys(k for _, k in refs)), layer_set))
-            if not isinstance(tensor_of[tid], torch.nn.Parameter):
+            # a buffer only read (a constant, a positional table) is the same in every stage
+            if not isinstance(tensor_of[tid], torch.nn.Parameter) and (changed is None or tid in changed):
                 shared_buffers.setdefault(tuple(layer_set), []).append(refs[0][1])
     for layer_set, keys in shared_buffers.items():
         warnings.warn(
@@ -472,11 +479,11 @@ def build_stage(layer_graph: LayerGraph, layer_names: list[str]) -> StageModule:
 def _fix_buffers(root: torch.nn.Module, stage: torch.nn.Module, nodes: list[fx.Node]) -> None:
     """GraphModule registers copied buffers as persistent; keep the original persistence."""
     for n in nodes:
-        if n.op != "get_attr" or "." not in str(n.target):
+        if n.op != "get_attr":
             continue
-        prefix, field_name = str(n.target).rsplit(".", 1)
-        try:
-            src, dst = _get(root, prefix), _get(stage, prefix)
+        prefix, _, field_name = str(n.target).rpartition(".")
+        try:  # a buffer of the model itself (no prefix) as well as one of a submodule
+            src, dst = (_get(root, prefix), _get(stage, prefix)) if prefix else (root, stage)
         except AttributeError:
             continue
         if src is not dst and field_name in getattr(src, "_non_persistent_buffers_set", ()):
@@ -501,4 +508,5 @@ def _copy_state(root: torch.nn.Module, stage: torch.nn.Module, key: str) -> None
     if isinstance(value, torch.nn.Parameter):
         dst.register_parameter(field_name, value)
     elif isinstance(value, torch.Tensor) and field_name not in dst._buffers:
-        dst.register_buffer(field_name, value)
+        dst.register_buffer(field_name, value,
+                            persistent=field_name not in getattr(src, "_non_persistent_buffers_set", ()))

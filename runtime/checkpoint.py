@@ -95,3 +95,19 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
                             "writes; resume from another checkpoint or start again")
     meta = json.loads((d / META_FILE).read_text())
     return model_state, opt["state"], meta
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], directory: str | Path,
+                     model_path: str) -> None:
+    """`model.load_state_dict(state)` for --resume. Buffers the model does not persist
+    (`register_buffer(..., persistent=False)`) are dropped from `state` first: checkpoints of
+    earlier versions held a model-level one. A state that still does not fit is a PipeplanError
+    with torch's whole message (which keys are missing or unexpected, which shapes differ)."""
+    transient = {f"{name}.{b}" if name else b for name, mod in model.named_modules()
+                 for b in getattr(mod, "_non_persistent_buffers_set", ())}
+    try:
+        model.load_state_dict({k: v for k, v in state.items() if k not in transient})
+    except RuntimeError as exc:
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise PipeplanError(f"--resume {directory}: the checkpoint does not fit {model_path} "
+                            f"({why[:600]}); resume with the model it was saved from") from None

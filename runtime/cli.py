@@ -132,12 +132,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
         from runtime import checkpoint
 
         state, _, _ = checkpoint.load(opts.resume)
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as exc:
-            raise PipeplanError(f"--resume {opts.resume}: the checkpoint does not fit {opts.model} "
-                                f"({str(exc).splitlines()[0]}); resume with the model it was saved "
-                                "from") from None
+        checkpoint.load_model_state(model, state, opts.resume, opts.model)
     batch = batch_checked(mf, plan.microbatch_size)
     example, _ = split_batch(batch, plan.microbatch_size, 1)
     try:

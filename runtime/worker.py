@@ -144,7 +144,7 @@ class Worker:
         opt_state: dict = {}
         if opts.resume:
             model_state, opt_state, meta = checkpoint.load(opts.resume)
-            model.load_state_dict(model_state)
+            checkpoint.load_model_state(model, model_state, opts.resume, opts.model)
             self.start_step = int(meta["step"])
         torch.manual_seed(opts.seed)
         example, _ = split_batch(batch_checked(self.mf, self.b),

@@ -44,6 +44,33 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
             checkpoint.load(tmp_path)
 
 
+def test_a_checkpoint_that_does_not_fit_the_model_says_which_keys(tmp_path):
+    """A model.pt from another model: the message names the missing and unexpected keys (not
+    only torch's first line, "Error(s) in loading state_dict"). A key of a buffer the model does
+    not persist (`persistent=False`, written by earlier versions when the buffer sat on the model
+    itself) is dropped, not refused."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from planner.errors import PipeplanError
+    from runtime import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("pe", torch.zeros(3), persistent=False)
+
+    model = Net()
+    stale = {**{k: v + 1 for k, v in model.state_dict().items()}, "pe": torch.ones(3)}
+    checkpoint.load_model_state(model, stale, tmp_path, "net.py")
+    assert torch.equal(model.lin.bias, stale["lin.bias"]) and torch.equal(model.pe, torch.zeros(3))
+    other = {"lin.weight": torch.zeros(2, 2), "head.bias": torch.zeros(2)}
+    with pytest.raises(PipeplanError, match=r"does not fit net\.py .*Missing key.*lin\.bias.*Unexpected key.*head\.bias"):
+        checkpoint.load_model_state(model, other, tmp_path, "net.py")
+
+
 def test_make_batch_with_the_wrong_rows_is_a_clear_error():
     """A make_batch that returns fewer (or more) rows than asked: the message says which tensor
     and how many rows, not an IndexError from the split."""
