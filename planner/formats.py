@@ -61,6 +61,8 @@ class DeviceInfo(_Open):
 class LayerTP(_Open):
     """A layer as it runs on one of `degree` tensor-parallel devices (profile --tp)."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     degree: PositiveInt
     fwd_ms: NonNegativeFloat  # the shard's own work, measured
     bwd_ms: NonNegativeFloat
@@ -73,6 +75,8 @@ class LayerTP(_Open):
 
 
 class LayerProfile(_Open):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # Infinity / NaN: refused
+
     name: str
     fwd_ms: NonNegativeFloat
     bwd_ms: NonNegativeFloat
@@ -121,6 +125,8 @@ class Edge(_Open):
 
 
 class Measured(_Open):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     fwd_ms: NonNegativeFloat
     bwd_ms: NonNegativeFloat
     peak_memory_bytes: NonNegativeInt | None = None
@@ -205,11 +211,17 @@ def digest_data(data: object) -> str:
 # ---------------------------------------------------------------- cluster.json
 
 
+MAX_DEVICE_MEMORY_GB = 1e6  # a petabyte per device: beyond it, a typo (and bytes overflow)
+MAX_SPEED = 1e6
+
+
 class NodeSpec(_Closed):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     name: str
-    devices: PositiveInt
-    device_memory_gb: float = Field(gt=0)
-    speed: float = Field(default=1.0, gt=0)  # relative to the profiled device
+    devices: PositiveInt = Field(strict=True)  # "2" or true is a mistake, not a count
+    device_memory_gb: float = Field(gt=0, le=MAX_DEVICE_MEMORY_GB)
+    speed: float = Field(default=1.0, gt=0, le=MAX_SPEED)  # relative to the profiled device
 
 
 @dataclass(frozen=True)
@@ -228,10 +240,12 @@ class Cluster(_Closed):
     """Uniform form (`nodes` an int with `devices_per_node`, `device_memory_gb`) or the list form
     (`nodes` a list of NodeSpec) for mixed hardware. Ranks are numbered node by node."""
 
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     nodes: PositiveInt | list[NodeSpec]
     devices_per_node: PositiveInt | None = None
-    device_memory_gb: float | None = Field(default=None, gt=0)
-    speed: float = Field(default=1.0, gt=0)
+    device_memory_gb: float | None = Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
+    speed: float = Field(default=1.0, gt=0, le=MAX_SPEED)
     intra_node_gb_per_s: float = Field(gt=0)
     inter_node_gb_per_s: float = Field(gt=0)
     latency_us: NonNegativeFloat = 0.0
@@ -259,6 +273,10 @@ class Cluster(_Closed):
         else:
             if not self.nodes:
                 raise ValueError("nodes: the list form needs at least one node")
+            names = [s.name for s in self.nodes]
+            dup = next((n for n in names if names.count(n) > 1), None)
+            if dup is not None:
+                raise ValueError(f"nodes: the name {dup!r} appears twice; give every node its own name")
             given = [k for k in ("devices_per_node", "device_memory_gb") if getattr(self, k) is not None]
             if given:
                 raise ValueError(
@@ -318,7 +336,13 @@ OptimizerName = Literal["sgd", "momentum", "adam"]
 ObjectiveName = Literal["iteration", "throughput"]
 
 
+MAX_MICROBATCHES = 100_000  # per iteration: more is a typo (and hours of schedule building)
+MAX_TIME_LIMIT_S = 86_400.0
+
+
 class PlanOptions(_Closed):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     global_batch: PositiveInt = 64
     microbatch_size: PositiveInt | None = None  # None: the profile's batch size
     microbatch_sizes: list[PositiveInt] | None = None  # cpsat may choose among these
@@ -326,7 +350,7 @@ class PlanOptions(_Closed):
     method: str = "cpsat"
     objective: ObjectiveName = "iteration"
     optimizer: OptimizerName = "adam"
-    time_limit_s: float = Field(default=10.0, gt=0)
+    time_limit_s: float = Field(default=10.0, gt=0, le=MAX_TIME_LIMIT_S)
     powers_of_two: bool = False
     seed: int = 0
     split: list[PositiveInt] | None = None  # method "manual": layers per stage
@@ -345,6 +369,12 @@ class PlanOptions(_Closed):
             if self.global_batch % mbs:
                 raise ValueError(
                     f"global_batch {self.global_batch} is not a multiple of microbatch size {mbs}"
+                )
+            if self.global_batch // mbs > MAX_MICROBATCHES:
+                raise ValueError(
+                    f"global_batch {self.global_batch} / microbatch size {mbs} is "
+                    f"{self.global_batch // mbs} microbatches per iteration; at most "
+                    f"{MAX_MICROBATCHES} are planned: use a larger microbatch size"
                 )
         if self.replicas is not None and self.split is not None and len(self.replicas) != len(self.split):
             raise ValueError("replicas: give one count per stage of split")

@@ -114,6 +114,16 @@ def fit(plan: Plan, report: Report) -> Corrections:
     if missing:
         raise PipeplanError(f"the report has no rank of stage(s) {missing}; give the report of a "
                             "complete run of this plan")
+    # another plan of the same profile: other stages, ranks or prediction
+    other = sorted(set(by_stage) - {st.index for st in plan.stages})
+    ranks_of = {st.index: len(st.devices) for st in plan.stages}
+    wrong = [s for s, rs in by_stage.items() if s in ranks_of and len(rs) > ranks_of[s]]
+    pred = report.predicted_iteration_ms
+    if other or wrong or abs(pred - plan.predicted.iteration_ms) > 1e-6 * max(1.0, abs(pred)):
+        raise PipeplanError(
+            "the report is of a run of another plan of this profile (its stages, ranks or "
+            f"predicted iteration, {pred:.3f} ms against this plan's "
+            f"{plan.predicted.iteration_ms:.3f}, differ); give the plan that run executed")
     if report.iteration_ms <= 0:
         raise PipeplanError("the report's iteration_ms is 0: run more than one step")
     stages = []

@@ -17,7 +17,7 @@ from planner.baselines import solve_blocks, solve_manual, solve_params, solve_un
 from planner.build import Evaluation, build_plan, evaluate, memory_error, resolve_microbatch
 from planner.cost import layer_table, reserved_memory_bytes
 from planner.errors import PipeplanError
-from planner.formats import Cluster, Plan, PlanOptions, Profile
+from planner.formats import MAX_MICROBATCHES, Cluster, Plan, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
 from planner.schedules import SCHEDULES
@@ -69,6 +69,12 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     """Run `options.method`, then cost, schedule and simulate its candidate into a Plan.
     A plan that does not fit in device memory raises a PipeplanError saying what it needs."""
     t0 = time.perf_counter()
+    b = options.microbatch_size or profile.batch_size
+    if options.global_batch // b > MAX_MICROBATCHES:  # (given sizes: PlanOptions checks them)
+        raise PipeplanError(f"global batch {options.global_batch} / microbatch size {b} (the "
+                            f"profile's batch) is {options.global_batch // b} microbatches per "
+                            f"iteration; at most {MAX_MICROBATCHES} are planned: give a larger "
+                            "--microbatch-size")
     table = layer_table(profile)
     reserved = reserved_memory_bytes(profile, cluster)
     nominal, cluster = cluster, cluster.with_memory_reserved(reserved)

@@ -19,10 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from planner.errors import PipeplanError
     from planner.importers.pipedream import import_pipedream_file
-    from planner.io import save_model
+    from planner.io import check_output, save_model
 
     if args.batch_size <= 0:
         raise PipeplanError("--batch-size must be a positive integer")
+    check_output(args.output, (args.graph,))
     profile = import_pipedream_file(args.graph, args.batch_size)
     save_model(profile, args.output)
     total = sum(x.fwd_ms + x.bwd_ms for x in profile.layers)

@@ -127,9 +127,10 @@ def run(args: argparse.Namespace) -> int:
         raise PipeplanError("profiling needs torch: pip install torch") from None
     from tqdm import tqdm
 
-    from planner.io import save_model
+    from planner.io import check_output, save_model
     from profiler.profile import profile_model_file
 
+    check_output(args.output, (args.model,))
     bar: list[Any] = []
 
     def on_traced(lg: Any) -> None:

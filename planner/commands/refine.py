@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from planner.formats import Plan, Profile, Report, digest
-    from planner.io import load_model, save_model
+    from planner.io import check_output, load_model, save_model, write_text_atomic
     from planner.refine import (
         corrected_cluster,
         corrected_plan,
@@ -46,25 +46,30 @@ def run(args: argparse.Namespace) -> int:
     from planner.report_table import format_plan
     from planner.solve import make_plan
 
-    plan = load_model(args.plan, Plan, f"plan {args.plan}")
-    report = load_model(args.report, Report, f"report {args.report}")
-    corrections = fit(plan, report)
-    cluster = corrected_cluster(plan.cluster, corrections)
-    print(format_corrections(corrections))
     corr_path = args.corrections or _beside(args.output, ".corrections.json")
     cluster_path = args.cluster_out or _beside(args.output, ".cluster.json")
-    Path(corr_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(corr_path).write_text(corrections.model_dump_json(indent=2) + "\n")
-    Path(cluster_path).write_text(json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
-    if args.profile:
+    profile_path = args.profile_out or _beside(args.output, ".profile.json")
+    inputs = (args.plan, args.report, args.profile)
+    for what, path in (("-o", args.output), ("--corrections", corr_path), ("--cluster-out", cluster_path),
+                       ("--profile-out", profile_path if args.profile else None)):
+        check_output(path, inputs, what)
+    plan = load_model(args.plan, Plan, f"plan {args.plan}")
+    report = load_model(args.report, Report, f"report {args.report}")
+    profile = None
+    if args.profile:  # checked before anything is written
         profile = load_model(args.profile, Profile, f"profile {args.profile}")
         if digest(profile) != plan.profile_sha256:
             from planner.errors import PipeplanError
 
             raise PipeplanError(f"--profile {args.profile} is not the profile {args.plan} was made "
                                 "from (its sha256 differs); give that profile")
+    corrections = fit(plan, report)
+    cluster = corrected_cluster(plan.cluster, corrections)
+    print(format_corrections(corrections))
+    write_text_atomic(corr_path, corrections.model_dump_json(indent=2) + "\n")
+    write_text_atomic(cluster_path, json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
+    if profile is not None:
         new_profile = corrected_profile(profile, corrections)
-        profile_path = args.profile_out or _beside(args.output, ".profile.json")
         save_model(new_profile, profile_path)
         new_plan = make_plan(new_profile, cluster, plan.options)
         print(f"wrote {corr_path}, {cluster_path}, {profile_path}")

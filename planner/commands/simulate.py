@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,10 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from planner.formats import Plan
-    from planner.io import load_model
+    from planner.io import check_output, load_model
     from planner.report_table import format_simulation
     from planner.simulator import simulate
 
+    check_output(args.trace, (args.plan,), "--trace")
     plan = load_model(args.plan, Plan, f"plan {args.plan}")
     sim = simulate(plan)
     print(format_simulation(sim))
@@ -33,10 +33,11 @@ def run(args: argparse.Namespace) -> int:
 
 def show_simulation(sim: object, plan_path: str, trace: str | None, timeline: bool) -> None:
     """The `--trace FILE` and `--timeline` outputs of `plan` and `simulate`."""
+    from planner.io import write_text_atomic
     from planner.trace import chrome_trace, text_timeline
 
     if trace:
-        Path(trace).write_text(json.dumps(chrome_trace(sim, {"plan": plan_path})))
+        write_text_atomic(trace, json.dumps(chrome_trace(sim, {"plan": plan_path})))
         print(f"wrote {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     if timeline:
         print(text_timeline(sim))
