@@ -115,9 +115,11 @@ def backward_weight(pending: PendingWeights, weights: Sequence[torch.Tensor]) ->
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
         handles = []
-        if len(group["intermediates"]) > 1:  # a descendant intermediate must not count twice
-            for grads_tuple, node in zip(group["grads"], group["intermediates"], strict=True):
-                handles.append(node.register_prehook(lambda _g, saved=grads_tuple: saved))
+        # each intermediate's node gets the gradients B captured, as they were: a descendant
+        # intermediate must not count twice, and hooks on the tensors (`h.register_hook`), which
+        # run before a node's pre-hooks and already ran in B, must not apply twice
+        for grads_tuple, node in zip(group["grads"], group["intermediates"], strict=True):
+            handles.append(node.register_prehook(lambda _g, saved=grads_tuple: saved))
         try:
             if edges:
                 params = list(group["params"])

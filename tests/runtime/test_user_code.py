@@ -42,6 +42,16 @@ def test_custom_functions_three_stages_with_replicas(run, tmp_path):
     assert all(int(v) == 8 for k, v in got.items() if k.endswith(".calls"))
 
 
+def test_custom_functions_and_tensor_hooks_zb_h1(run, tmp_path):
+    """B and W apart: a hook on the tensor where a block's weights join (`z.register_hook`)
+    runs once per microbatch, in B, as in one process (W ran it a second time: its weights'
+    gradients were halved twice)."""
+    model = MODELS / "custom_code.py"
+    got = _train(run, tmp_path, run.plan(model, 2, schedule="zb-h1"), model, steps=2)
+    ref = reference_train(str(model), 2)
+    assert _diff(got, ref, ref) < TOL
+
+
 def test_plan_over_split_point_layers(run, tmp_path):
     # layers made with `profile --split-points blocks.3`; the plan does not say so (a hand-made
     # plan): the runtime finds the split points from the layer names

@@ -1,6 +1,6 @@
 """Blocks whose code a trace cannot reproduce: a straight-through estimator and a gradient
 reversal (custom autograd Functions: their backward is not the derivative of their forward),
-forward hooks that change a block's output, a step counter and a running mean updated in place
+forward hooks that change a block's output, a hook that scales a tensor's gradient, a step counter and a running mean updated in place
 in forward. A pipeline that re-traced the blocks instead of calling them would train differently.
 With PIPEPLAN_CALL_LOG=<file>, every block forward appends "<RANK> <grad enabled>" to the file.
 """
@@ -50,7 +50,10 @@ class Block(nn.Module):
         self.calls += 1
         with torch.no_grad():
             self.mean.mul_(0.9).add_(0.1 * x.mean(0))
-        h = RoundSTE.apply(self.lin(x))
+        z = self.lin(x)
+        if z.requires_grad:  # a hook on a tensor: ZB-H1's W must not apply it a second time
+            z.register_hook(lambda g: g * 0.5)
+        h = RoundSTE.apply(z)
         if self.reverse:
             h = ReverseGrad.apply(h)
         return x + torch.tanh(h)
