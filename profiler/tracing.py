@@ -50,7 +50,12 @@ class TracingWarning(UserWarning):
 
 
 class _Opaque(Exception):
-    """Raised inside tracing when code must run as written (a custom autograd.Function)."""
+    """Raised inside tracing when code must run as written (a custom autograd.Function, a
+    grad-mode or autocast context)."""
+
+
+_CONTEXT = ("a grad-mode or autocast context (torch.no_grad, torch.enable_grad, "
+            "torch.set_grad_enabled, torch.inference_mode, torch.autocast)")
 
 
 class _Tracer(fx.Tracer):
@@ -70,19 +75,37 @@ def _has_hooks(m: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def _functions_are_opaque() -> Any:
     """While tracing, a custom `autograd.Function` applied to traced values stops the trace
-    (symbolic tracing would record its forward's ops and lose its backward)."""
+    (symbolic tracing would record its forward's ops and lose its backward), and so does code
+    that changes grad mode or enters autocast (symbolic tracing records the ops inside and
+    drops the context: a stage would run them with gradients, in full precision)."""
     original = torch.autograd.Function.__dict__["apply"]
+    set_grad, autocast_enter = torch._C._set_grad_enabled, torch.amp.autocast_mode.autocast.__enter__
+    inference_enter = torch.autograd.grad_mode.inference_mode.__enter__
 
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
             raise _Opaque(f"custom autograd.Function {cls.__name__}")
         return original.__func__(cls, *args, **kwargs)
 
+    def set_grad_enabled(mode: bool) -> None:
+        if bool(mode) != torch.is_grad_enabled():
+            raise _Opaque(_CONTEXT)
+        set_grad(mode)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise _Opaque(_CONTEXT)
+
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
+    torch._C._set_grad_enabled = set_grad_enabled  # type: ignore[assignment]
+    torch.amp.autocast_mode.autocast.__enter__ = refuse  # type: ignore[method-assign]
+    torch.autograd.grad_mode.inference_mode.__enter__ = refuse  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.autograd.Function.apply = original  # type: ignore[assignment]
+        torch._C._set_grad_enabled = set_grad  # type: ignore[assignment]
+        torch.amp.autocast_mode.autocast.__enter__ = autocast_enter  # type: ignore[method-assign]
+        torch.autograd.grad_mode.inference_mode.__enter__ = inference_enter  # type: ignore[method-assign]
 
 
 def _innermost(node: fx.Node) -> str:
@@ -162,6 +185,12 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             if isinstance(exc, _Opaque) and not failing:
                 # in the model's own forward: no module to call whole, and torch.export would
                 # keep the Function's forward ops and drop its backward (wrong gradients)
+                if str(exc) == _CONTEXT:
+                    raise PipeplanError(
+                        f"{type(model).__name__}.forward enters {exc} itself; pipeline stages "
+                        "would run the code inside without it. Move the `with` block into a "
+                        "small nn.Module, called from the model's forward: a module is run as "
+                        "written, its context included") from None
                 raise PipeplanError(
                     f"{type(model).__name__}.forward applies a {exc} itself; pipeline stages can "
                     "run a custom Function only inside a submodule, called as written. Move the "
@@ -170,8 +199,8 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             if not failing or failing[-1] in leaves:
                 return None, sorted(leaves - given), last_error
             leaves.add(failing[-1])
-            reason = (f"it applies a {exc}" if isinstance(exc, _Opaque)
-                      else f"torch.fx cannot trace its code ({last_error})")
+            reason = ((f"it enters {exc}" if str(exc) == _CONTEXT else f"it applies a {exc}")
+                      if isinstance(exc, _Opaque) else f"torch.fx cannot trace its code ({last_error})")
             _warn_leaf(model, failing[-1], reason)
             continue
         _inline_concrete_args(graph, n_inputs)

@@ -79,7 +79,7 @@ def _check_equal(model_fn, granularity: str) -> list[str]:
     grads = {k: p.grad for k, p in ref.named_parameters()}
     for st in stages.values():
         for k, p in st.named_parameters():
-            assert torch.equal(p.grad, grads[k]), k
+            assert (p.grad is None and grads[k] is None) or torch.equal(p.grad, grads[k]), k
     return names
 
 
@@ -155,3 +155,62 @@ def test_a_custom_function_in_the_models_own_forward_is_a_clear_error() -> None:
     # no module to call whole there, and torch.export would drop the Function's backward
     with pytest.raises(PipeplanError, match="applies a custom autograd.Function STE itself.*submodule"):
         trace(RootSTE(), (torch.randn(2, 8),))
+
+
+class Frozen(nn.Module):
+    """Runs its first linear without gradients (a frozen adapter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.lin(x)
+        return torch.tanh(self.out(h + x))
+
+
+class LowPrecision(nn.Module):
+    """Its linear under autocast to bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.lin(x)
+        return torch.tanh(h.float())
+
+
+def test_grad_mode_and_autocast_inside_a_module_keep_it_whole_with_a_warning():
+    """fx records the ops inside `with torch.no_grad()` / `torch.autocast(...)` and drops the
+    context: traced into, those modules would train their frozen part, in full precision."""
+    with pytest.warns(TracingWarning) as caught:
+        names = _check_equal(lambda: nn.Sequential(Plain(), Frozen(), LowPrecision(), Plain()), "modules")
+    text = " ".join(str(w.message) for w in caught)
+    assert "1 (Frozen)" in text and "2 (LowPrecision)" in text and "grad-mode or autocast" in text
+    assert names == ["0.lin", "0.act", "1", "2", "3.lin", "3.act"]
+
+
+class RootContext(nn.Module):
+    def __init__(self, context: str) -> None:
+        super().__init__()
+        self.a, self.b, self.context = Plain(), Plain(), context
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.context == "no_grad":
+            with torch.no_grad():
+                x = self.a(x)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                x = self.a(x)
+        return self.b(x.float())
+
+
+@pytest.mark.parametrize("context", ["no_grad", "autocast"])
+def test_grad_mode_or_autocast_in_the_models_own_forward_is_a_clear_error(context: str) -> None:
+    with pytest.raises(PipeplanError, match="enters a grad-mode or autocast context.*small nn.Module"):
+        trace(RootContext(context), (torch.randn(2, 8),))
+    # the context restored: tracing changed neither grad mode nor autocast
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
