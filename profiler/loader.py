@@ -88,6 +88,13 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise PipeplanError(
             f"{path}: syntax error at line {exc.lineno}: {exc.msg}. Fix the file and try again."
         ) from None
+    except SystemExit as exc:  # sys.exit() / exit() at module level: not the end of the command
+        sys.modules.pop(module_name, None)
+        raise PipeplanError(
+            f"{path}: importing the file called sys.exit({exc.code!r}){_where(exc, path)}. A model "
+            "file must define build_model, make_batch and loss_fn without exiting; put a script's "
+            "own code under `if __name__ == \"__main__\":`"
+        ) from None
     except Exception as exc:  # noqa: BLE001
         sys.modules.pop(module_name, None)
         raise PipeplanError(

@@ -403,6 +403,11 @@ def main(argv: list[str]) -> int:
     if bool(args.profile) != bool(args.model):
         print("error: --profile and --model go together (the model of the profile)", file=sys.stderr)
         return 2
+    try:
+        _check_args(args)
+    except PipeplanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from runtime.launch import ERROR_FILE_ENV
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -433,6 +438,36 @@ def main(argv: list[str]) -> int:
         print(f"error: {failures[0].message}", file=sys.stderr)
         return 2 if failures[0].kind == "user" else 1
     return 0
+
+
+MAX_LOCAL_RANKS = 1024  # one machine's ranks; more is a typo (each rank is a process)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every option that would fail only after the ranks have measured, checked first."""
+    import math
+
+    from planner.io import check_output
+
+    if args.nproc_per_node is not None and args.nproc_per_node > MAX_LOCAL_RANKS:
+        raise PipeplanError(f"--nproc-per-node {args.nproc_per_node}: at most {MAX_LOCAL_RANKS} "
+                            "ranks on one machine (one per device or core)")
+    if args.rounds < 1:
+        raise PipeplanError("--rounds must be at least 1")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise PipeplanError("--timeout must be a positive number of seconds")
+    if args.memory_gb is not None and not (math.isfinite(args.memory_gb) and args.memory_gb > 0):
+        raise PipeplanError(f"--memory-gb {args.memory_gb}: give the usable memory per device in GB (> 0)")
+    check_output(args.output, (args.profile, args.model, args.nominal))
+    if args.profile:
+        from planner.formats import Profile
+        from planner.io import load_model
+        from profiler.loader import file_sha256
+
+        profile = load_model(args.profile, Profile, f"profile {args.profile}")
+        if os.path.isfile(args.model) and profile.model.sha256 != file_sha256(args.model):
+            raise PipeplanError(f"--profile {args.profile} was made from another version of "
+                                f"{args.model} (its sha256 differs): profile this file again")
 
 
 def _load_nominal(path: str | None) -> dict | None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 
 from planner.errors import PipeplanError
 from planner.formats import Plan
-from planner.io import load_model
+from planner.io import check_output, load_model
 from planner.runnable import runnable_plan
 from runtime.options import RunOptions
 
@@ -63,10 +64,17 @@ def _resume_meta(directory: str) -> dict[str, object]:
         raise PipeplanError(f"--resume {directory}: no checkpoint there (no meta.json); give a "
                             "directory written by --save")
     try:
-        return dict(json.loads(path.read_text()))
+        meta = dict(json.loads(path.read_text()))
     except (ValueError, TypeError):
         raise PipeplanError(f"--resume {directory}: meta.json is not valid JSON; the checkpoint "
                             "is damaged") from None
+    kinds = {"step": int, "lr": (int, float), "seed": int, "optimizer": str}
+    bad = [k for k, t in kinds.items() if k in meta and (not isinstance(meta[k], t) or isinstance(meta[k], bool))]
+    if "step" not in meta or bad:
+        what = ", ".join(bad) if bad else "no step"
+        raise PipeplanError(f"--resume {directory}: meta.json is not what --save writes ({what}); "
+                            "the checkpoint is damaged: resume from another one or start again")
+    return meta
 
 
 def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
@@ -76,6 +84,16 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         raise PipeplanError("--timeout must be positive (seconds)")
     if args.threads is not None and args.threads < 1:
         raise PipeplanError("--threads must be at least 1")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+        raise PipeplanError(f"--lr {args.lr}: give a learning rate >= 0")
+    inputs = (args.plan, args.model)
+    check_output(args.report, inputs, "--report")
+    check_output(args.trace, inputs, "--trace")
+    if args.save is not None:
+        save = Path(args.save)
+        if save.exists() and not save.is_dir():
+            raise PipeplanError(f"--save {args.save}: is a file; --save writes a directory")
+        check_output(save / "model.pt", inputs, "--save")
     granularity = args.granularity or getattr(plan, "granularity", None)
     meta = _resume_meta(args.resume) if args.resume else {}
     optimizer = args.optimizer or meta.get("optimizer") or plan.options.optimizer

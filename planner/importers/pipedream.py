@@ -122,4 +122,9 @@ def import_pipedream_file(path: str | Path, batch_size: int) -> Profile:
     path = Path(path)
     if not path.is_file():
         raise PipeplanError(f"{path}: no such file")
-    return import_pipedream(path.read_text(), batch_size, str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PipeplanError(f"{path}: not a PipeDream graph.txt (not UTF-8 text: byte {exc.start}); "
+                            "give the graph.txt its profiler wrote") from None
+    return import_pipedream(text, batch_size, str(path))
