@@ -97,3 +97,42 @@ def test_import_pipedream_as_a_process(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "planner", "import-pipedream", str(DATA / "vgg16.txt"),
                         "--batch-size", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "--batch-size" in r.stderr
+
+
+def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, Path],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Each a one-line error (exit 2), nothing written: a non-UTF-8 cluster, Infinity, a memory
+    whose bytes overflow, two nodes of one name, a device count given as a string, an output that
+    is a directory or lies under a file or is the input itself, a million microbatches, an
+    infinite time limit."""
+    d, prof = files["dir"], str(files["profile"])
+    base = {"intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}
+    node = {"name": "a", "devices": 2, "device_memory_gb": 16}
+    clusters = {
+        "latin1": (b'{"nodes": 2, "devices_per_node": 2, "device_memory_gb": 16, "x\xe9": 1}', "not UTF-8"),
+        "inf": (b'{"nodes": 2, "devices_per_node": 2, "device_memory_gb": 16, "speed": Infinity, '
+                b'"intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}', "finite"),
+        "huge": (json.dumps({"nodes": 2, "devices_per_node": 2, "device_memory_gb": 1e308, **base}).encode(),
+                 "device_memory_gb"),
+        "dup": (json.dumps({"nodes": [node, node], **base}).encode(), "appears twice"),
+        "str": (json.dumps({"nodes": [{**node, "devices": "2"}], **base}).encode(), "devices"),
+    }
+    for name, (text, message) in clusters.items():
+        path = d / f"{name}.json"
+        path.write_bytes(text)
+        assert main(["plan", prof, "--cluster", str(path), "-o", str(d / "p.json")]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (name, err)
+    (d / "afile").write_text("x")
+    before = files["profile"].read_bytes()
+    for out, message in ((d, "is a directory"), (d / "afile" / "p.json", "is a file"),
+                         (files["profile"], "is the input")):
+        assert main(["plan", prof, "--cluster", str(files["cluster"]), "--method", "uniform",
+                     "-o", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert files["profile"].read_bytes() == before
+    for args, message in ((["--global-batch", "4000000", "--microbatch-size", "4"], "at most 100000"),
+                          (["--time-limit", "inf"], "finite")):
+        assert main(["plan", prof, "--cluster", str(files["cluster"]), "-o", str(d / "p.json"), *args]) == 2
+        assert message in capsys.readouterr().err
+    assert not (d / "p.json").exists() and not list(d.glob("*.tmp"))

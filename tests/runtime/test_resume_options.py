@@ -145,3 +145,29 @@ def test_threads_per_rank(run, tmp_path, monkeypatch):
     assert len(ranks) == 2 and set(ranks.values()) == {str(threads)}, ranks
     rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--threads", 0)
     assert rc == 2 and "--threads must be at least 1" in err
+
+
+def test_options_that_would_fail_after_training_are_refused_first(run, tmp_path):
+    """No rank starts: a NaN or negative learning rate, --save onto a file, --report into a
+    directory, a --resume whose meta.json is not what --save writes; and calibrate's own."""
+    import json
+
+    from runtime.calibrate import main as calibrate
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "ck").mkdir()
+    for name in ("model.pt", "optimizer.pt"):
+        (tmp_path / "ck" / name).write_bytes(b"")
+    (tmp_path / "ck" / "meta.json").write_text(json.dumps({"lr": "fast"}))
+    for args, message in ((["--lr", "nan"], "--lr nan"), (["--lr", "-1"], "--lr -1"),
+                          (["--save", tmp_path / "afile"], "is a file"),
+                          (["--report", tmp_path], "is a directory"),
+                          (["--resume", tmp_path / "ck"], "meta.json is not what --save writes")):
+        rc, _, err, secs = run(plan, "--model", model, "--steps", 1, "--timeout", 60, *args)
+        assert rc == 2 and message in err and "Traceback" not in err, (args, err)
+    for args in (["--nproc-per-node", "100000"], ["--rounds", "0"],
+                 ["--timeout", "0"], ["--memory-gb", "nan"]):
+        assert calibrate([*args, "-o", str(tmp_path / "c.json")]) == 2
+    assert not (tmp_path / "c.json").exists()
