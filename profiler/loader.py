@@ -61,9 +61,24 @@ def call_user(model_file_path: str | Path, name: str, fn: Callable[..., Any], *a
         raise
     except Exception as exc:  # noqa: BLE001 - any failure in user code is reported, not raised
         raise PipeplanError(
-            f"{path}: {name}({', '.join(map(repr, args))}) raised {type(exc).__name__}: {exc}"
-            f"{_where(exc, path)}. Fix {name} in {path.name} (try running it by hand)."
+            f"{path}: {name}({', '.join(map(_describe, args))}) raised {type(exc).__name__}: "
+            f"{_first_lines(exc)}{_where(exc, path)}. Fix {name} in {path.name} (try running it by hand)."
         ) from exc
+
+
+def _describe(arg: Any) -> str:
+    """An argument in an error message: a tensor by its shape and dtype, not its values."""
+    import torch
+
+    if isinstance(arg, torch.Tensor):
+        return f"<tensor {tuple(arg.shape)} {str(arg.dtype).removeprefix('torch.')}>"
+    text = repr(arg)
+    return text if len(text) <= 120 else f"<{type(arg).__name__}: {text[:80]}...>"
+
+
+def _first_lines(exc: BaseException, most: int = 600) -> str:
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text if len(text) <= most else text[:most] + "..."
 
 
 def load_model_file(path: str | Path) -> ModelFile:
