@@ -136,3 +136,25 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
         assert main(["plan", prof, "--cluster", str(files["cluster"]), "-o", str(d / "p.json"), *args]) == 2
         assert message in capsys.readouterr().err
     assert not (d / "p.json").exists() and not list(d.glob("*.tmp"))
+
+
+def test_simulate_refuses_an_incomplete_or_negative_plan(files: dict[str, Path],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan edited by hand: a rank's last backward gone (it simulated faster than the whole
+    plan), a negative predicted time."""
+    out = files["dir"] / "plan.json"
+    assert main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--global-batch",
+                 "32", "--microbatch-size", "4", "--method", "uniform", "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    cut = json.loads(json.dumps(plan))
+    rank = next(iter(cut["rank_actions"]))
+    cut["rank_actions"][rank] = cut["rank_actions"][rank][:-1]
+    neg = json.loads(json.dumps(plan))
+    neg["stages"][0]["predicted"]["fwd_ms"] = -1.0
+    for name, edited, message in (("cut", cut, "invalid schedule"), ("neg", neg, "negative predicted")):
+        path = files["dir"] / f"{name}.json"
+        path.write_text(json.dumps(edited))
+        capsys.readouterr()
+        assert main(["simulate", str(path)]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (name, err)
