@@ -27,6 +27,18 @@ _HINTS = {
 }
 
 
+# torch.compile's backward frees its saved tensors ("donated buffers"): a second gradient over
+# the same graph, as the profiler takes to time B and W apart and ZB-H1 takes to run them apart,
+# is refused
+DONATED = "donated buffers"
+DONATED_ADVICE = (
+    "a torch.compile'd module frees what its backward saved (donated buffers), and pipeplan "
+    "differentiates its graph twice: once for the inputs' gradients, once for the weights' (the "
+    "profiler to time them apart, ZB-H1 to run them apart). Add "
+    "`import torch._functorch.config; torch._functorch.config.donated_buffer = False` to the "
+    "model file, or compile the module only for 1F1B training")
+
+
 def file_sha256(path: str | Path) -> str:
     """sha256 of the file's bytes (a plan records it; the runtime checks it)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -15,7 +15,15 @@ import torch
 from planner.errors import PipeplanError
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
 from profiler.graph import LayerGraph, trace
-from profiler.loader import batch_checked, build_checked, call_user, load_model_file, loss_checked
+from profiler.loader import (
+    DONATED,
+    DONATED_ADVICE,
+    batch_checked,
+    build_checked,
+    call_user,
+    load_model_file,
+    loss_checked,
+)
 from profiler.measure import library_workspace_bytes, measure_all
 
 
@@ -133,6 +141,8 @@ def profile_model_file(
         raise
     except Exception as exc:  # noqa: BLE001  # the model, run once more, failed this time
         first = (str(exc).strip().splitlines() or [""])[0][:300]
+        if DONATED in str(exc):
+            raise PipeplanError(f"{mf.path}: {DONATED_ADVICE}") from None
         raise PipeplanError(
             f"{mf.path}: the model ran once, then raised {type(exc).__name__}: {first} while it "
             "was timed (forward and backward passes, whole and layer by layer). Profiling runs "

@@ -245,6 +245,19 @@ class StageExecutor:
             if self.recompute:
                 self.forward_fn.on_recompute = None  # type: ignore[attr-defined]
 
+    @contextmanager
+    def _compiled_refuses_twice(self) -> Iterator[None]:
+        """B and W apart differentiate a graph twice; torch.compile's backward refuses that
+        (donated buffers): say so in one line, with the fix."""
+        from profiler.loader import DONATED, DONATED_ADVICE
+
+        try:
+            yield
+        except RuntimeError as exc:
+            if DONATED in str(exc):
+                raise PipeplanError(f"stage {self.stage}, zb-h1: {DONATED_ADVICE}") from None
+            raise
+
     def backward(self, j: int) -> None:
         """B: the full backward, or (split) the inputs' gradients only."""
         st = self._inflight[j] if self.split_backward else self._inflight.pop(j)
@@ -271,7 +284,7 @@ class StageExecutor:
 
             keys = list(st.received)
             full = [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads, strict=True)]
-            with self._with_recompute_count(st):
+            with self._with_recompute_count(st), self._compiled_refuses_twice():
                 got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
                                                  self._weights, direct=self.recompute)
             input_grads = dict(zip(keys, got, strict=True))
@@ -302,7 +315,7 @@ class StageExecutor:
         if st is None or st.pending is None:
             raise RuntimeError(f"{self.stage}W{j} runs before {self.stage}B{j}")
         t0 = time.time()
-        with self._with_recompute_count(st):
+        with self._with_recompute_count(st), self._compiled_refuses_twice():
             backward_weight(st.pending, self._weights)  # type: ignore[arg-type]
         self._sync()
         t1 = time.time()
