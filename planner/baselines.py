@@ -215,6 +215,10 @@ def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Ca
     if len(tps) != len(options.split):
         raise PipeplanError("--tp: give one degree per stage of --split")
     need = sum(r * t for r, t in zip(replicas, tps, strict=True))
+    if need > N and options.replicas is None and not any(t > 1 for t in tps):
+        raise PipeplanError(f"--split {','.join(map(str, options.split))} gives {len(options.split)} "
+                            f"stages, one device each, but the cluster has {N} devices: give at "
+                            f"most {N} stages")
     if need > N:
         raise PipeplanError(f"--replicas {','.join(map(str, replicas))}"
                             + (f" with --tp {','.join(map(str, tps))}" if any(t > 1 for t in tps) else "")

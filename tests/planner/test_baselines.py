@@ -72,6 +72,9 @@ def test_manual_split_is_evaluated_and_checked() -> None:
         make_plan(p, c, PlanOptions(global_batch=16, method="manual", split=[3, 3, 1]))
     with pytest.raises(PipeplanError, match="needs 5 devices"):
         make_plan(p, c, PlanOptions(global_batch=16, method="manual", split=[4, 4], replicas=[4, 1]))
+    # no --replicas given: the message is about the stages, not replicas the user never gave
+    with pytest.raises(PipeplanError, match="gives 5 stages, one device each, but the cluster has 4"):
+        make_plan(p, c, PlanOptions(global_batch=16, method="manual", split=[2, 2, 2, 1, 1]))
 
 
 def test_model_that_fits_nowhere_says_what_it_needs() -> None:
