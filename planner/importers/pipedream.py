@@ -48,6 +48,9 @@ def parse_graph(text: str, where: str = "graph") -> tuple[dict[str, dict], list[
         m = _NODE.match(line)
         if not m:
             raise PipeplanError(f"{where}:{lineno}: not a PipeDream node or edge line: {line[:80]!r}")
+        if m["id"] in nodes:
+            raise PipeplanError(f"{where}:{lineno}: node {m['id']} appears twice (the file is "
+                                "damaged or two graphs were joined): give the graph.txt its profiler wrote")
         try:
             nodes[m["id"]] = {"desc": m["desc"].strip(), "fwd_ms": float(m["f"]), "bwd_ms": float(m["b"]),
                               "output_bytes": _size(m["a"]), "param_bytes": float(m["p"])}

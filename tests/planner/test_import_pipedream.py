@@ -51,3 +51,16 @@ def test_bad_files_say_what_is_wrong() -> None:
     with pytest.raises(PipeplanError, match="unknown node"):
         import_pipedream("node1 -- X -- forward_compute_time=1, backward_compute_time=1, "
                          "activation_size=1, parameter_size=1\n\tnode1 -- node9\n", 1)
+    line = ("node1 -- X -- forward_compute_time=1, backward_compute_time=1, activation_size=1, "
+            "parameter_size=1\n")
+    with pytest.raises(PipeplanError, match=r":2: node node1 appears twice"):
+        import_pipedream(line + line.replace("forward_compute_time=1", "forward_compute_time=9"), 1)
+
+
+def test_a_file_that_is_not_text_is_a_clear_error(tmp_path: Path) -> None:
+    from planner.importers.pipedream import import_pipedream_file
+
+    path = tmp_path / "graph.txt"
+    path.write_bytes(b"node1 -- X\xff\xfe -- forward_compute_time=1\n")
+    with pytest.raises(PipeplanError, match="not UTF-8"):
+        import_pipedream_file(path, 1)
