@@ -83,6 +83,12 @@ def run(args: argparse.Namespace) -> int:
         raise PipeplanError("--recompute and --no-recompute contradict each other")
     if args.split and method != "manual":
         raise PipeplanError(f"--split is for --method manual, not {method}")
+    if args.microbatch_size and args.microbatch_sizes:
+        raise PipeplanError("--microbatch-size fixes the size, --microbatch-sizes lets the planner "
+                            "choose: give one of them")
+    for flag, given in (("--microbatch-sizes", args.microbatch_sizes), ("--powers-of-two", args.powers_of_two)):
+        if given and method != "cpsat":
+            raise PipeplanError(f"{flag} is for --method cpsat (the search), not {method}")
     options = parse_model({
         "global_batch": args.global_batch, "microbatch_size": args.microbatch_size,
         "microbatch_sizes": args.microbatch_sizes, "schedule": args.schedule, "method": method,

@@ -58,6 +58,9 @@ def test_manual_split_from_the_command_line(files: dict[str, Path], capsys: pyte
     (["--split", "2,2"], "covers 4 layers but the profile has 6"),
     (["--replicas", "1,1"], "--replicas needs --split"),
     (["--split", "2,2,2", "--replicas", "2,2,2"], "needs 6 devices"),
+    (["--microbatch-size", "4", "--microbatch-sizes", "4,8"], "give one of them"),
+    (["--method", "uniform", "--powers-of-two"], "is for --method cpsat"),
+    (["--split", "3,3", "--microbatch-sizes", "4,8"], "is for --method cpsat"),
 ])
 def test_bad_input_gives_a_clear_message(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                          args: list[str], message: str) -> None:
