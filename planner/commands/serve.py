@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         settings = Settings(**given)
     except ValidationError as exc:
         raise PipeplanError(f"bad server settings:\n{describe_validation_error(exc)}") from None
+    _check_database(str(settings.db))
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.keyed:
         print(f"warning: serving on {settings.host} without an API key; set PIPEPLAN_API_KEY(S)")
     print(f"pipeplan API on http://{settings.host}:{settings.port}  (docs: /docs, database: {settings.db})")
@@ -49,3 +50,33 @@ def run(args: argparse.Namespace) -> int:
                 log_config=log_config(args.log_level, settings.log_json), access_log=False,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def _check_database(db: str) -> None:
+    """An SQLite file the server can open, checked before it starts (else uvicorn logs the
+    error of its startup and exits 3)."""
+    import sqlite3
+    from pathlib import Path
+
+    from planner.errors import PipeplanError
+
+    if "://" in db or db == ":memory:":
+        return
+    path = Path(db)
+    if path.is_dir():
+        raise PipeplanError(f"--db {db}: is a directory; give the SQLite file's name")
+    if not path.parent.is_dir():
+        raise PipeplanError(f"--db {db}: the folder {path.parent} does not exist; create it first")
+    existed = path.exists()
+    try:
+        conn = sqlite3.connect(db, timeout=5.0)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise PipeplanError(f"--db {db}: cannot be opened as an SQLite database ({exc}); give "
+                            "another file, or remove this one if it is not needed") from None
+    finally:
+        if not existed and path.exists() and path.stat().st_size == 0:
+            path.unlink()  # only probed: the server creates it

@@ -161,3 +161,13 @@ def test_simulate_refuses_an_incomplete_or_negative_plan(files: dict[str, Path],
         assert main(["simulate", str(path)]) == 2, name
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (name, err)
+
+
+def test_serve_refuses_a_database_it_cannot_open(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the server starts (it printed its address, then logged a traceback and exit 3)."""
+    (tmp_path / "notes.txt").write_text("not a database")
+    for db, message in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.db", "does not exist"),
+                        (tmp_path / "notes.txt", "cannot be opened as an SQLite database")):
+        assert main(["serve", "--port", "1", "--db", str(db)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
