@@ -14,9 +14,10 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -31,6 +32,18 @@ from planner.errors import PipeplanError
 SCHEMA_VERSION = 1
 GB = 1e9
 INPUT_NODE = "<input>"  # edge source for tensors that are model inputs (available before layer 0)
+
+
+def _known_schema(v: int) -> int:
+    if v > SCHEMA_VERSION:
+        raise ValueError(f"schema_version {v}: written by a newer pipeplan (this one reads "
+                         f"{SCHEMA_VERSION}); upgrade pipeplan")
+    if v < 1:
+        raise ValueError(f"schema_version {v}: not a pipeplan file version (1 or more)")
+    return v
+
+
+SchemaVersion = Annotated[int, AfterValidator(_known_schema)]
 
 
 class _Open(BaseModel):
@@ -133,7 +146,7 @@ class Measured(_Open):
 
 
 class Profile(_Open):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     model: ModelRef
     device: DeviceInfo
     batch_size: PositiveInt
@@ -449,7 +462,7 @@ class ScheduleGenerator(_Open):
 
 
 class Plan(_Open):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     profile_sha256: str
     model: ModelRef
     cluster: Cluster
@@ -499,7 +512,7 @@ class RankReport(_Open):
 
 
 class Report(_Open):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     plan_profile_sha256: str
     steps: int
     iteration_ms: float  # median over measured steps

@@ -59,3 +59,17 @@ def test_cluster_forms() -> None:
     with pytest.raises(ValidationError, match="bogus"):
         Cluster.model_validate({"nodes": 1, "devices_per_node": 4, "device_memory_gb": 16,
                                 "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 1, "bogus": 1})
+
+
+def test_a_file_of_a_newer_schema_is_refused_with_the_reason() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from planner.formats import Profile
+
+    data = {"model": {"path": "m.py", "sha256": "0"}, "device": {"type": "cpu", "name": "x"},
+            "batch_size": 1, "layers": [{"name": "a", "fwd_ms": 1, "bwd_ms": 1, "param_bytes": 0,
+                                         "activation_bytes": 0, "output_bytes": 0}]}
+    assert Profile.model_validate(data).schema_version == 1
+    with pytest.raises(ValidationError, match="written by a newer pipeplan"):
+        Profile.model_validate({**data, "schema_version": 99})
