@@ -61,11 +61,16 @@ def save(directory: str | Path, model_state: dict[str, torch.Tensor],
          optimizer_state: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]) -> None:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    # all three written first, then renamed in place one after the other: a crash while
+    # writing (the slow part) leaves the previous checkpoint whole
+    tmps = []
     for name, obj in ((MODEL_FILE, model_state), (OPTIMIZER_FILE, {"state": optimizer_state})):
-        tmp = d / (name + ".tmp")
-        torch.save(obj, tmp)
-        tmp.replace(d / name)
-    (d / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        tmps.append((d / (name + ".tmp"), d / name))
+        torch.save(obj, tmps[-1][0])
+    tmps.append((d / (META_FILE + ".tmp"), d / META_FILE))
+    tmps[-1][0].write_text(json.dumps(meta, indent=2) + "\n")
+    for tmp, final in tmps:
+        tmp.replace(final)
 
 
 def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict]:
