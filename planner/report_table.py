@@ -45,7 +45,8 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
     if len(plan.stages) > max_stages:
         text += f"\n... {len(plan.stages) - max_stages} more stages"
     pr, sv = plan.predicted, plan.solver
-    gap = f", gap {sv.gap:.1%}" if sv.gap is not None else ""
+    bounded = plan.options.objective == "iteration"  # the search bounds iteration time only
+    gap = f", gap {sv.gap:.1%}" if sv.gap is not None and bounded else ""
     unused = getattr(pr, "unused_devices", 0) or 0
     text += (
         f"\n\n{plan.schedule} · {plan.num_microbatches} microbatches of {plan.microbatch_size} "
@@ -54,7 +55,9 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
         + f"\npredicted iteration {pr.iteration_ms:.2f} ms · throughput "
         f"{pr.throughput_samples_per_s:.1f} samples/s · bubble {pr.bubble_fraction:.1%}"
         + (f"\nlower bound {sv.bound:.2f} ms (the search's: no plan is faster) · work bound "
-           if sv.bound is not None else "\nlower bound (work) ")
+           if sv.bound is not None and bounded else
+           "\nlower bound of the throughput objective: none (the search bounds iteration time) · "
+           "work bound " if not bounded else "\nlower bound (work) ")
         + f"{pr.lower_bound_ms:.2f} ms (the model's work over every device) · predicted / work bound "
         f"{pr.ratio_to_lower_bound:.3f}"
         f"\nmethod {sv.name} · status {sv.status}{gap} · wall {sv.wall_s:.2f} s"

@@ -70,8 +70,8 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
         return PipeplanError(
             f"the model's parameters, gradients and {options.optimizer} state take "
             f"{format_bytes(total_static)}, more than the cluster's {len(devices)} devices of "
-            f"{format_bytes(biggest)} hold together: no plan can fit. Give more devices or "
-            "--optimizer sgd")
+            f"{format_bytes(biggest)} hold together: no plan can fit. Give more devices"
+            + (" or larger ones" if options.optimizer == "sgd" else " or --optimizer sgd"))
     closest = min((s for s, c in ev.cache.values() if c is not None),
                   key=lambda s: s.overshoot, default=None)
     detail = ""
