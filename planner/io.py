@@ -17,12 +17,47 @@ _UMASK = os.umask(0)  # (read once: files are written with the permissions open(
 os.umask(_UMASK)
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem: `field.path: reason`."""
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        lines.append(f"  {where}: {err['msg']}")
+def _is_tag(part: object) -> bool:
+    """A union branch in an error's location (`constrained-int`, `list[NodeSpec]`), not a field."""
+    return isinstance(part, str) and not part.isidentifier()
+
+
+def describe_validation_error(exc: ValidationError, most: int = 12) -> str:
+    """One line per problem: `field.path: reason`. Where a field may take several forms (a
+    union), only the forms the value was meant to take are described: those with a fault
+    other than their type, else those whose fault lies deepest (a list whose element is
+    wrong, not "should be an integer"); branch names are not printed; unknown fields of one
+    object are one line."""
+    errs = exc.errors()
+    branches: dict[tuple, dict[object, tuple[bool, int]]] = {}  # prefix -> branch -> (real fault, depth)
+    for err in errs:
+        loc = err["loc"]
+        for k, part in enumerate(loc):
+            if _is_tag(part):
+                real, depth = branches.setdefault(tuple(loc[:k]), {}).get(part, (False, 0))
+                branches[tuple(loc[:k])][part] = (real or not err["type"].endswith(("_type", "_parsing")),
+                                                  max(depth, len(loc)))
+    keep: dict[tuple, set[object]] = {}
+    for prefix, got in branches.items():
+        real = {b for b, (r, _) in got.items() if r}
+        deepest = max(d for _, d in got.values())
+        keep[prefix] = real or {b for b, (_, d) in got.items() if d == deepest}
+    lines: list[str] = []
+    extra: dict[str, list[str]] = {}
+    for err in errs:
+        loc = err["loc"]
+        if any(_is_tag(part) and part not in keep.get(tuple(loc[:k]), {part}) for k, part in enumerate(loc)):
+            continue  # a form the value was not meant to take
+        path = [str(p) for p in loc if not _is_tag(p)]
+        if err["type"] == "extra_forbidden" and path:
+            extra.setdefault(".".join(path[:-1]) or "(top level)", []).append(path[-1])
+            continue
+        lines.append(f"  {'.'.join(path) or '(top level)'}: {err['msg']}")
+    for where, names in extra.items():
+        lines.append(f"  {where}: unknown field(s) {', '.join(names)}")
+    lines = list(dict.fromkeys(lines))
+    if len(lines) > most:
+        lines = [*lines[:most], f"  ... and {len(lines) - most} more"]
     return "\n".join(lines)
 
 

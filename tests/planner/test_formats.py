@@ -73,3 +73,23 @@ def test_a_file_of_a_newer_schema_is_refused_with_the_reason() -> None:
     assert Profile.model_validate(data).schema_version == 1
     with pytest.raises(ValidationError, match="written by a newer pipeplan"):
         Profile.model_validate({**data, "schema_version": 99})
+
+
+def test_validation_errors_describe_the_form_the_value_was_meant_to_take() -> None:
+    """`nodes` is a count or a list of nodes: a list with a bad node is not also told "should
+    be a valid integer"; unknown fields are one line (a profile given as --cluster)."""
+    from planner.errors import PipeplanError
+    from planner.io import parse_model
+
+    base = {"intra_node_gb_per_s": 1, "inter_node_gb_per_s": 1}
+    for node, message in (({"speed": 0}, "nodes.0.speed: Input should be greater than 0"),
+                          ({"devices": "2"}, "nodes.0.devices: Input should be a valid integer")):
+        bad = {"nodes": [{"name": "a", "devices": 2, "device_memory_gb": 1, **node}], **base}
+        with pytest.raises(PipeplanError) as got:
+            parse_model(bad, Cluster, "cluster")
+        lines = str(got.value).splitlines()[1:]
+        assert lines == [f"  {message}"], lines
+    with pytest.raises(PipeplanError) as got:
+        parse_model({**base, "nodes": 1, "devices_per_node": 1, "device_memory_gb": 1,
+                     "model": {}, "layers": [], "batch_size": 1}, Cluster, "cluster")
+    assert str(got.value).splitlines()[1:] == ["  (top level): unknown field(s) model, layers, batch_size"]
