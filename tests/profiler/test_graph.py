@@ -374,6 +374,37 @@ def test_a_module_with_buffers_called_by_two_layers_is_warned_about() -> None:
             assert "shared.1.running_mean" in told[0] and "in different stages" in told[0]
 
 
+class _Table(torch.nn.Module):
+    """A positional table: a buffer the module only reads, not persisted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pe", torch.randn(8, 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pe[: x.size(0)]
+
+
+class _TableNet(torch.nn.Module):
+    """Three blocks that each read `_Table`'s buffer and the model's own `scale` (and, with
+    `pos`, a non-persistent `pos` of the model itself)."""
+
+    def __init__(self, pos: bool) -> None:
+        super().__init__()
+        if pos:
+            self.register_buffer("pos", torch.randn(8, 4), persistent=False)
+        self.register_buffer("scale", torch.full((4,), 0.5))
+        self.table = _Table()
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+                                           for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            h = x + self.pos[: x.size(0)] if hasattr(self, "pos") else x
+            x = b(self.table(h) * self.scale)
+        return x
+
+
 def test_a_buffer_only_read_by_two_layers_is_not_warned_about() -> None:
     """A constant table (positional encodings) read by several layers is the same in every
     stage: no warning, on the model itself and in a submodule, read by attribute or by call."""
@@ -381,30 +412,9 @@ def test_a_buffer_only_read_by_two_layers_is_not_warned_about() -> None:
 
     from profiler.tracing import TracingWarning
 
-    class Table(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("pe", torch.randn(8, 4), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.pe[: x.size(0)]
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("scale", torch.full((4,), 0.5))
-            self.table = Table()
-            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
-                                               for _ in range(3)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for b in self.blocks:
-                x = b(self.table(x) * self.scale)
-            return x
-
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        trace(Net(), (torch.randn(3, 4),))
+        trace(_TableNet(pos=False), (torch.randn(3, 4),))
     told = [str(w.message) for w in said if issubclass(w.category, TracingWarning) and "buffers" in str(w.message)]
     assert told == []
 
@@ -413,31 +423,8 @@ def test_buffers_the_model_does_not_persist_stay_out_of_the_stages_state_dicts()
     """`register_buffer(..., persistent=False)` on the model itself and on a submodule: every
     stage holds the buffers it reads, its state dict only the model's own keys (a checkpoint
     merged from the stages loads into build_model()), and the stages compute the model."""
-
-    class Table(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("pe", torch.randn(8, 4), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.pe[: x.size(0)]
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("pos", torch.randn(8, 4), persistent=False)
-            self.register_buffer("scale", torch.full((4,), 0.5))
-            self.table = Table()
-            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
-                                               for _ in range(3)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for b in self.blocks:
-                x = b(self.table(x + self.pos[: x.size(0)]) * self.scale)
-            return x
-
     torch.manual_seed(0)
-    model = Net()
+    model = _TableNet(pos=True)
     x, target = torch.randn(3, 4), torch.randn(3, 4)
     ref = model(x)
     lg = trace(model, (x,))
@@ -447,11 +434,10 @@ def test_buffers_the_model_does_not_persist_stay_out_of_the_stages_state_dicts()
         out, _, stages = run_pipeline(lg, parts, (x,), target, torch.nn.functional.mse_loss)
         assert torch.equal(out, ref)
         keys: set[str] = set()
-        for st in stages.values() if isinstance(stages, dict) else stages:
+        for st in stages.values():
             keys |= set(st.state_dict())
         assert keys == set(model.state_dict()), sorted(keys ^ set(model.state_dict()))
-        model.load_state_dict({k: v for st in (stages.values() if isinstance(stages, dict) else stages)
-                               for k, v in st.state_dict().items()})
+        model.load_state_dict({k: v for st in stages.values() for k, v in st.state_dict().items()})
 
 
 def test_blocks_that_pass_non_tensors_on_are_one_layer_with_a_warning() -> None:
