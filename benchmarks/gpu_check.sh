@@ -7,7 +7,8 @@
 # On the lent device machine (no pipeplan dependencies, no network) the dependencies travel as
 # wheels in .whl/ (see the device tool's README) and are installed first, into its python3:
 #   python3 -m pip install -q --no-index --no-deps .whl/*.whl; bash benchmarks/gpu_check.sh
-# Run 2026-11-27 on an H100 (416 s): results in benchmarks/results/h100/ and benchmarks/README.md.
+# Runs on an H100: 2026-11-27 (an earlier set of steps, 416 s; results in benchmarks/results/h100/)
+# and 2026-11-27 again (results/h100b/); figures in benchmarks/README.md.
 set -u
 OUT=${OUT:-benchmarks/results/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -16,9 +17,8 @@ step() { local t=$1; shift; echo "=== $(date +%T) [$t s] $*"; local s=$SECONDS
          timeout "$t" "$@"; echo "=== rc=$? in $((SECONDS - s)) s"; }
 {
 nvidia-smi -L; nproc; $PY -c 'import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0))'
-step 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py -s -rA
-step 200 $PY benchmarks/gpu_memory.py -o "$OUT/gpu_memory.json"
-step 60 $PY benchmarks/profile_accuracy.py --device cuda --repeats 10 --models mlp,gpt,unet -o "$OUT/profile_accuracy_cuda.json"
-step 200 $PY benchmarks/schedules.py --repeats 1 --steps 6 -o "$OUT/schedules_16core.json"
-step 200 $PY benchmarks/prediction.py --steps 6 --only sleep,calibrate --out "$OUT/prediction_16core.json"
+step 100 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py -s -rA
+step 120 $PY benchmarks/gpu_memory.py -o "$OUT/gpu_memory.json"
+step 130 $PY benchmarks/schedules.py --repeats 1 --steps 6 -o "$OUT/schedules_16core.json"
+step 100 $PY benchmarks/prediction.py --steps 6 --only sleep --out "$OUT/prediction_16core.json"
 } 2>&1 | tee "$OUT/gpu_check.log"
