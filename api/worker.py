@@ -36,7 +36,7 @@ def _make_plan(task: dict[str, Any]) -> dict[str, Any]:
 
         # the service answers within time_limit_s plus its grace (then it stops the solve):
         # the search's own wall-clock net at the limit itself returns its best plan by then
-        search.WALL_NET = 1.0
+        search.WALL_LIMIT = 1.0
     return {"plan": make_plan(profile, cluster, options).model_dump(mode="json")}
 
 

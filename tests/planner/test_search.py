@@ -161,10 +161,12 @@ def test_no_device_for_a_stage_that_computes_nothing_and_same_plan_twice() -> No
 
 
 def test_a_slower_or_busier_machine_gives_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The budget is work: a machine on which that work takes 2x --time-limit (slower, or
-    its cores busy with other work: a clock that runs faster stands for both) still does all
-    of it and gives the same plan and bound. The wall clock stops it only at WALL_NET x the
-    limit; at 1 x, the same clock cuts the work short (the test's own check that it could)."""
+    """The budget is work: a machine on which that work takes 5x --time-limit (slower, or
+    its cores busy with other work: a clock that runs faster stands for both; a plan may spend
+    MAX_WORK x the budget, so 3x --time-limit, the net until 2026-11-27, cut it) still does all
+    of it and gives the same plan and bound. The wall clock stops it only at `wall_net_s`;
+    at 1 x the limit (the service's WALL_LIMIT), the same clock cuts the work short (the
+    test's own check that it could)."""
     import time
 
     import planner.search as search
@@ -176,7 +178,7 @@ def test_a_slower_or_busier_machine_gives_the_same_plan(monkeypatch: pytest.Monk
     solve(profile, cluster, options)  # imports and caches warm
     t0 = time.perf_counter()
     ref = solve(profile, cluster, options)
-    factor = 2 * options.time_limit_s / (time.perf_counter() - t0)  # this machine, 2x over
+    factor = 5 * options.time_limit_s / (time.perf_counter() - t0)  # this machine, 5x over
     real = time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: factor * real())
     slow = solve(profile, cluster, options)
@@ -185,7 +187,7 @@ def test_a_slower_or_busier_machine_gives_the_same_plan(monkeypatch: pytest.Monk
     for field in ("objective", "bound", "work"):
         assert slow.solver[field] == ref.solver[field], field
     assert not ref.solver["clock_stopped"] and not slow.solver["clock_stopped"]
-    monkeypatch.setattr(search, "WALL_NET", 1.0)
+    monkeypatch.setattr(search, "WALL_LIMIT", 1.0)
     cut = solve(profile, cluster, options)
     assert cut.solver["work"] < ref.solver["work"] and cut.solver["clock_stopped"]
 
