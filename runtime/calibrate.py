@@ -38,8 +38,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.errors import PipeplanError
+
+if TYPE_CHECKING:
+    from runtime.comm import PeerError
 
 SIZES = [256, 4096, 65536, 262144, 1 << 20, 4 << 20]  # bytes per message
 IDLE_MS = 2.0  # how long a receiver has been blocked before a cold message arrives
@@ -101,29 +105,47 @@ def ring_allreduce_us(nbytes: float, ranks: int, alpha_us: float, gb_per_s: floa
 
 
 def _pingpong(dist: object, torch: object, me: int, a: int, b: int, nbytes: int, rounds: int,
-              device: object, tag0: int) -> list[float]:
+              device: object, tag0: int, timeout_s: float) -> list[float]:
     """Cold one-way times (us) of `nbytes` messages between ranks a and b (a measures)."""
     buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)  # type: ignore[attr-defined]
     out = []
+    peer = b if me == a else a
+
+    def done(work: object, what: str) -> None:
+        try:
+            work.wait()  # type: ignore[attr-defined]
+        except RuntimeError as exc:  # gloo/NCCL: a timeout or a closed connection
+            raise _peer_error(peer, f"{what} rank {peer} ({nbytes} B messages)", exc, timeout_s) from None
+
     for i in range(rounds + 2):
         tag = tag0 + i
         if me == a:
             time.sleep(IDLE_MS / 1e3)  # b is blocked in its receive meanwhile
             _sync(torch, device)
             t0 = time.perf_counter()
-            dist.isend(buf, b, tag=tag).wait()  # type: ignore[attr-defined]
-            dist.irecv(buf, b, tag=tag).wait()  # type: ignore[attr-defined]
+            done(dist.isend(buf, b, tag=tag), "sending to")  # type: ignore[attr-defined]
+            done(dist.irecv(buf, b, tag=tag), "receiving from")  # type: ignore[attr-defined]
             _sync(torch, device)
             rtt = (time.perf_counter() - t0) * 1e6
             if i >= 2:  # warm-up
                 out.append(max((rtt - IDLE_MS * 1e3) / 2, 0.0))
         elif me == b:
-            dist.irecv(buf, a, tag=tag).wait()  # type: ignore[attr-defined]
+            done(dist.irecv(buf, a, tag=tag), "receiving from")  # type: ignore[attr-defined]
             _sync(torch, device)
             time.sleep(IDLE_MS / 1e3)  # a is blocked in its receive meanwhile
-            dist.isend(buf, a, tag=tag).wait()  # type: ignore[attr-defined]
+            done(dist.isend(buf, a, tag=tag), "sending to")  # type: ignore[attr-defined]
             _sync(torch, device)
     return out
+
+
+def _peer_error(peer: int, what: str, exc: BaseException, timeout_s: float) -> PeerError:
+    """A failed transfer of the calibration as the runtime reports one: the peer named, one line."""
+    from runtime.comm import PeerError
+
+    text = str(exc)
+    reason = (f"no answer within {timeout_s:g} s (--timeout)" if "imed out" in text or "timeout" in text.lower()
+              else f"the connection failed ({text.splitlines()[0][:200] if text else type(exc).__name__})")
+    return PeerError(peer, f"calibrate, {what}: {reason}; rank {peer} has died, raised an error or hangs")
 
 
 def _sync(torch: object, device: object) -> None:
@@ -244,14 +266,15 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     if len(ranks_of_node) >= 2:
         pairs["inter"] = (ranks_of_node[0][0], ranks_of_node[1][0])
     links: dict[str, dict] = {}
-    tag = 1000
+    tag = 1000  # the same on every rank: a pair's tags do not depend on who measured before
     for kind, (a, b) in pairs.items():
         points = []
         done_key = f"pipeplan-calibrate-{kind}-done"
+        first_tag, tag = tag, tag + len(SIZES) * (args.rounds + 2)
         if me in (a, b):
-            for nbytes in SIZES:
-                ts = _pingpong(dist, torch, me, a, b, nbytes, args.rounds, device, tag)
-                tag += args.rounds + 2
+            for k, nbytes in enumerate(SIZES):
+                ts = _pingpong(dist, torch, me, a, b, nbytes, args.rounds, device,
+                               first_tag + k * (args.rounds + 2), args.timeout)
                 if me == a:
                     points.append((float(nbytes), float(statistics.median(ts))))
             if me == a:
@@ -380,6 +403,9 @@ def format_summary(cluster: dict, nominal: dict | None) -> str:
     speed = cluster.get("speed", None)
     if speed is None:
         speed = ", ".join(f"{x['name']} {x['speed']:g}" for x in cluster["nodes"])
+    memory = cluster.get("device_memory_gb", None)
+    if memory is None:  # the list form: per node
+        memory = ", ".join(f"{x['name']} {x['device_memory_gb']:g}" for x in cluster["nodes"])
     lines = [
         f"calibrated {cal['backend']} on {len(cal['speeds'])} {cal['device']} rank(s) "
         f"({cal['device_name']})",
@@ -390,7 +416,7 @@ def format_summary(cluster: dict, nominal: dict | None) -> str:
         f"{'cross-node bandwidth (GB/s)':32s} {cluster['inter_node_gb_per_s']:>14.3f} {n('inter_node_gb_per_s'):>10s}",
         f"{'all-reduce efficiency':32s} {cluster['allreduce_efficiency']:>14.3f} {n('allreduce_efficiency'):>10s}",
         f"{'device speed (x profiled device)':32s} {speed!s:>14s} {n('speed'):>10s}",
-        f"{'memory per device (GB)':32s} {cluster.get('device_memory_gb', '-')!s:>14s} {n('device_memory_gb'):>10s}",
+        f"{'memory per device (GB)':32s} {memory!s:>14s} {n('device_memory_gb'):>10s}",
     ]
     if "inter" not in cal["links"]:
         lines.append("(one node: cross-node figures are the same-node ones)")

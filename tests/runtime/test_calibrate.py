@@ -79,6 +79,34 @@ def test_calibrate_two_local_ranks(tmp_path):
     assert "same-node latency" in r.stdout and "nominal" in r.stdout and "wrote" in r.stdout
 
 
+def test_calibrate_two_nodes_under_torchrun(tmp_path):
+    """Two torchrun agents of two ranks each on this machine stand for two nodes (torchrun's
+    GROUP_RANK tells them apart): the same-node pair and then the cross-node pair are measured.
+    The cross-node pair's tags once depended on which ranks had measured the first pair, and
+    ranks 0 and 2 waited for each other's messages until the timeout."""
+    from runtime.launch import free_port
+
+    out = tmp_path / "cluster.json"
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "runtime", "calibrate", "-o", str(out), "--rounds", "3", "--timeout", "30",
+         "--memory-gb", "2"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    logs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][1][-3000:] + logs[1][1][-3000:]
+    c = Cluster.model_validate(json.loads(out.read_text()))
+    assert [n.devices for n in c.node_specs()] == [2, 2]
+    links = (c.calibration or {})["links"]
+    assert links["intra"]["ranks"] == [0, 1] and links["inter"]["ranks"] == [0, 2]
+    assert c.inter_node_latency_us is not None and c.inter_node_latency_us > 0
+    assert "cross-node latency" in logs[0][0] and "memory per device (GB)" in logs[0][0]
+    assert "2, " in logs[0][0].split("memory per device (GB)")[1].splitlines()[0]  # per node
+
+
 def test_calibrate_with_the_profiled_model(tmp_path):
     from planner.cli import main
 
