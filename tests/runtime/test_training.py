@@ -126,3 +126,33 @@ def test_a_recomputed_block_moves_its_running_statistics_once(run, tmp_path):
     model = MODELS / "shared_module.py"
     plan = run.plan(model, [2, 2, 2], recompute=[True, True, False], global_batch=8, microbatch_size=2)
     _check(run, model, plan, 3, tmp_path)
+
+
+def test_two_torchrun_agents_train_like_one_process(run, tmp_path):
+    """Two torchrun agents of two ranks each (two nodes, as on a cluster): a replicated stage
+    on each node, zb-h1, Adam; the ranks come from torchrun, not from pipeplan's launcher."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from runtime.launch import free_port
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2, [2, 2], schedule="zb-h1", global_batch=16, microbatch_size=2)
+    root = Path(__file__).resolve().parents[2]
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("PIPEPLAN_ERROR_FILE", None)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "runtime", str(plan), "--model", str(model), "--steps", "2", "--optimizer", "adam",
+         "--timeout", "60", "--save", str(tmp_path / "ck")],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    logs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][1][-3000:] + logs[1][1][-3000:]
+    ref = reference_train(str(model), 2, optimizer="adam", global_batch=16, microbatch_size=2)
+    assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < TOL
+    assert "step 2: loss" in logs[0][0] and "step 2" not in logs[1][0]  # rank 0 reports
