@@ -454,8 +454,34 @@ class Worker:
                   f"peak memory {r.peak_memory_bytes / 1e6:.2f} MB", flush=True)
 
 
+def layout_warning(plan: Plan, env: DistEnv) -> str | None:
+    """Under torchrun: where the ranks this node was given are not one node of the plan's
+    cluster (the plan counts ranks node by node, so the ranks of its node n are consecutive),
+    the plan's same-node and cross-node links are not the ones it runs on. Correct either
+    way, only slower than predicted: a warning, from each node's first rank."""
+    devices = plan.cluster.devices()
+    if env.rank >= len(devices):
+        return None
+    node = devices[env.rank].node
+    ranks = [d.rank for d in devices if d.node == node]
+    start = env.rank - env.local_rank
+    if ranks == list(range(start, start + env.local_world_size)):
+        return None
+    spec = plan.cluster.node_specs()[node]
+    return (f"torchrun started ranks {start}-{start + env.local_world_size - 1} on this node, but "
+            f"the plan's cluster has rank {env.rank} on node {spec.name!r} with ranks "
+            f"{ranks[0]}-{ranks[-1]} ({spec.devices} devices): the plan's same-node and "
+            "cross-node links are not the ones it runs on. Training is correct but slower than "
+            f"predicted; start torchrun with --nproc-per-node {spec.devices} and --node-rank "
+            "in the cluster's node order, or plan for this layout")
+
+
 def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     """Run one rank to the end; exceptions propagate (the caller reports them)."""
+    if "GROUP_RANK" in os.environ and env.local_rank == 0:  # torchrun's; not our local launcher
+        said = layout_warning(plan, env)
+        if said:
+            print(f"warning: {said}", file=sys.stderr, flush=True)
     torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
     worker = Worker(plan, opts, env)
     comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)

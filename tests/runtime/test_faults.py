@@ -79,3 +79,29 @@ def test_world_size_must_match_under_torchrun(run):
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "needs 2 processes" in p.stderr and "WORLD_SIZE is 3" in p.stderr
+
+
+def test_a_torchrun_layout_other_than_the_plans_cluster_is_warned_about(run):
+    """A plan for 2 nodes of 1 device started by torchrun as 1 node of 2 ranks: it trains (the
+    layout changes only which links are fast), with one warning that says how to start it."""
+    from planner.formats import Cluster, Plan
+    from runtime.launch import free_port
+    from runtime.worker import DistEnv, layout_warning
+
+    model = MODELS / "seq_mlp.py"
+    path = run.plan(model, 2)
+    plan = Plan.model_validate_json(path.read_text())
+    plan = plan.model_copy(update={"cluster": Cluster(
+        nodes=2, devices_per_node=1, device_memory_gb=16, intra_node_gb_per_s=100, inter_node_gb_per_s=10)})
+    path.write_text(plan.model_dump_json())
+    assert layout_warning(plan, DistEnv(0, 2, 0, 1)) is None  # one rank per node: as planned
+    env = dict(os.environ, PYTHONPATH=str(MODELS.parents[2]))
+    env.pop("PIPEPLAN_ERROR_FILE", None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                        "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                        str(free_port()), "-m", "runtime", str(path), "--model", str(model),
+                        "--steps", "1", "--timeout", "60"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("warning: torchrun started")]
+    assert len(said) == 1 and "--nproc-per-node 1" in said[0] and "node 'node0'" in said[0]
