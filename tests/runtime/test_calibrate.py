@@ -14,7 +14,7 @@ import pytest
 from runtime_paths import MODELS
 
 from planner.formats import Cluster
-from runtime.calibrate import cluster_from, fit_alpha_beta
+from runtime.calibrate import cluster_from, fit_alpha_beta, format_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +57,9 @@ def test_cluster_forms():
     c = Cluster.model_validate(cluster_from(_meas([[0, 1], [2, 3]], [1.0, 1.0, 0.5, 0.5],
                                                   {"intra": intra, "inter": inter}), memory_gb=2.0))
     assert [(n.devices, n.speed, n.device_memory_gb) for n in c.nodes] == [(2, 1.0, 2.0), (2, 0.5, 2.0)]
+    summary = format_summary(c.model_dump(exclude_none=True), None).splitlines()
+    memory = next(ln for ln in summary if ln.startswith("memory per device"))
+    assert f"{c.nodes[0].name} 2, {c.nodes[1].name} 2" in memory  # per node, as the speed line
     # one rank per node: the same-node class takes the cross-node figures
     c = Cluster.model_validate(cluster_from(_meas([[0], [1]], [1.0, 1.0], {"inter": inter})))
     assert c.intra_node_latency_us == 90.0
@@ -99,12 +102,11 @@ def test_calibrate_two_nodes_under_torchrun(tmp_path):
     logs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][1][-3000:] + logs[1][1][-3000:]
     c = Cluster.model_validate(json.loads(out.read_text()))
-    assert [n.devices for n in c.node_specs()] == [2, 2]
+    assert [(n.devices, n.device_memory_gb) for n in c.node_specs()] == [(2, 2.0), (2, 2.0)]
     links = (c.calibration or {})["links"]
     assert links["intra"]["ranks"] == [0, 1] and links["inter"]["ranks"] == [0, 2]
     assert c.inter_node_latency_us is not None and c.inter_node_latency_us > 0
     assert "cross-node latency" in logs[0][0] and "memory per device (GB)" in logs[0][0]
-    assert "2, " in logs[0][0].split("memory per device (GB)")[1].splitlines()[0]  # per node
 
 
 def test_calibrate_with_the_profiled_model(tmp_path):
