@@ -460,20 +460,22 @@ def layout_warning(plan: Plan, env: DistEnv) -> str | None:
     the plan's same-node and cross-node links are not the ones it runs on. Correct either
     way, only slower than predicted: a warning, from each node's first rank."""
     devices = plan.cluster.devices()
-    if env.rank >= len(devices):
+    # process rank i plays the i-th device the plan uses (planner.runnable), idle ones skipped
+    used = getattr(plan, "device_of_rank", None) or list(range(plan.world_size))
+    if env.rank >= len(used):
         return None
-    node = devices[env.rank].node
-    ranks = [d.rank for d in devices if d.node == node]
+    node_of = [devices[d].node for d in used]
+    ranks = [i for i, n in enumerate(node_of) if n == node_of[env.rank]]
     start = env.rank - env.local_rank
     if ranks == list(range(start, start + env.local_world_size)):
         return None
-    spec = plan.cluster.node_specs()[node]
+    spec = plan.cluster.node_specs()[node_of[env.rank]]
     return (f"torchrun started ranks {start}-{start + env.local_world_size - 1} on this node, but "
-            f"the plan's cluster has rank {env.rank} on node {spec.name!r} with ranks "
-            f"{ranks[0]}-{ranks[-1]} ({spec.devices} devices): the plan's same-node and "
-            "cross-node links are not the ones it runs on. Training is correct but slower than "
-            f"predicted; start torchrun with --nproc-per-node {spec.devices} and --node-rank "
-            "in the cluster's node order, or plan for this layout")
+            f"the plan has rank {env.rank} on node {spec.name!r} with ranks {ranks[0]}-{ranks[-1]} "
+            f"({len(ranks)} of its {spec.devices} devices): the plan's same-node and cross-node "
+            "links are not the ones it runs on. Training is correct but slower than predicted; "
+            f"start torchrun with --nproc-per-node {len(ranks)} on that node and --node-rank in "
+            "the cluster's node order, or plan for this layout")
 
 
 def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:

@@ -84,7 +84,8 @@ def test_world_size_must_match_under_torchrun(run):
 def test_a_torchrun_layout_other_than_the_plans_cluster_is_warned_about(run):
     """A plan for 2 nodes of 1 device started by torchrun as 1 node of 2 ranks: it trains (the
     layout changes only which links are fast), with one warning that says how to start it."""
-    from planner.formats import Cluster, Plan
+    from planner.formats import Cluster, Plan, ScheduleGenerator
+    from planner.runnable import runnable_plan
     from runtime.launch import free_port
     from runtime.worker import DistEnv, layout_warning
 
@@ -94,7 +95,18 @@ def test_a_torchrun_layout_other_than_the_plans_cluster_is_warned_about(run):
     plan = plan.model_copy(update={"cluster": Cluster(
         nodes=2, devices_per_node=1, device_memory_gb=16, intra_node_gb_per_s=100, inter_node_gb_per_s=10)})
     path.write_text(plan.model_dump_json())
+    plan = runnable_plan(plan)
     assert layout_warning(plan, DistEnv(0, 2, 0, 1)) is None  # one rank per node: as planned
+    # a plan that uses 3 of 2 x 4 devices (2 on node 0, 1 on node 1): nodes of 2 and 1 ranks
+    wide = runnable_plan(plan.model_copy(update={
+        "cluster": Cluster(nodes=2, devices_per_node=4, device_memory_gb=16, intra_node_gb_per_s=100,
+                           inter_node_gb_per_s=10),
+        "stages": [plan.stages[0].model_copy(update={"devices": [0, 1], "replicas": 2}),
+                   plan.stages[1].model_copy(update={"devices": [4]})],
+        "rank_actions": None, "generator": ScheduleGenerator(name="1f1b", params={})}))
+    assert layout_warning(wide, DistEnv(0, 3, 0, 2)) is None and layout_warning(wide, DistEnv(2, 3, 0, 1)) is None
+    said = layout_warning(wide, DistEnv(0, 3, 0, 3))  # all three on one node
+    assert said is not None and "--nproc-per-node 2" in said and "ranks 0-1 (2 of its 4 devices)" in said
     env = dict(os.environ, PYTHONPATH=str(MODELS.parents[2]))
     env.pop("PIPEPLAN_ERROR_FILE", None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
@@ -105,3 +117,4 @@ def test_a_torchrun_layout_other_than_the_plans_cluster_is_warned_about(run):
     assert p.returncode == 0, p.stderr[-3000:]
     said = [ln for ln in p.stderr.splitlines() if ln.startswith("warning: torchrun started")]
     assert len(said) == 1 and "--nproc-per-node 1" in said[0] and "node 'node0'" in said[0]
+    assert "Traceback" not in p.stderr
