@@ -478,12 +478,36 @@ def layout_warning(plan: Plan, env: DistEnv) -> str | None:
             "the cluster's node order, or plan for this layout")
 
 
+def node_name_warning(plan: Plan, env: DistEnv, host: str, group_rank: str) -> str | None:
+    """Under torchrun, on a cluster that `calibrate` measured node by node (nodes named
+    "host#GROUP_RANK"): where this node is not the plan's node of this rank, torchrun numbered
+    the nodes in another order than when they were measured (c10d rendezvous may), and a plan
+    for nodes that differ (speed, memory) runs on the wrong ones."""
+    specs = plan.cluster.node_specs()
+    if not all("#" in n.name for n in specs):
+        return None
+    used = getattr(plan, "device_of_rank", None) or list(range(plan.world_size))
+    if env.rank >= len(used):
+        return None
+    planned = specs[plan.cluster.devices()[used[env.rank]].node]
+    here = f"{host}#{group_rank}"
+    if planned.name == here:
+        return None
+    return (f"rank {env.rank} runs on {here}, but the plan put it on {planned.name} (as calibrate "
+            "named the nodes): torchrun numbered the nodes in another order than when they were "
+            f"measured, so the stages may run on nodes of other speed or memory than planned; "
+            "start torchrun with --node-rank in the cluster file's node order")
+
+
 def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     """Run one rank to the end; exceptions propagate (the caller reports them)."""
     if "GROUP_RANK" in os.environ and env.local_rank == 0:  # torchrun's; not our local launcher
-        said = layout_warning(plan, env)
-        if said:
-            print(f"warning: {said}", file=sys.stderr, flush=True)
+        import socket
+
+        for said in (layout_warning(plan, env),
+                     node_name_warning(plan, env, socket.gethostname(), os.environ["GROUP_RANK"])):
+            if said:
+                print(f"warning: {said}", file=sys.stderr, flush=True)
     torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
     worker = Worker(plan, opts, env)
     comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)

@@ -118,3 +118,24 @@ def test_a_torchrun_layout_other_than_the_plans_cluster_is_warned_about(run):
     said = [ln for ln in p.stderr.splitlines() if ln.startswith("warning: torchrun started")]
     assert len(said) == 1 and "--nproc-per-node 1" in said[0] and "node 'node0'" in said[0]
     assert "Traceback" not in p.stderr
+
+
+def test_calibrated_nodes_in_another_order_are_warned_about(run):
+    """A cluster calibrate measured node by node ("host#GROUP_RANK" names, nodes that differ):
+    a rank whose node is not the one the plan gave it is told so; a plan of uniform nodes,
+    whose names say nothing, is not checked."""
+    from planner.formats import Cluster, NodeSpec, Plan
+    from planner.runnable import runnable_plan
+    from runtime.worker import DistEnv, node_name_warning
+
+    path = run.plan(MODELS / "seq_mlp.py", 2)
+    plan = Plan.model_validate_json(path.read_text())
+    nodes = [NodeSpec(name="a#0", devices=1, device_memory_gb=80, speed=1.0),
+             NodeSpec(name="b#1", devices=1, device_memory_gb=40, speed=0.5)]
+    cal = runnable_plan(plan.model_copy(update={"cluster": Cluster(
+        nodes=nodes, intra_node_gb_per_s=100, inter_node_gb_per_s=10)}))
+    assert node_name_warning(cal, DistEnv(0, 2, 0, 1), "a", "0") is None
+    assert node_name_warning(cal, DistEnv(1, 2, 0, 1), "b", "1") is None
+    said = node_name_warning(cal, DistEnv(0, 2, 0, 1), "b", "0")  # host b came first this time
+    assert said is not None and "b#0" in said and "a#0" in said and "--node-rank" in said
+    assert node_name_warning(runnable_plan(plan), DistEnv(0, 2, 0, 1), "b", "0") is None
