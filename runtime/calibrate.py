@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -140,12 +139,10 @@ def _pingpong(dist: object, torch: object, me: int, a: int, b: int, nbytes: int,
 
 def _peer_error(peer: int, what: str, exc: BaseException, timeout_s: float) -> PeerError:
     """A failed transfer of the calibration as the runtime reports one: the peer named, one line."""
-    from runtime.comm import PeerError
+    from runtime.comm import PeerError, failure_reason
 
-    text = str(exc)
-    reason = (f"no answer within {timeout_s:g} s (--timeout)" if "imed out" in text or "timeout" in text.lower()
-              else f"the connection failed ({text.splitlines()[0][:200] if text else type(exc).__name__})")
-    return PeerError(peer, f"calibrate, {what}: {reason}; rank {peer} has died, raised an error or hangs")
+    return PeerError(peer, f"calibrate, {what}: {failure_reason(exc, timeout_s)}; rank {peer} has "
+                           "died, raised an error or hangs")
 
 
 def _sync(torch: object, device: object) -> None:
@@ -232,7 +229,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     import torch.distributed as dist
 
     from runtime import comm
-    from runtime.worker import DistEnv, _device
+    from runtime.worker import DistEnv, _device, node_key
 
     env = DistEnv.from_environ()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
@@ -241,8 +238,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     me, world = env.rank, env.world_size
     hosts: list[object] = [None] * world
     # a node: torchrun's GROUP_RANK where set (containers may share a host name), and the host
-    node_key = f"{socket.gethostname()}" + (f"#{os.environ['GROUP_RANK']}" if "GROUP_RANK" in os.environ else "")
-    dist.all_gather_object(hosts, (node_key, env.local_world_size))
+    dist.all_gather_object(hosts, (node_key(), env.local_world_size))
     names = [h[0] for h in hosts]  # type: ignore[index]
     node_names = list(dict.fromkeys(names))
     node_of = [node_names.index(n) for n in names]

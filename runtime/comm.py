@@ -49,6 +49,15 @@ class PeerError(RuntimeError):
         self.peer = peer
 
 
+def failure_reason(exc: BaseException, timeout_s: float) -> str:
+    """Why a transfer failed, in a few words: the peer did not answer within the timeout, or
+    the connection failed (the backend's first line)."""
+    text = str(exc)
+    if "imed out" in text or "timeout" in text.lower():
+        return f"no answer within {timeout_s:g} s (--timeout)"
+    return f"the connection failed ({text.splitlines()[0][:200] if text else type(exc).__name__})"
+
+
 def _header(t: torch.Tensor) -> torch.Tensor:
     if t.dim() > _MAX_DIMS:
         raise ValueError(f"tensors with more than {_MAX_DIMS} dimensions cannot be sent")
@@ -134,15 +143,9 @@ class P2P:
             else:
                 p.work.wait()  # type: ignore[attr-defined]
         except Exception as exc:  # gloo/nccl raise RuntimeError with transport details
-            text = str(exc)
-            reason = (
-                f"no answer within {self.timeout_s:g} s (--timeout)"
-                if "imed out" in text or "timeout" in text.lower()
-                else f"the connection failed ({text.splitlines()[0][:200]})"
-            )
             raise PeerError(
                 p.peer,
-                f"{p.what} with {self._who(p.peer)}: {reason}; "
+                f"{p.what} with {self._who(p.peer)}: {failure_reason(exc, self.timeout_s)}; "
                 f"{self._who(p.peer)} has died, raised an error or hangs",
             ) from None
 

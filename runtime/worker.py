@@ -454,22 +454,39 @@ class Worker:
                   f"peak memory {r.peak_memory_bytes / 1e6:.2f} MB", flush=True)
 
 
+def node_key() -> str:
+    """This node's name as `calibrate` writes it: the host, and torchrun's GROUP_RANK where set
+    (containers may share a host name)."""
+    import socket
+
+    group = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f"#{group}" if group is not None else "")
+
+
+def _planned_node(plan: Plan, rank: int) -> tuple[int, list[int]] | None:
+    """The plan's node of process `rank` and the process ranks on it: rank i plays the i-th
+    device the plan uses (planner.runnable), idle ones skipped."""
+    used = getattr(plan, "device_of_rank", None) or list(range(plan.world_size))
+    if rank >= len(used):
+        return None
+    devices = plan.cluster.devices()
+    node_of = [devices[d].node for d in used]
+    return node_of[rank], [i for i, n in enumerate(node_of) if n == node_of[rank]]
+
+
 def layout_warning(plan: Plan, env: DistEnv) -> str | None:
     """Under torchrun: where the ranks this node was given are not one node of the plan's
     cluster (the plan counts ranks node by node, so the ranks of its node n are consecutive),
     the plan's same-node and cross-node links are not the ones it runs on. Correct either
     way, only slower than predicted: a warning, from each node's first rank."""
-    devices = plan.cluster.devices()
-    # process rank i plays the i-th device the plan uses (planner.runnable), idle ones skipped
-    used = getattr(plan, "device_of_rank", None) or list(range(plan.world_size))
-    if env.rank >= len(used):
+    planned = _planned_node(plan, env.rank)
+    if planned is None:
         return None
-    node_of = [devices[d].node for d in used]
-    ranks = [i for i, n in enumerate(node_of) if n == node_of[env.rank]]
+    node, ranks = planned
     start = env.rank - env.local_rank
     if ranks == list(range(start, start + env.local_world_size)):
         return None
-    spec = plan.cluster.node_specs()[node_of[env.rank]]
+    spec = plan.cluster.node_specs()[node]
     return (f"torchrun started ranks {start}-{start + env.local_world_size - 1} on this node, but "
             f"the plan has rank {env.rank} on node {spec.name!r} with ranks {ranks[0]}-{ranks[-1]} "
             f"({len(ranks)} of its {spec.devices} devices): the plan's same-node and cross-node "
@@ -478,34 +495,28 @@ def layout_warning(plan: Plan, env: DistEnv) -> str | None:
             "the cluster's node order, or plan for this layout")
 
 
-def node_name_warning(plan: Plan, env: DistEnv, host: str, group_rank: str) -> str | None:
+def node_name_warning(plan: Plan, env: DistEnv, here: str) -> str | None:
     """Under torchrun, on a cluster that `calibrate` measured node by node (nodes named
-    "host#GROUP_RANK"): where this node is not the plan's node of this rank, torchrun numbered
-    the nodes in another order than when they were measured (c10d rendezvous may), and a plan
-    for nodes that differ (speed, memory) runs on the wrong ones."""
+    "host#GROUP_RANK", `node_key`): where this node `here` is not the plan's node of this rank,
+    torchrun numbered the nodes in another order than when they were measured (c10d rendezvous
+    may), and a plan for nodes that differ (speed, memory) runs on the wrong ones."""
     specs = plan.cluster.node_specs()
-    if not all("#" in n.name for n in specs):
+    planned = _planned_node(plan, env.rank)
+    if planned is None or not all("#" in n.name for n in specs):
         return None
-    used = getattr(plan, "device_of_rank", None) or list(range(plan.world_size))
-    if env.rank >= len(used):
+    name = specs[planned[0]].name
+    if name == here:
         return None
-    planned = specs[plan.cluster.devices()[used[env.rank]].node]
-    here = f"{host}#{group_rank}"
-    if planned.name == here:
-        return None
-    return (f"rank {env.rank} runs on {here}, but the plan put it on {planned.name} (as calibrate "
+    return (f"rank {env.rank} runs on {here}, but the plan put it on {name} (as calibrate "
             "named the nodes): torchrun numbered the nodes in another order than when they were "
-            f"measured, so the stages may run on nodes of other speed or memory than planned; "
+            "measured, so the stages may run on nodes of other speed or memory than planned; "
             "start torchrun with --node-rank in the cluster file's node order")
 
 
 def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     """Run one rank to the end; exceptions propagate (the caller reports them)."""
     if "GROUP_RANK" in os.environ and env.local_rank == 0:  # torchrun's; not our local launcher
-        import socket
-
-        for said in (layout_warning(plan, env),
-                     node_name_warning(plan, env, socket.gethostname(), os.environ["GROUP_RANK"])):
+        for said in (layout_warning(plan, env), node_name_warning(plan, env, node_key())):
             if said:
                 print(f"warning: {said}", file=sys.stderr, flush=True)
     torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
