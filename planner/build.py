@@ -111,6 +111,8 @@ def stage_split_fields(costs: PipelineCosts, s: int) -> dict[str, float]:
         out["weight_hold_bytes_per_microbatch"] = costs.weight_hold_bytes_per_microbatch[s]
     if costs.transient_bytes is not None:
         out["transient_bytes"] = costs.transient_bytes[s]
+    if costs.loss_transient_bytes is not None and costs.loss_transient_bytes[s]:
+        out["loss_transient_bytes"] = costs.loss_transient_bytes[s]
     return out
 
 

@@ -59,7 +59,8 @@ class LayerTable:
     # recomputation: per layer, the part of its activations that is its own inputs
     saved_input_bytes: tuple[int, ...] = ()
     tp: tuple[TPTable, ...] = ()
-    loss_activation_bytes: int = 0  # the loss's saved bytes, inside the last layer's activations  # per profiled tensor-parallel degree > 1
+    loss_activation_bytes: int = 0  # the loss's saved bytes, inside the last layer's activations
+    loss_workspace_bytes: int = 0  # what the loss's backward allocates beyond them (`loss_workspace_bytes`)
     # of the parameters, those without gradients (`LayerProfile.frozen_param_bytes`); None: none
     frozen_prefix_bytes: tuple[int, ...] | None = None
     # per (what, start, stop): the stage totals that scan every tensor (`_memo`); the search
@@ -240,6 +241,14 @@ def loss_activation_bytes(profile: Profile) -> int:
     return int(getattr(profile.measured, "loss_activation_bytes", 0) or 0) if profile.measured else 0
 
 
+def loss_workspace_bytes(profile: Profile) -> int:
+    """What the loss's backward allocates at its peak beyond what the loss saved
+    (`measured.loss_workspace_bytes`: a cross-entropy's gradients of its log-probabilities and
+    of the logits), per profiled batch; the last stage holds it while its backward (B) runs.
+    0 for profiles made before it was measured."""
+    return int(getattr(profile.measured, "loss_workspace_bytes", 0) or 0) if profile.measured else 0
+
+
 def reserved_memory_bytes(profile: Profile, cluster: Cluster) -> float:
     """Memory of every device the model cannot use: the cluster's `reserved_memory_gb` where
     given, else what the profiler measured the CUDA libraries keep (`device.workspace_bytes`;
@@ -290,6 +299,7 @@ def layer_table(profile: Profile) -> LayerTable:
         saved_input_bytes=tuple(int(getattr(x, "saved_input_bytes", 0) or 0) for x in layers),
         tp=tp_tables(profile),
         loss_activation_bytes=loss_activation_bytes(profile),
+        loss_workspace_bytes=loss_workspace_bytes(profile),
         frozen_prefix_bytes=_prefix([int(getattr(x, "frozen_param_bytes", 0) or 0) for x in layers])
         if any(getattr(x, "frozen_param_bytes", 0) for x in layers) else None,
     )
@@ -459,6 +469,9 @@ class PipelineCosts:
     weight_hold_bytes_per_microbatch: tuple[float, ...] | None = None
     # bytes held only while a backward runs (one recomputed block's activations)
     transient_bytes: tuple[float, ...] | None = None
+    # bytes held only while a B runs (the loss's backward working memory on the last stage;
+    # a split first stage, whose W runs the whole backward, has it in transient_bytes instead)
+    loss_transient_bytes: tuple[float, ...] | None = None
     recompute: tuple[bool, ...] | None = None
 
     def bwd_split(self, s: int) -> tuple[float, float]:
@@ -489,7 +502,7 @@ def stages_without_input_grad(candidate: Candidate, stage: object) -> bool:
     return stage is candidate.stages[0]
 
 
-StageCost = tuple[float, ...]  # `_stage_cost`: f, bwd, B, W, act, transient, hold, ar, static, limit, tp f, tp b
+StageCost = tuple[float, ...]  # `_stage_cost`: f, bwd, B, W, act, transient, hold, ar, static, limit, tp f, tp b, loss transient
 
 
 def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], st: StageChoice, i: int,
@@ -550,11 +563,19 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
     else:
         act, transient = full, 0.0
         hold = full + out_grads + (0.0 if first else scale * table.weight_grad_bytes(st.start, st.stop))
+    # the last stage's backward starts with the loss's, whose working memory is not saved
+    # activations (`loss_workspace_bytes`): in B, or in W where W runs the whole backward. It
+    # is freed before a recomputed block's forward runs again, so the two count as their larger
+    loss_tr = scale * table.loss_workspace_bytes if st.stop == table.num_layers else 0.0
+    if first:
+        transient, loss_tr = max(transient, loss_tr), 0.0
+    else:
+        loss_tr = max(0.0, loss_tr - transient)  # held at B: transient + this = the larger
     kind = link_kind(devices, st.devices)
     ar = allreduce_ms(params - frozen, st.replicas, link_gb_per_s(cluster, kind),
                       link_latency_us(cluster, kind)) / cluster.allreduce_efficiency
     return (f, bwd, inp, wgt, act, transient, hold, ar, static_memory_bytes(params, optimizer, frozen),
-            min(devices[d].memory_bytes for d in st.devices), tp_f, tp_b)
+            min(devices[d].memory_bytes for d in st.devices), tp_f, tp_b, loss_tr)
 
 
 STAGE_COSTS_KEPT = 200_000  # entries of a `stage_cache` (`pipeline_costs`) before it is cleared
@@ -575,7 +596,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
     scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
     bounds = [0] + [st.stop for st in candidate.stages]
     fwd, bwd, ar, static, act, limit, tp_f, tp_b = [], [], [], [], [], [], [], []
-    wgt, inp, hold, transient = [], [], [], []
+    wgt, inp, hold, transient, loss_tr = [], [], [], [], []
     for i, st in enumerate(candidate.stages):
         first = stages_without_input_grad(candidate, st)
         if stage_cache is None:
@@ -588,7 +609,8 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
                 if len(stage_cache) >= STAGE_COSTS_KEPT:
                     stage_cache.clear()
                 stage_cache[key] = x
-        f, b, b_in, b_w, a, tr, h, r, sm, lim, tf, tb = x
+        f, b, b_in, b_w, a, tr, h, r, sm, lim, tf, tb, lt = x
+        loss_tr.append(lt)
         fwd.append(f)
         bwd.append(b)
         inp.append(b_in)
@@ -625,7 +647,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         static_memory_bytes=tuple(static), activation_bytes_per_microbatch=tuple(act),
         memory_limit_bytes=tuple(limit), sends=sends,
         bwd_weight_ms=tuple(wgt), bwd_input_ms=tuple(inp), weight_hold_bytes_per_microbatch=tuple(hold),
-        transient_bytes=tuple(transient), recompute=tuple(st.recompute for st in candidate.stages),
+        transient_bytes=tuple(transient), loss_transient_bytes=tuple(loss_tr), recompute=tuple(st.recompute for st in candidate.stages),
         **({"tp": tps, "tp_comm_fwd_ms": tuple(tp_f), "tp_comm_bwd_ms": tuple(tp_b)}
            if any(t > 1 for t in tps) else {}),
     )
@@ -637,11 +659,13 @@ def rank_memory_peak(actions: Sequence[Action], costs: PipelineCosts) -> tuple[i
     F until its backward is done: B, or W where the rank's actions include W (split), holding
     `weight_hold_bytes_per_microbatch` from B until W; while a backward (B, or a split W, which
     recomputes too) runs, `transient_bytes` more. Memory depends only on the order, not on
-    the timing, so the simulator and the ZB-H1 generator both count it here."""
+    the timing, so the simulator and the ZB-H1 generator both count it here. While a B runs,
+    `loss_transient_bytes` more (the loss's backward, on the last stage)."""
     split = any(a.kind == "W" for a in actions)
     act = costs.activation_bytes_per_microbatch
     hold = costs.weight_hold_bytes_per_microbatch or act
     transient = costs.transient_bytes or (0.0,) * costs.num_stages
+    loss_tr = costs.loss_transient_bytes or (0.0,) * costs.num_stages
     inflight = peak = 0
     held = peak_bytes = 0.0
     for a in actions:
@@ -651,7 +675,7 @@ def rank_memory_peak(actions: Sequence[Action], costs: PipelineCosts) -> tuple[i
             peak = max(peak, inflight)
             held += act[s]
         else:
-            peak_bytes = max(peak_bytes, held + transient[s])
+            peak_bytes = max(peak_bytes, held + transient[s] + (loss_tr[s] if a.kind == "B" else 0.0))
             if a.kind == "B" and split:
                 held += hold[s] - act[s]
             else:
@@ -668,7 +692,8 @@ def memory_codes(actions: Sequence[Action]) -> tuple[int, ...]:
     return tuple(0 if a.kind == "F" else 3 if a.kind == "W" else 1 if split else 2 for a in actions)
 
 
-def held_peak(codes: Sequence[int], act: float, hold: float, transient: float) -> float:
+def held_peak(codes: Sequence[int], act: float, hold: float, transient: float,
+              loss_transient: float = 0.0) -> float:
     """`rank_memory_peak(actions, costs)[1]` of a rank whose actions are all of one stage, from
     their `memory_codes` and that stage's bytes: the same additions in the same order, so the
     same bytes to the bit, a few times faster (the search counts it for every candidate)."""
@@ -678,7 +703,7 @@ def held_peak(codes: Sequence[int], act: float, hold: float, transient: float) -
         if c == 0:
             held += act
         else:
-            v = held + transient
+            v = held + transient + (0.0 if c == 3 else loss_transient)
             if v > peak:
                 peak = v
             if c == 1:

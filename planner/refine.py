@@ -201,9 +201,9 @@ def corrected_profile(profile: Profile, corrections: Corrections) -> Profile:
         extra = {}
         if getattr(profile.measured, "loss_ms", None):
             extra["loss_ms"] = profile.measured.loss_ms * last.fwd_scale  # type: ignore[attr-defined]
-        if getattr(profile.measured, "loss_activation_bytes", None):
-            extra["loss_activation_bytes"] = round(
-                profile.measured.loss_activation_bytes * last.memory_scale)  # type: ignore[attr-defined]
+        for key in ("loss_activation_bytes", "loss_workspace_bytes"):
+            if getattr(profile.measured, key, None):
+                extra[key] = round(getattr(profile.measured, key) * last.memory_scale)
         if extra:
             update["measured"] = profile.measured.model_copy(update=extra)
     refined = dict(getattr(profile, "refined", None) or {})
@@ -220,7 +220,7 @@ def corrected_cluster(cluster: Cluster, corrections: Corrections) -> Cluster:
 def _scaled_fields(predicted: object, scale: float) -> dict[str, float]:
     """A stage's W hold and recomputation transient (where the plan has them), scaled."""
     return {k: float(getattr(predicted, k)) * scale
-            for k in ("weight_hold_bytes_per_microbatch", "transient_bytes")
+            for k in ("weight_hold_bytes_per_microbatch", "transient_bytes", "loss_transient_bytes")
             if getattr(predicted, k, None) is not None}
 
 
@@ -241,7 +241,8 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
         costs, fwd_ms=fwd, bwd_ms=bwd,
         activation_bytes_per_microbatch=scaled(costs.activation_bytes_per_microbatch),
         weight_hold_bytes_per_microbatch=scaled(costs.weight_hold_bytes_per_microbatch),
-        transient_bytes=scaled(costs.transient_bytes)), corrections.p2p_overhead_us_after)
+        transient_bytes=scaled(costs.transient_bytes),
+        loss_transient_bytes=scaled(costs.loss_transient_bytes)), corrections.p2p_overhead_us_after)
     sim = simulate_costs(costs, plan_actions(plan))
     stages = []
     for st, c in zip(plan.stages, corrections.stages, strict=True):

@@ -137,10 +137,12 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     act = costs.activation_bytes_per_microbatch
     hold = costs.weight_hold_bytes_per_microbatch or act
     transient = costs.transient_bytes or (0.0,) * S
+    loss_tr = costs.loss_transient_bytes or (0.0,) * S
 
     def peak(s: int, name: str, d: int | None) -> float:
         return costs.static_memory_bytes[s] + max(
-            held_peak(_memory_codes(name, s, replicas, k, m, d), act[s], hold[s], transient[s])
+            held_peak(_memory_codes(name, s, replicas, k, m, d), act[s], hold[s], transient[s],
+                       loss_tr[s])
             for k in _replica_kinds(m, replicas[s]))
 
     cap = max(peak(s, "1f1b", None) for s in range(S))

@@ -11,7 +11,8 @@ input gradient (`PipelineCosts.bwd_split`) and W the weight gradient, which wait
 own B (earlier on the same rank) and sends nothing; without W, B is the full backward. Memory
 per rank: parameters and optimizer state, plus what each microbatch keeps from its forward until
 its backward is done (B, or W where split: after B it keeps `weight_hold_bytes_per_microbatch`),
-plus, while a backward (B or W) runs, `transient_bytes` (a recomputed block's activations):
+plus, while a backward (B or W) runs, `transient_bytes` (a recomputed block's activations),
+and while a B runs `loss_transient_bytes` (the loss's backward working memory, last stage):
 `planner.cost.rank_memory_peak`.
 
 The simulation is dependency-driven (each action is timed once its inputs are timed), so it
@@ -366,10 +367,11 @@ def simulate_generated(costs: PipelineCosts, name: str,
     act = costs.activation_bytes_per_microbatch
     hold = costs.weight_hold_bytes_per_microbatch or act
     transient = costs.transient_bytes or (0.0,) * S
+    loss_tr = costs.loss_transient_bytes or (0.0,) * S
     held: dict[int, tuple[int, float]] = {}
     for rep, (inflight, codes) in shape.memory.items():
         s = shape.slots[rep][0]
-        held[rep] = (inflight, held_peak(codes, act[s], hold[s], transient[s]))
+        held[rep] = (inflight, held_peak(codes, act[s], hold[s], transient[s], loss_tr[s]))
     return Simulation(
         events=[], iteration_ms=makespan, busy_ms=dict(zip(ranks, busy, strict=True)),
         comm_ms=dict(zip(ranks, comm, strict=True)), idle_ms=dict(zip(ranks, idle, strict=True)),
@@ -421,6 +423,7 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
             if getattr(st.predicted, "weight_hold_bytes_per_microbatch", None) is not None
             else extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
         transient_bytes=tuple(extra(st.predicted, "transient_bytes") for st in stages),
+        loss_transient_bytes=tuple(extra(st.predicted, "loss_transient_bytes") for st in stages),
         recompute=tuple(bool(getattr(st, "recompute", False)) for st in stages),
         **({"tp": tuple(getattr(st, "tp", 1) for st in stages),
             "tp_comm_fwd_ms": tuple(extra(st.predicted, "tp_comm_fwd_ms") for st in stages),

@@ -237,9 +237,10 @@ class WholeRunner:
             out = model(*inputs)
         self.activation_bytes = sum(seen.values())
         with count_saved_bytes(state) as seen_by_loss:  # e.g. cross-entropy keeps its log-probs
-            loss_fn(out, target)
+            loss = loss_fn(out, target)
         self.loss_activation_bytes = sum(seen_by_loss.values())
-        del out
+        self.loss_workspace_bytes = loss_workspace_bytes(loss, out, device)
+        del out, loss
         self.fwd: list[float] = []
         self.bwd: list[float] = []
         self.loss: list[float] = []
@@ -265,6 +266,21 @@ class WholeRunner:
             self.loss.append(lo)
 
 
+def loss_workspace_bytes(loss: torch.Tensor, out: Any, device: torch.device) -> int:
+    """The loss's backward working memory: the most bytes its backward to the model's output
+    allocates at once (`profiler.allocations`), which the saved-tensor hooks do not see. A
+    cross-entropy allocates two tensors the size of the logits (the gradients of the
+    log-probabilities and of the logits) while its saved log-probabilities are alive. Where it
+    cannot be measured, the gradients of the output alone (a lower figure)."""
+    from profiler.allocations import peak_new_bytes
+
+    leaves = _grad_targets(out)
+    if not leaves or not loss.requires_grad:
+        return 0
+    peak, _ = peak_new_bytes(lambda: torch.autograd.grad(loss, leaves, allow_unused=True), device)
+    return peak if peak is not None else tensor_bytes(leaves)
+
+
 @dataclass
 class WholeMeasurement:
     fwd_ms: float
@@ -273,6 +289,7 @@ class WholeMeasurement:
     activation_bytes: int
     peak_memory_bytes: int | None
     loss_activation_bytes: int = 0  # what the loss keeps for its backward (the last stage holds it)
+    loss_workspace_bytes: int = 0  # what the loss's backward allocates beyond that, at its peak
 
 
 def _rounds(runners: list[Any], warmup: int, repeats: int,
@@ -347,7 +364,7 @@ def _whole_result(run: WholeRunner) -> WholeMeasurement:
     run.model.zero_grad(set_to_none=True)
     return WholeMeasurement(statistics.median(run.fwd), statistics.median(run.bwd),
                             statistics.median(run.loss), run.activation_bytes, peak,
-                            run.loss_activation_bytes)
+                            run.loss_activation_bytes, run.loss_workspace_bytes)
 
 
 def measure_layers(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,

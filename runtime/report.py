@@ -10,9 +10,11 @@ Internal module. Definitions used in report.json:
   (mostly waiting for a peer's activations or gradients: the pipeline bubble).
 - `peak_memory_bytes`: on CUDA `torch.cuda.max_memory_allocated`; on CPU the sum of parameter,
   gradient and optimizer-state bytes of the stage plus the peak bytes autograd held saved for
-  the microbatches in flight (`memory_measure` says which).
-- `peak_activation_bytes`: the peak bytes autograd held saved for the microbatches in flight
-  (parameters excluded), measured with saved-tensor hooks on every device type.
+  the microbatches in flight, with on the last stage the loss's backward working memory
+  during each B (`memory_measure` says which).
+- `peak_activation_bytes`: that peak beyond parameters, gradients and optimizer state: saved
+  tensors counted with saved-tensor hooks on every device type, and on CPU the loss's backward
+  working memory (measured once, `StageExecutor._measure_loss_backward`).
 - `peak_inflight_microbatches`: the most microbatches whose forward was done and backward not;
   `schedule_peak_inflight` is the planner simulator's figure for the same rank.
 """

@@ -65,7 +65,8 @@ def _tables(ev: Evaluator, b: int) -> dict[str, np.ndarray]:
             "P": np.array(t.param_prefix_bytes, dtype=float),
             "Z": np.zeros(L + 1) if t.frozen_prefix_bytes is None else np.array(t.frozen_prefix_bytes, dtype=float),
             "A": np.array(t.activation_prefix_bytes, dtype=float) * scale,
-            "K": kept * scale, "T": peak * scale}
+            "K": kept * scale, "T": peak * scale,
+            "W": t.loss_workspace_bytes * scale}  # the loss's backward, on the last stage
     return got
 
 
@@ -91,14 +92,15 @@ def resplit(ev: Evaluator, b: int, replicas: list[int], hops: bool = False) -> t
     fwd = (p["F"][j] - p["F"][i]) / speed
     static = (p["P"][j] - p["P"][i]) * coef - (p["Z"][j] - p["Z"][i]) * (coef - 1)  # frozen: once
     act, kept, transient = p["A"][j] - p["A"][i], p["K"][i, j], p["T"][i, j]
+    loss_ws = np.where(j == L, p["W"], 0.0)
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((S, L + 1), dtype=int)
     for k, r in enumerate(replicas):
         n = -(-m // r)
         w = n if opts.schedule == "gpipe" else warmup_1f1b(m, replicas, k, 0)
-        plain = static + w * act <= limit
-        recomputed = static + w * kept + transient <= limit if opts.allow_recompute else np.zeros_like(plain)
+        plain = static + w * act + loss_ws <= limit
+        recomputed = static + w * kept + transient + loss_ws <= limit if opts.allow_recompute else np.zeros_like(plain)
         cost = np.where(plain, n * comp, np.where(recomputed, n * (comp + fwd), np.inf))
         cost = np.where(busy, cost, np.inf)
         grid = np.full((L + 1, L + 1), np.inf)

@@ -1,6 +1,7 @@
 """Memory the runtime measures equals what the planner predicted: parameters, gradients,
 optimizer state and the saved activations of the microbatches in flight (the loss's included),
-for a plan the planner made from a real profile."""
+and during the last stage's backward the loss's working memory, for a plan the planner made
+from a real profile."""
 
 from __future__ import annotations
 
@@ -18,16 +19,33 @@ GPT_SMALL = {"PIPEPLAN_GPT_BLOCKS": "2", "PIPEPLAN_GPT_DIM": "32", "PIPEPLAN_GPT
              "PIPEPLAN_GPT_SEQ": "16"}
 
 
-def test_measured_memory_equals_predicted(run, tmp_path, monkeypatch):
-    for k, v in GPT_SMALL.items():
+# a vocabulary large enough that the last stage's memory is mostly the logits' (the loss
+# saves log-probabilities the size of the logits, its backward allocates two more)
+LARGE_VOCAB = {**GPT_SMALL, "PIPEPLAN_GPT_VOCAB": "4096"}
+
+
+@pytest.mark.parametrize("sizes,schedule,recompute", [
+    (GPT_SMALL, "1f1b", None),
+    (LARGE_VOCAB, "1f1b", None),
+    (LARGE_VOCAB, "zb-h1", [False, True]),
+], ids=["gpt", "large-vocab", "large-vocab-zb-recompute"])
+def test_measured_memory_equals_predicted(run, tmp_path, monkeypatch, sizes, schedule, recompute):
+    for k, v in sizes.items():
         monkeypatch.setenv(k, v)
     model = EXAMPLES / "gpt.py"
     profile = profile_model_file(model, batch_size=4, warmup=0, repeats=1)
     cluster = Cluster.model_validate({"nodes": 1, "devices_per_node": 3, "device_memory_gb": 1,
                                       "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1})
     options = PlanOptions(global_batch=8, microbatch_size=2, method="manual", split=[2, 2],
-                          replicas=[2, 1], optimizer="adam")
+                          replicas=[2, 1], optimizer="adam", schedule=schedule, recompute=recompute)
     plan = make_plan(profile, cluster, options)
+    last = plan.stages[-1].predicted
+    logits = 2 * 16 * int(sizes["PIPEPLAN_GPT_VOCAB"]) * 4  # microbatch 2, sequence 16, float32
+    if sizes is LARGE_VOCAB:  # the loss's backward: two tensors the size of the logits
+        ws = profile.measured.loss_workspace_bytes / 2  # profiled at batch 4
+        assert ws == pytest.approx(2 * logits, rel=0.01)
+        assert getattr(last, "loss_transient_bytes", 0) + getattr(last, "transient_bytes", 0) \
+            == pytest.approx(ws, rel=1e-9)
     path = tmp_path / "plan.json"
     save_model(plan, path)
     rc, _, err, _ = run(path, "--model", model, "--steps", 2, "--optimizer", "adam",

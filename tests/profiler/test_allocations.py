@@ -1,0 +1,47 @@
+"""`profiler.allocations.peak_new_bytes` against allocations whose sizes are known."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from profiler.allocations import peak_new_bytes
+
+CPU = torch.device("cpu")
+
+
+def test_peak_of_a_cross_entropy_backward_is_two_logits() -> None:
+    """nll_loss's backward allocates the log-probabilities' gradient, log_softmax's the
+    logits' gradient while the first is still alive: two tensors the size of the logits."""
+    n, v = 512, 3000
+    logits = torch.randn(n, v, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(logits, torch.randint(0, v, (n,)))
+    peak, (g,) = peak_new_bytes(lambda: torch.autograd.grad(loss, logits), CPU)
+    assert g.shape == logits.shape
+    assert peak == pytest.approx(2 * n * v * 4, rel=0.001)
+
+
+def test_frees_inside_the_work_lower_the_running_total() -> None:
+    def work() -> int:
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        del a
+        b = torch.empty(3 << 20, dtype=torch.uint8)
+        c = torch.empty(1 << 20, dtype=torch.uint8)
+        return b.numel() + c.numel()
+
+    peak, n = peak_new_bytes(work, CPU)
+    assert n == 4 << 20
+    assert peak == pytest.approx(4 << 20, rel=0.01)  # not 5 MiB: the first MiB was freed
+
+
+def test_under_another_profiler_the_work_runs_unmeasured() -> None:
+    with torch.profiler.profile():
+        peak, got = peak_new_bytes(lambda: 7, CPU)
+    assert peak is None and got == 7
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_peak_comes_from_the_allocator() -> None:
+    dev = torch.device("cuda")
+    peak, _ = peak_new_bytes(lambda: torch.empty(8 << 20, dtype=torch.uint8, device=dev).sum(), dev)
+    assert peak is not None and peak >= 8 << 20
