@@ -19,45 +19,61 @@ from typing import Any
 
 import torch
 
+MARK = "pipeplan::measured"  # the record_function around the measured work
 
-def peak_new_bytes(work: Callable[[], Any], device: torch.device) -> tuple[int | None, Any]:
-    """(peak bytes `work()` held allocated at once beyond those allocated before it started,
-    what `work()` returned). Frees of memory allocated before the start count against the
-    running total on CUDA (on CPU they are not seen, see above), so the figure is the peak
-    increase over the starting level, never below 0.
-    None where it cannot be measured (on CPU, when another profiler is already running: the
-    work then runs unmeasured)."""
+
+def peak_new_bytes(work: Callable[..., Any], device: torch.device,
+                   setup: Callable[[], Any] | None = None) -> tuple[int | None, Any]:
+    """(peak bytes held allocated at once while `work` ran, beyond those allocated when it
+    started; what `work` returned), never below 0. With `setup`, `work(setup())`: setup runs
+    first, unmeasured but seen, so that on CPU the frees of what setup allocated (a forward's
+    saved tensors, freed by its backward) lower the running total during `work` as they do on
+    CUDA. None where it cannot be measured (on CPU, when another profiler is already running:
+    the work then runs unmeasured)."""
     if device.type == "cuda":
+        arg = (setup(),) if setup is not None else ()
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        result = work()
+        result = work(*arg)
         torch.cuda.synchronize(device)
         return max(0, int(torch.cuda.max_memory_allocated(device)) - before), result
     from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     if torch._C._autograd._profiler_enabled():  # the caller's own profiler: leave it alone
-        return None, work()
+        return None, work(*((setup(),) if setup is not None else ()))
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     try:
         prof.start()
     except RuntimeError:
-        return None, work()
+        return None, work(*((setup(),) if setup is not None else ()))
     try:
-        result = work()
+        arg = (setup(),) if setup is not None else ()
+        with record_function(MARK):
+            result = work(*arg)
     finally:
         prof.stop()
-    events = []
+    events, window = [], None
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while stack:
         e = stack.pop()
         stack.extend(e.children)
         if e.tag == _EventType.Allocation:
             events.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
+        elif e.name == MARK:
+            window = (e.start_time_ns, e.end_time_ns)
+    if window is None:  # (not seen: no figure rather than a wrong one)
+        return None, result
     events.sort()
-    total = peak = 0
-    for _, nbytes in events:
+    total = base = 0
+    peak = None
+    for t, nbytes in events:
+        if t < window[0]:
+            base = total = total + nbytes
+            continue
+        if t > window[1]:
+            break
         total += nbytes
-        peak = max(peak, total)
-    return peak, result
+        peak = total if peak is None else max(peak, total)
+    return max(0, (peak if peak is not None else base) - base), result

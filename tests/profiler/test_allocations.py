@@ -45,3 +45,21 @@ def test_cuda_peak_comes_from_the_allocator() -> None:
     dev = torch.device("cuda")
     peak, _ = peak_new_bytes(lambda: torch.empty(8 << 20, dtype=torch.uint8, device=dev).sum(), dev)
     assert peak is not None and peak >= 8 << 20
+
+
+def test_what_setup_allocated_and_the_work_frees_lowers_the_total() -> None:
+    """A backward frees the forward's saved tensors as it goes: allocated in `setup`, those
+    frees are seen on CPU too (without it the CPU profiler never sees them)."""
+    def setup() -> list[torch.Tensor]:
+        return [torch.empty(2 << 20, dtype=torch.uint8)]
+
+    def work(held: list[torch.Tensor]) -> int:
+        held.clear()  # frees 2 MiB
+        return torch.empty(3 << 20, dtype=torch.uint8).numel()
+
+    peak, n = peak_new_bytes(work, CPU, setup=setup)
+    assert n == 3 << 20
+    assert peak == pytest.approx(1 << 20, rel=0.01)
+    held = setup()
+    unseen, _ = peak_new_bytes(lambda: work(held), CPU)  # allocated before the profile
+    assert unseen == pytest.approx(3 << 20, rel=0.01)
