@@ -564,13 +564,13 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
         act, transient = full, 0.0
         hold = full + out_grads + (0.0 if first else scale * table.weight_grad_bytes(st.start, st.stop))
     # the last stage's backward starts with the loss's, whose working memory is not saved
-    # activations (`loss_workspace_bytes`): in B, or in W where W runs the whole backward. It
-    # is freed before a recomputed block's forward runs again, so the two count as their larger
+    # activations (`loss_workspace_bytes`): in B, or also in W where W runs the whole backward
+    # (a split first stage) or differentiates from the loss again (split and recomputed,
+    # `direct`). It is freed before a recomputed block's forward runs again, so the two count
+    # as their larger
     loss_tr = scale * table.loss_workspace_bytes if st.stop == table.num_layers else 0.0
-    if first:
+    if first or st.recompute:
         transient, loss_tr = max(transient, loss_tr), 0.0
-    else:
-        loss_tr = max(0.0, loss_tr - transient)  # held at B: transient + this = the larger
     kind = link_kind(devices, st.devices)
     ar = allreduce_ms(params - frozen, st.replicas, link_gb_per_s(cluster, kind),
                       link_latency_us(cluster, kind)) / cluster.allreduce_efficiency

@@ -143,6 +143,11 @@ class Measured(_Open):
     fwd_ms: NonNegativeFloat
     bwd_ms: NonNegativeFloat
     peak_memory_bytes: NonNegativeInt | None = None
+    # the loss, measured apart: its forward + backward to the output, what it saves, and what
+    # its backward allocates beyond that (the last stage holds each; planner.cost)
+    loss_ms: NonNegativeFloat | None = None
+    loss_activation_bytes: NonNegativeInt | None = None
+    loss_workspace_bytes: NonNegativeInt | None = None
 
 
 class Profile(_Open):

@@ -14,12 +14,36 @@ model's output, each as large as the logits, while the saved log-probabilities a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 MARK = "pipeplan::measured"  # the record_function around the measured work
+_LOCK = threading.Lock()  # one CPU profile at a time in a process (kineto's state is global)
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto prints its start and stop, and c10 a warning about blocks allocated before the
+    profile, straight to file descriptor 2: not for our users' terminals."""
+    try:
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def peak_new_bytes(work: Callable[..., Any], device: torch.device,
@@ -43,17 +67,20 @@ def peak_new_bytes(work: Callable[..., Any], device: torch.device,
 
     if torch._C._autograd._profiler_enabled():  # the caller's own profiler: leave it alone
         return None, work(*((setup(),) if setup is not None else ()))
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    try:
-        prof.start()
-    except RuntimeError:
-        return None, work(*((setup(),) if setup is not None else ()))
-    try:
-        arg = (setup(),) if setup is not None else ()
-        with record_function(MARK):
-            result = work(*arg)
-    finally:
-        prof.stop()
+    with _LOCK:
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        try:
+            with _quiet_stderr():
+                prof.start()
+        except RuntimeError:
+            return None, work(*((setup(),) if setup is not None else ()))
+        try:
+            arg = (setup(),) if setup is not None else ()
+            with _quiet_stderr(), record_function(MARK):
+                result = work(*arg)
+        finally:
+            with _quiet_stderr():
+                prof.stop()
     events, window = [], None
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while stack:
@@ -65,7 +92,7 @@ def peak_new_bytes(work: Callable[..., Any], device: torch.device,
             window = (e.start_time_ns, e.end_time_ns)
     if window is None:  # (not seen: no figure rather than a wrong one)
         return None, result
-    events.sort()
+    events.sort(key=lambda e: (e[0], -e[1]))  # at one instant, allocations before frees
     total = base = 0
     peak = None
     for t, nbytes in events:

@@ -239,8 +239,9 @@ class WholeRunner:
         with count_saved_bytes(state) as seen_by_loss:  # e.g. cross-entropy keeps its log-probs
             loss = loss_fn(out, target)
         self.loss_activation_bytes = sum(seen_by_loss.values())
-        self.loss_workspace_bytes = loss_workspace_bytes(loss, out, device)
-        del out, loss
+        del loss
+        self.loss_workspace_bytes = loss_workspace_bytes(out, target, loss_fn, device)
+        del out
         self.fwd: list[float] = []
         self.bwd: list[float] = []
         self.loss: list[float] = []
@@ -266,18 +267,36 @@ class WholeRunner:
             self.loss.append(lo)
 
 
-def loss_workspace_bytes(loss: torch.Tensor, out: Any, device: torch.device) -> int:
+def loss_workspace_bytes(out: Any, target: Any, loss_fn: Callable[[Any, Any], Any],
+                         device: torch.device) -> int:
     """The loss's backward working memory: the most bytes its backward to the model's output
-    allocates at once (`profiler.allocations`), which the saved-tensor hooks do not see. A
-    cross-entropy allocates two tensors the size of the logits (the gradients of the
-    log-probabilities and of the logits) while its saved log-probabilities are alive. Where it
-    cannot be measured, the gradients of the output alone (a lower figure)."""
+    allocates at once beyond what it saved (`profiler.allocations`, the loss's forward as the
+    setup), which the saved-tensor hooks do not see. A cross-entropy allocates two tensors the
+    size of the logits (the gradients of the log-probabilities and of the logits) while its
+    saved log-probabilities are alive. Measured on a detached view of `out` (no copy): the
+    model's graph, hooks on its output and a custom Function's saved state are not touched,
+    and the random number generators are put back, so training is as without it. Where it
+    cannot be measured, the gradients of the output alone (a lower figure). The profiler and
+    the runtime's last stage (on CPU) both measure it here."""
     from profiler.allocations import peak_new_bytes
 
-    leaves = _grad_targets(out)
-    if not leaves or not loss.requires_grad:
+    def detach(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return t.detach().requires_grad_(t.requires_grad)
+        return t
+
+    view = pytree.tree_map(detach, out)
+    leaves = _grad_targets(view)
+    if not leaves:
         return 0
-    peak, _ = peak_new_bytes(lambda: torch.autograd.grad(loss, leaves, allow_unused=True), device)
+
+    def work(loss: Any) -> Any:
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            return None
+        return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        peak, _ = peak_new_bytes(work, device, setup=lambda: loss_fn(view, target))
     return peak if peak is not None else tensor_bytes(leaves)
 
 

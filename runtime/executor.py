@@ -26,12 +26,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from planner.actions import Action
 from planner.errors import PipeplanError
-from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes
+from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes, loss_workspace_bytes
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 
@@ -62,7 +61,6 @@ class _InFlight:
     saved_bytes: int
     saved_ptrs: set[int] = field(default_factory=set)  # the storages counted in saved_bytes
     pending: object = None  # split_backward.PendingWeights between B and W
-    loss_leaves: list[torch.Tensor] | None = None  # the model's output, where its loss's backward is measured
 
 
 class StageExecutor:
@@ -88,8 +86,8 @@ class StageExecutor:
         self.events: list[TimedEvent] = []
         self._inflight: dict[int, _InFlight] = {}
         self._saved_now = 0
-        # the loss's backward working memory, measured once on CPU (`_measure_loss_backward`); on CUDA
-        # the allocator's peak sees it. None: not measured yet
+        # the loss's backward working memory, measured once on CPU (`profiler.measure.
+        # loss_workspace_bytes`); on CUDA the allocator's peak sees it. None: not measured yet
         self.loss_workspace_bytes: int | None = None if device.type != "cuda" else 0
         self.split_backward = False  # set by run() when the actions include W
         self._w_done = 0
@@ -196,7 +194,8 @@ class StageExecutor:
                 seen.setdefault(ptr, nbytes)
             loss = None
             if self.is_last:
-                loss = self.loss_fn(out[OUTPUT_KEY], target.to(self.device)) / self.m
+                target = target.to(self.device)
+                loss = self.loss_fn(out[OUTPUT_KEY], target) / self.m
         self._sync()
         t1 = time.time()
         self.stats.fwd_ms.append((t1 - t0) * 1e3)
@@ -206,35 +205,18 @@ class StageExecutor:
                 for r in self.peers_out(t, j):
                     self.p2p.send(out[key], r, j, key, grad=False)
         saved = sum(seen.values())
-        leaves = None
+        if self.is_last and self.loss_workspace_bytes is None:  # once, outside the timed forward
+            self.loss_workspace_bytes = loss_workspace_bytes(out[OUTPUT_KEY], target, self.loss_fn,
+                                                             self.device)
         if self.is_last and all(key != OUTPUT_KEY for key, _ in self._sends):
             # the loss's graph keeps what its backward needs: holding the model's output too
             # (a language model's logits) would keep it alive until the backward for nothing
-            if self.loss_workspace_bytes is None and loss is not None and loss.requires_grad:
-                leaves = [t for t in pytree.tree_leaves(out[OUTPUT_KEY])
-                          if isinstance(t, torch.Tensor) and t.requires_grad]
             out = {k: v for k, v in out.items() if k != OUTPUT_KEY}
-        self._inflight[j] = _InFlight(received, out, loss, saved, set(seen), loss_leaves=leaves)
+        self._inflight[j] = _InFlight(received, out, loss, saved, set(seen))
         self._saved_now += saved
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
         self._peak(self._saved_now)
         return float(loss.detach()) if loss is not None else 0.0
-
-    def _measure_loss_backward(self, st: _InFlight) -> None:
-        """On CPU, once (the first microbatch of the run): the loss's backward to the model's
-        output, run an extra time beside the real one with its graph kept, and measured
-        (`profiler.allocations`). What it allocates at its peak beyond the saved activations
-        is `loss_workspace_bytes`, counted at every B of this stage, as the planner predicts it
-        from the profiler's `measured.loss_workspace_bytes`. Its gradients are dropped (no
-        parameter's gradient changes), so the backward that follows is the one every other
-        microbatch runs."""
-        from profiler.allocations import peak_new_bytes
-
-        leaves, loss = st.loss_leaves or [], st.loss
-        st.loss_leaves = None
-        peak, _ = peak_new_bytes(
-            lambda: torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True), self.device)
-        self.loss_workspace_bytes = peak or 0
 
     def _peak(self, nbytes: int) -> None:
         self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, nbytes)
@@ -293,8 +275,6 @@ class StageExecutor:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if st.loss is not None:
-            if st.loss_leaves is not None:
-                self._measure_loss_backward(st)
             tensors.append(st.loss)
             grads.append(None)
             self._peak(self._saved_now + (self.loss_workspace_bytes or 0))
@@ -346,6 +326,8 @@ class StageExecutor:
         st = self._inflight.pop(j, None)
         if st is None or st.pending is None:
             raise RuntimeError(f"{self.stage}W{j} runs before {self.stage}B{j}")
+        if self.recompute:  # W differentiates from the loss again (`direct`)
+            self._peak(self._saved_now + (self.loss_workspace_bytes or 0))
         t0 = time.time()
         with self._with_recompute_count(st), self._compiled_refuses_twice():
             backward_weight(st.pending, self._weights)  # type: ignore[arg-type]

@@ -63,3 +63,38 @@ def test_what_setup_allocated_and_the_work_frees_lowers_the_total() -> None:
     held = setup()
     unseen, _ = peak_new_bytes(lambda: work(held), CPU)  # allocated before the profile
     assert unseen == pytest.approx(3 << 20, rel=0.01)
+
+
+def test_measuring_the_loss_leaves_the_real_graph_hooks_and_rng_alone() -> None:
+    """The runtime's last stage measures the loss's working memory on the first microbatch it
+    trains: the model's graph, a hook on its output and the random streams must be as if it
+    had not (a second backward through the real graph would fire hooks twice)."""
+    from profiler.measure import loss_workspace_bytes
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 500)
+    out = head(torch.randn(64, 16))
+    fired = []
+    out.register_hook(lambda g: fired.append(g.shape))
+    target = torch.randint(0, 500, (64,))
+
+    def loss_fn(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # draws random numbers
+        return torch.nn.functional.cross_entropy(o + 0 * torch.rand_like(o), t)
+
+    state = torch.get_rng_state()
+    ws = loss_workspace_bytes(out, target, loss_fn, CPU)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert fired == []
+    assert ws >= 2 * out.numel() * 4  # two gradients the size of the logits, at least
+    loss_fn(out, target).backward()  # the real backward: its graph is intact, the hook fires once
+    assert fired == [out.shape] and head.weight.grad is not None
+
+
+def test_an_output_that_needs_no_gradient_has_no_loss_working_memory() -> None:
+    from profiler.measure import loss_workspace_bytes
+
+    scale = torch.ones(1, requires_grad=True)  # a learned temperature inside the loss
+    out = torch.randn(8, 10)  # a frozen model: its output needs no gradient
+    ws = loss_workspace_bytes(out, torch.zeros(8, dtype=torch.long),
+                              lambda o, t: torch.nn.functional.cross_entropy(o * scale, t), CPU)
+    assert ws == 0
