@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,9 +47,7 @@ def row(name: str, file: str, env: dict[str, str], batch: int) -> dict[str, obje
     from profiler.loader import batch_checked, build_checked, load_model_file
     from profiler.profile import profile_model_file
 
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         path = ROOT / "examples" / file
         profile = profile_model_file(path, batch_size=batch, warmup=0, repeats=1)
         cluster = Cluster.model_validate({"nodes": 1, "devices_per_node": 1, "device_memory_gb": 64,
@@ -58,7 +57,7 @@ def row(name: str, file: str, env: dict[str, str], batch: int) -> dict[str, obje
             replicas=[1], optimizer="sgd"))
         p = plan.stages[0].predicted
         predicted = p.memory_bytes - p.static_memory_bytes
-        ws = int(getattr(profile.measured, "loss_workspace_bytes", 0) or 0)
+        ws = profile.measured.loss_workspace_bytes or 0
         mf = load_model_file(path)
         torch.manual_seed(0)
         model = build_checked(mf, batch)
@@ -75,14 +74,8 @@ def row(name: str, file: str, env: dict[str, str], batch: int) -> dict[str, obje
 
         step()  # warm: lazily built buffers
         real, _ = peak_new_bytes(step, torch.device("cpu"))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return {"model": name, "batch": batch, "saved_bytes": profile.measured.activation_bytes,
-            "loss_saved_bytes": int(getattr(profile.measured, "loss_activation_bytes", 0) or 0),
+            "loss_saved_bytes": profile.measured.loss_activation_bytes or 0,
             "loss_workspace_bytes": ws, "predicted_bytes": predicted, "allocator_peak_bytes": real,
             "ratio": real / predicted, "ratio_without_loss_ws": real / max(predicted - ws, 1)}
 

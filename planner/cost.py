@@ -232,13 +232,13 @@ def profile_tensors(profile: Profile) -> list[Tensor]:
 def loss_ms(profile: Profile) -> float:
     """The loss's forward and backward time, when the profiler measured it (`measured.loss_ms`);
     the stage holding the model's output pays it."""
-    return float(getattr(profile.measured, "loss_ms", 0.0) or 0.0) if profile.measured else 0.0
+    return float(profile.measured.loss_ms or 0.0) if profile.measured else 0.0
 
 
 def loss_activation_bytes(profile: Profile) -> int:
     """What the loss keeps for its backward (`measured.loss_activation_bytes`, e.g. the
     log-probabilities of a cross-entropy), per profiled batch, when the profiler measured it."""
-    return int(getattr(profile.measured, "loss_activation_bytes", 0) or 0) if profile.measured else 0
+    return (profile.measured.loss_activation_bytes or 0) if profile.measured else 0
 
 
 def loss_workspace_bytes(profile: Profile) -> int:
@@ -246,7 +246,7 @@ def loss_workspace_bytes(profile: Profile) -> int:
     (`measured.loss_workspace_bytes`: a cross-entropy's gradients of its log-probabilities and
     of the logits), per profiled batch; the last stage holds it while its backward (B) runs.
     0 for profiles made before it was measured."""
-    return int(getattr(profile.measured, "loss_workspace_bytes", 0) or 0) if profile.measured else 0
+    return (profile.measured.loss_workspace_bytes or 0) if profile.measured else 0
 
 
 def reserved_memory_bytes(profile: Profile, cluster: Cluster) -> float:

@@ -199,11 +199,13 @@ def corrected_profile(profile: Profile, corrections: Corrections) -> Profile:
     if profile.measured is not None:
         last = scale[profile.layers[-1].name]
         extra = {}
-        if getattr(profile.measured, "loss_ms", None):
-            extra["loss_ms"] = profile.measured.loss_ms * last.fwd_scale  # type: ignore[attr-defined]
-        for key in ("loss_activation_bytes", "loss_workspace_bytes"):
-            if getattr(profile.measured, key, None):
-                extra[key] = round(getattr(profile.measured, key) * last.memory_scale)
+        m = profile.measured
+        if m.loss_ms:
+            extra["loss_ms"] = m.loss_ms * last.fwd_scale
+        if m.loss_activation_bytes:
+            extra["loss_activation_bytes"] = round(m.loss_activation_bytes * last.memory_scale)
+        if m.loss_workspace_bytes:
+            extra["loss_workspace_bytes"] = round(m.loss_workspace_bytes * last.memory_scale)
         if extra:
             update["measured"] = profile.measured.model_copy(update=extra)
     refined = dict(getattr(profile, "refined", None) or {})

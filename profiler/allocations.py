@@ -46,6 +46,11 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(null)
 
 
+def _setup(setup: Callable[[], Any] | None) -> tuple[Any, ...]:
+    """`work`'s arguments: setup's result, or none."""
+    return (setup(),) if setup is not None else ()
+
+
 def peak_new_bytes(work: Callable[..., Any], device: torch.device,
                    setup: Callable[[], Any] | None = None) -> tuple[int | None, Any]:
     """(peak bytes held allocated at once while `work` ran, beyond those allocated when it
@@ -55,7 +60,7 @@ def peak_new_bytes(work: Callable[..., Any], device: torch.device,
     CUDA. None where it cannot be measured (on CPU, when another profiler is already running:
     the work then runs unmeasured)."""
     if device.type == "cuda":
-        arg = (setup(),) if setup is not None else ()
+        arg = _setup(setup)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -66,16 +71,16 @@ def peak_new_bytes(work: Callable[..., Any], device: torch.device,
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if torch._C._autograd._profiler_enabled():  # the caller's own profiler: leave it alone
-        return None, work(*((setup(),) if setup is not None else ()))
+        return None, work(*_setup(setup))
     with _LOCK:
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         try:
             with _quiet_stderr():
                 prof.start()
         except RuntimeError:
-            return None, work(*((setup(),) if setup is not None else ()))
+            return None, work(*_setup(setup))
         try:
-            arg = (setup(),) if setup is not None else ()
+            arg = _setup(setup)
             with _quiet_stderr(), record_function(MARK):
                 result = work(*arg)
         finally:

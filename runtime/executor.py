@@ -80,6 +80,9 @@ class StageExecutor:
         self.device = device
         self.is_last = OUTPUT_KEY in routing.output_keys[stage]
         self._sends = routing.sends(stage)
+        # the last stage does not hold the model's output from F to B (a language model's
+        # logits): the loss's graph keeps what its backward needs, unless another stage takes it
+        self._drop_output = self.is_last and all(key != OUTPUT_KEY for key, _ in self._sends)
         self._recvs = routing.recvs(stage)
         self._state = list(module.parameters()) + list(module.buffers())
         self.stats = Stats()
@@ -208,9 +211,7 @@ class StageExecutor:
         if self.is_last and self.loss_workspace_bytes is None:  # once, outside the timed forward
             self.loss_workspace_bytes = loss_workspace_bytes(out[OUTPUT_KEY], target, self.loss_fn,
                                                              self.device)
-        if self.is_last and all(key != OUTPUT_KEY for key, _ in self._sends):
-            # the loss's graph keeps what its backward needs: holding the model's output too
-            # (a language model's logits) would keep it alive until the backward for nothing
+        if self._drop_output:
             out = {k: v for k, v in out.items() if k != OUTPUT_KEY}
         self._inflight[j] = _InFlight(received, out, loss, saved, set(seen))
         self._saved_now += saved
