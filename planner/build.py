@@ -151,6 +151,7 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
                 memory_bytes=math.ceil(ev.stage_memory_bytes[s]),
                 memory_limit_bytes=int(costs.memory_limit_bytes[s]),
                 allreduce_ms=costs.allreduce_ms[s],
+                optimizer_ms=costs.optimizer_ms[s] if costs.optimizer_ms is not None else 0.0,
                 static_memory_bytes=costs.static_memory_bytes[s],
                 activation_bytes_per_microbatch=costs.activation_bytes_per_microbatch[s],
                 peak_inflight=max(sim.peak_inflight[d] for d in st.devices[::t]),

@@ -63,6 +63,9 @@ class LayerTable:
     loss_workspace_bytes: int = 0  # what the loss's backward allocates beyond them (`loss_workspace_bytes`)
     # of the parameters, those without gradients (`LayerProfile.frozen_param_bytes`); None: none
     frozen_prefix_bytes: tuple[int, ...] | None = None
+    # one optimizer step, per optimizer name: prefix sums of the layers' `optimizer_ms` (speed
+    # 1; independent of the batch); empty where the profile has none
+    optimizer_prefix_ms: tuple[tuple[str, tuple[float, ...]], ...] = ()
     # per (what, start, stop): the stage totals that scan every tensor (`_memo`); the search
     # asks for the same stages thousands of times
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -142,6 +145,16 @@ class LayerTable:
         peak = max((self.layer_activation_bytes(i) - own[i] - (loss if i == self.num_layers - 1 else 0)
                     for i in range(start, stop)), default=0)
         return kept + loss, max(peak, 0)
+
+    def optimizer_ms(self, optimizer: str, start: int, stop: int) -> float:
+        """One `optimizer` step over layers start..stop-1 (0 where the profile did not measure it)."""
+        for name, prefix in self.optimizer_prefix_ms:
+            if name == optimizer:
+                return prefix[stop] - prefix[start]
+        return 0.0
+
+    def optimizer_prefix(self, optimizer: str) -> tuple[float, ...] | None:
+        return next((p for name, p in self.optimizer_prefix_ms if name == optimizer), None)
 
     def compute_ms(self, start: int, stop: int) -> float:
         return self.fwd_ms(start, stop) + self.bwd_ms(start, stop)
@@ -302,7 +315,16 @@ def layer_table(profile: Profile) -> LayerTable:
         loss_workspace_bytes=loss_workspace_bytes(profile),
         frozen_prefix_bytes=_prefix([int(getattr(x, "frozen_param_bytes", 0) or 0) for x in layers])
         if any(getattr(x, "frozen_param_bytes", 0) for x in layers) else None,
+        optimizer_prefix_ms=optimizer_prefixes(layers),
     )
+
+
+def optimizer_prefixes(layers: Sequence[object]) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    """Per optimizer any layer has a measured step for (`LayerProfile.optimizer_ms`), the
+    prefix sums of the layers' steps (0 for a layer without the figure)."""
+    per = [getattr(x, "optimizer_ms", None) or {} for x in layers]
+    names = sorted({k for d in per for k in d})
+    return tuple((k, _prefix([float(d.get(k, 0.0)) for d in per])) for k in names)
 
 
 # ---------------------------------------------------------------- scalar formulas
@@ -473,6 +495,9 @@ class PipelineCosts:
     # a split first stage, whose W runs the whole backward, has it in transient_bytes instead)
     loss_transient_bytes: tuple[float, ...] | None = None
     recompute: tuple[bool, ...] | None = None
+    # one optimizer step per iteration on every device of the stage, after its all-reduce
+    # (None: not measured, 0)
+    optimizer_ms: tuple[float, ...] | None = None
 
     def bwd_split(self, s: int) -> tuple[float, float]:
         """(B, W) of stage s when its backward is split."""
@@ -502,7 +527,7 @@ def stages_without_input_grad(candidate: Candidate, stage: object) -> bool:
     return stage is candidate.stages[0]
 
 
-StageCost = tuple[float, ...]  # `_stage_cost`: f, bwd, B, W, act, transient, hold, ar, static, limit, tp f, tp b, loss transient
+StageCost = tuple[float, ...]  # `_stage_cost`: f, bwd, B, W, act, transient, hold, ar, static, limit, tp f, tp b, loss transient, optimizer
 
 
 def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], st: StageChoice, i: int,
@@ -513,6 +538,7 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
     w_share = table.bwd_weight_ms(st.start, st.stop) / max(table.bwd_ms(st.start, st.stop), 1e-300)
     tp_f = tp_b = 0.0
     frozen = 0  # (a TP shard's frozen part is not profiled: its parameters all count as trained)
+    opt = table.optimizer_ms(optimizer, st.start, st.stop) / speed
     if t == 1:
         f = stage_fwd_ms(table, st.start, st.stop, scale, speed)
         full_bwd = stage_bwd_ms(table, st.start, st.stop, scale, speed)
@@ -540,6 +566,8 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
         full_bwd = scale * tt.span("bwd_prefix_ms", st.start, st.stop) / speed + tp_b
         params = tt.span("param_prefix_bytes", st.start, st.stop)
         full = scale * tt.span("activation_prefix_bytes", st.start, st.stop)
+        whole = table.param_bytes(st.start, st.stop)  # a shard steps its share of the parameters
+        opt *= min(params / whole, 1.0) if whole > 0 else 0.0
     # zero bubble: B and W of the backward (a TP stage splits in the unsharded ratio)
     w = full_bwd * min(w_share, 1.0)
     if first:
@@ -575,7 +603,7 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
     ar = allreduce_ms(params - frozen, st.replicas, link_gb_per_s(cluster, kind),
                       link_latency_us(cluster, kind)) / cluster.allreduce_efficiency
     return (f, bwd, inp, wgt, act, transient, hold, ar, static_memory_bytes(params, optimizer, frozen),
-            min(devices[d].memory_bytes for d in st.devices), tp_f, tp_b, loss_tr)
+            min(devices[d].memory_bytes for d in st.devices), tp_f, tp_b, loss_tr, opt)
 
 
 STAGE_COSTS_KEPT = 200_000  # entries of a `stage_cache` (`pipeline_costs`) before it is cleared
@@ -596,7 +624,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
     scale = microbatch_scale(table.batch_size, candidate.microbatch_size)
     bounds = [0] + [st.stop for st in candidate.stages]
     fwd, bwd, ar, static, act, limit, tp_f, tp_b = [], [], [], [], [], [], [], []
-    wgt, inp, hold, transient, loss_tr = [], [], [], [], []
+    wgt, inp, hold, transient, loss_tr, opt = [], [], [], [], [], []
     for i, st in enumerate(candidate.stages):
         first = stages_without_input_grad(candidate, st)
         if stage_cache is None:
@@ -609,8 +637,9 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
                 if len(stage_cache) >= STAGE_COSTS_KEPT:
                     stage_cache.clear()
                 stage_cache[key] = x
-        f, b, b_in, b_w, a, tr, h, r, sm, lim, tf, tb, lt = x
+        f, b, b_in, b_w, a, tr, h, r, sm, lim, tf, tb, lt, o = x
         loss_tr.append(lt)
+        opt.append(o)
         fwd.append(f)
         bwd.append(b)
         inp.append(b_in)
@@ -648,6 +677,7 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         memory_limit_bytes=tuple(limit), sends=sends,
         bwd_weight_ms=tuple(wgt), bwd_input_ms=tuple(inp), weight_hold_bytes_per_microbatch=tuple(hold),
         transient_bytes=tuple(transient), loss_transient_bytes=tuple(loss_tr), recompute=tuple(st.recompute for st in candidate.stages),
+        optimizer_ms=tuple(opt) if any(opt) else None,
         **({"tp": tps, "tp_comm_fwd_ms": tuple(tp_f), "tp_comm_bwd_ms": tuple(tp_b)}
            if any(t > 1 for t in tps) else {}),
     )

@@ -31,6 +31,7 @@ from planner.errors import PipeplanError
 
 SCHEMA_VERSION = 1
 GB = 1e9
+OptimizerName = Literal["sgd", "momentum", "adam"]
 INPUT_NODE = "<input>"  # edge source for tensors that are model inputs (available before layer 0)
 
 
@@ -114,6 +115,10 @@ class LayerProfile(_Open):
     # of param_bytes, the parameters that need no gradient (requires_grad=False: a frozen
     # backbone or embedding): no gradient, no optimizer state, no all-reduce. Absent: 0
     frozen_param_bytes: NonNegativeInt | None = None
+    # one optimizer step over the layer's trainable parameters, per optimizer (`sgd`, `momentum`,
+    # `adam`), measured; independent of the batch: a stage pays it once per iteration, after its
+    # last backward and its all-reduce. Absent (older and imported profiles): 0
+    optimizer_ms: dict[OptimizerName, NonNegativeFloat] | None = None
 
     @model_validator(mode="after")
     def _frozen_within(self) -> LayerProfile:
@@ -148,6 +153,9 @@ class Measured(_Open):
     loss_ms: NonNegativeFloat | None = None
     loss_activation_bytes: NonNegativeInt | None = None
     loss_workspace_bytes: NonNegativeInt | None = None
+    # one optimizer step over the whole model, per optimizer (the layers' `optimizer_ms` add up
+    # to about this; more where the step batches its tensors, as foreach does on CUDA)
+    optimizer_ms: dict[OptimizerName, NonNegativeFloat] | None = None
 
 
 class Profile(_Open):
@@ -350,7 +358,6 @@ class Cluster(_Closed):
 ScheduleName = Literal["1f1b", "gpipe", "zb-h1"]
 # what a user may ask for: a schedule, or "auto" (the planner chooses one with the partition)
 ScheduleRequest = Literal["1f1b", "gpipe", "zb-h1", "auto"]
-OptimizerName = Literal["sgd", "momentum", "adam"]
 ObjectiveName = Literal["iteration", "throughput"]
 
 
@@ -412,6 +419,7 @@ class StagePredicted(_Open):
     memory_bytes: int  # peak per device
     memory_limit_bytes: int
     allreduce_ms: float = 0.0
+    optimizer_ms: float = 0.0  # one optimizer step, per iteration, after the all-reduce
     bwd_input_ms: float | None = None  # zb-h1: B (recomputation included) and W of bwd_ms
     bwd_weight_ms: float | None = None
     # TP all-reduces of one microbatch's forward / backward (a TP stage; inside fwd_ms / bwd_ms)

@@ -11,6 +11,10 @@ From a plan and the report of running it (`python -m runtime ... --report`):
   per message beyond the calibrated link (wake-ups, the runtime's work around a message);
   all-reduces keep the calibrated figures. When the run is faster than even a zero overhead
   predicts, the overhead is 0 and every stage's compute is scaled by one common factor instead;
+- **optimizer step**: per stage, the step the run measured (the slowest replica's median)
+  replaces the predicted one; in the corrected profile the stage's layers' step of the plan's
+  optimizer is scaled to add up to it (shared out by trained parameter bytes where the profile
+  had none);
 - **memory**: per stage, `memory_scale` = measured / predicted activation bytes (peak memory
   minus parameters, gradients and optimizer state), applied to the layers' activation bytes
   (and to what a split backward keeps for W and a recomputed block's transient).
@@ -44,6 +48,14 @@ class StageCorrection(BaseModel):
     predicted_activation_bytes: float
     measured_activation_bytes: float | None = None
     memory_scale: float = 1.0
+    # one optimizer step per iteration (the run's median; None: the report has none)
+    predicted_optimizer_ms: float = 0.0
+    measured_optimizer_ms: float | None = None
+
+    @property
+    def optimizer_ms(self) -> float:
+        """The step the corrected plan prices: measured where the run measured it."""
+        return self.predicted_optimizer_ms if self.measured_optimizer_ms is None else self.measured_optimizer_ms
 
 
 
@@ -102,6 +114,11 @@ def _bisect(f: object, lo: float, hi: float, target: float, iters: int = 50) -> 
     return (lo + hi) / 2
 
 
+def _optimizer_ms(stages: list[StageCorrection]) -> tuple[float, ...] | None:
+    opt = tuple(s.optimizer_ms for s in stages)
+    return opt if any(opt) else None
+
+
 def fit(plan: Plan, report: Report) -> Corrections:
     """The corrections of the module docstring from one run of `plan`."""
     if report.plan_profile_sha256 != plan.profile_sha256:
@@ -131,6 +148,7 @@ def fit(plan: Plan, report: Report) -> Corrections:
         ranks = by_stage[st.index]
         p = st.predicted
         fwd, bwd = _mean([r.fwd_ms_per_microbatch for r in ranks]), _mean([r.bwd_ms_per_microbatch for r in ranks])
+        opt = [float(x) for r in ranks if (x := getattr(r, "optimizer_ms", None)) is not None]
         # the framework's reserve (cuBLAS workspaces) is in both the prediction and the peak
         static = (float(getattr(p, "static_memory_bytes", 0.0) or 0.0)
                   + float(getattr(p, "reserved_memory_bytes", 0) or 0))
@@ -143,12 +161,15 @@ def fit(plan: Plan, report: Report) -> Corrections:
             predicted_bwd_ms=p.bwd_ms, measured_bwd_ms=bwd, bwd_scale=_ratio(bwd, p.bwd_ms),
             predicted_activation_bytes=act_pred, measured_activation_bytes=act_meas,
             memory_scale=_ratio(act_meas or 0.0, act_pred) if act_meas and act_pred > 0 else 1.0,
+            predicted_optimizer_ms=float(getattr(p, "optimizer_ms", 0.0) or 0.0),
+            measured_optimizer_ms=max(opt) if opt else None,  # the stage's slowest replica
         ))
     base = costs_from_plan(plan)
     schedule = plan_actions(plan)
     measured = dataclasses.replace(
         base, fwd_ms=tuple(s.predicted_fwd_ms * s.fwd_scale for s in stages),
-        bwd_ms=tuple(s.predicted_bwd_ms * s.bwd_scale for s in stages))
+        bwd_ms=tuple(s.predicted_bwd_ms * s.bwd_scale for s in stages),
+        optimizer_ms=_optimizer_ms(stages))
     messages = any(snd.nbytes > 0 for snd in base.sends.values())
     target = report.iteration_ms
 
@@ -179,15 +200,43 @@ def fit(plan: Plan, report: Report) -> Corrections:
     )
 
 
-def corrected_profile(profile: Profile, corrections: Corrections) -> Profile:
+def _corrected_steps(profile: Profile, corrections: Corrections, optimizer: str | None
+                     ) -> dict[str, dict[str, float]]:
+    """Per layer of a stage whose run measured its optimizer step, the layer's `optimizer_ms`
+    with `optimizer`'s step scaled so that the stage's layers add up to the measured one (shared
+    out by trained parameter bytes where the profile had no figure)."""
+    if optimizer is None:
+        return {}
+    by_name = {x.name: x for x in profile.layers}
+    out: dict[str, dict[str, float]] = {}
+    for st in corrections.stages:
+        if st.measured_optimizer_ms is None:
+            continue
+        layers = [by_name[n] for n in st.layers if n in by_name]
+        had = [float((x.optimizer_ms or {}).get(optimizer, 0.0)) for x in layers]
+        if sum(had) > 0:
+            new = [h * st.measured_optimizer_ms / sum(had) for h in had]
+        else:
+            trained = [x.param_bytes - (x.frozen_param_bytes or 0) for x in layers]
+            total = sum(trained)
+            new = [st.measured_optimizer_ms * t / total if total > 0 else 0.0 for t in trained]
+        for x, v in zip(layers, new, strict=True):
+            out[x.name] = {**(x.optimizer_ms or {}), optimizer: v}
+    return out
+
+
+def corrected_profile(profile: Profile, corrections: Corrections, optimizer: str | None = None) -> Profile:
     """`profile` with every layer of a corrected stage scaled (times, activation bytes); the
-    loss's time goes with the stage holding the last layer's forward."""
+    loss's time goes with the stage holding the last layer's forward. With `optimizer` (the
+    plan's), each stage's layers' step of that optimizer adds up to the step the run measured."""
     scale = {name: st for st in corrections.stages for name in st.layers}
     unknown = [x.name for x in profile.layers if x.name not in scale]
     if unknown:
         raise PipeplanError(f"the profile has layers the plan does not ({', '.join(unknown[:3])}"
                             f"{'…' if len(unknown) > 3 else ''}): give the profile the plan was made from")
+    steps = _corrected_steps(profile, corrections, optimizer)
     layers = [x.model_copy(update={
+        **({"optimizer_ms": steps[x.name]} if x.name in steps else {}),
         "fwd_ms": x.fwd_ms * scale[x.name].fwd_scale,
         "bwd_ms": x.bwd_ms * scale[x.name].bwd_scale,
         "activation_bytes": round(x.activation_bytes * scale[x.name].memory_scale),
@@ -240,7 +289,7 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
     # every per-microbatch byte count scales alike: what a forward keeps, the W hold (split
     # backward) and a recomputed block's transient
     costs = _with_overhead(plan, dataclasses.replace(
-        costs, fwd_ms=fwd, bwd_ms=bwd,
+        costs, fwd_ms=fwd, bwd_ms=bwd, optimizer_ms=_optimizer_ms(corrections.stages),
         activation_bytes_per_microbatch=scaled(costs.activation_bytes_per_microbatch),
         weight_hold_bytes_per_microbatch=scaled(costs.weight_hold_bytes_per_microbatch),
         transient_bytes=scaled(costs.transient_bytes),
@@ -255,6 +304,7 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
                  for (s, t), snd in costs.sends.items() if s == st.index]
         stages.append(st.model_copy(update={"predicted": p.model_copy(update={
             "fwd_ms": fwd[st.index], "bwd_ms": bwd[st.index], "compute_ms": fwd[st.index] + bwd[st.index],
+            "optimizer_ms": c.optimizer_ms,
             "activation_bytes_per_microbatch": act, "memory_bytes": int(memory),
             **_scaled_fields(p, c.memory_scale),
             "sends": sends})}))
@@ -278,6 +328,11 @@ def format_corrections(c: Corrections) -> str:
         lines.append(f"{s.index:5d}  {s.predicted_fwd_ms:8.3f} -> {s.measured_fwd_ms:8.3f} (x{s.fwd_scale:.3f})"
                      f"      {s.predicted_bwd_ms:8.3f} -> {s.measured_bwd_ms:8.3f} (x{s.bwd_scale:.3f})"
                      f"      x{s.memory_scale:.3f}")
+    if any(s.measured_optimizer_ms is not None for s in c.stages):
+        lines.append("optimizer step ms predicted -> measured: " + ", ".join(
+            f"stage {s.index} {s.predicted_optimizer_ms:.3f} -> "
+            + (f"{s.measured_optimizer_ms:.3f}" if s.measured_optimizer_ms is not None else "-")
+            for s in c.stages))
     lines.append(f"per-message overhead (p2p_overhead_us): {c.p2p_overhead_us_before:.1f} -> "
                  f"{c.p2p_overhead_us_after:.1f} us")
     if c.compute_scale != 1.0:

@@ -28,6 +28,7 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 def format_plan(plan: Plan, max_stages: int = 64) -> str:
     rows = []
+    opt = any(getattr(st.predicted, "optimizer_ms", 0.0) for st in plan.stages)
     for st in plan.stages[:max_stages]:
         p = st.predicted
         rows.append([
@@ -38,10 +39,11 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
             + (f", TP comm {c:.2f}" if (c := (getattr(p, "tp_comm_fwd_ms", 0.0) or 0.0)
                                              + (getattr(p, "tp_comm_bwd_ms", 0.0) or 0.0)) > 0 else ""),
             f"{p.allreduce_ms:.2f}",
+            *([f"{p.optimizer_ms:.2f}"] if opt else []),
             f"{format_bytes(p.memory_bytes)} / {format_bytes(p.memory_limit_bytes)}",
         ])
     text = format_table(["stage", "layers", "replicas", "devices", "compute ms (fwd+bwd)",
-                         "allreduce ms", "memory / limit"], rows)
+                         "allreduce ms", *(["optimizer ms"] if opt else []), "memory / limit"], rows)
     if len(plan.stages) > max_stages:
         text += f"\n... {len(plan.stages) - max_stages} more stages"
     pr, sv = plan.predicted, plan.solver

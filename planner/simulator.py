@@ -4,7 +4,8 @@ Each rank runs its actions in order. An action starts when its rank is free and 
 arrived: a forward waits for the forwards of the same microbatch on the stages that send to it
 (producer's end + transfer); a backward for its own forward and for the backwards of the stages
 it sent to (their end + transfer of the gradient). Transfers delay, they do not occupy a rank.
-Once every replica of a stage has finished its last backward, all of them all-reduce.
+Once every replica of a stage has finished its last backward, all of them all-reduce; then each
+device runs its optimizer step (`PipelineCosts.optimizer_ms`, where measured).
 
 Three kinds: F, B and W. On a rank whose actions include W (zero-bubble schedules), B is the
 input gradient (`PipelineCosts.bwd_split`) and W the weight gradient, which waits only for its
@@ -48,7 +49,7 @@ class Event(NamedTuple):
 
     rank: int
     name: str  # "1F3", or "allreduce 1"
-    kind: str  # "F" | "B" | "W" | "allreduce"
+    kind: str  # "F" | "B" | "W" | "allreduce" | "optimizer"
     stage: int
     mb: int  # -1 for allreduce
     start_ms: float
@@ -184,6 +185,17 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
                 events.append(Event(d, f"allreduce {s}", "allreduce", s, -1, start, start + ar))
             free[d] = start + ar
             comm[d] += ar
+    for s, devs in enumerate(costs.stage_devices):  # then each device's optimizer step
+        opt = costs.optimizer_ms[s] if costs.optimizer_ms is not None else 0.0
+        if opt <= 0:
+            continue
+        for d in devs:
+            if d not in free:
+                continue
+            if record:
+                events.append(Event(d, f"optimizer {s}", "optimizer", s, -1, free[d], free[d] + opt))
+            free[d] += opt
+            busy[d] += opt
     makespan = max(free.values(), default=0.0)
     idle = {r: makespan - busy[r] - comm[r] for r in schedule}
     total = makespan * len(schedule)
@@ -361,6 +373,12 @@ def simulate_generated(costs: PipelineCosts, name: str,
         for x in range(lo, lo + r_s):
             free[x] = start + ar
             comm[x] += ar
+    if costs.optimizer_ms is not None:  # then each device's optimizer step
+        for x in range(n_slots):
+            opt = costs.optimizer_ms[shape.slots[x][0]]
+            if opt > 0:
+                free[x] += opt
+                busy[x] += opt
     makespan = max(free, default=0.0)
     idle = [makespan - busy[x] - comm[x] for x in range(n_slots)]
     total = makespan * n_slots
@@ -424,6 +442,8 @@ def costs_from_plan(plan: Plan) -> PipelineCosts:
             else extra(st.predicted, "activation_bytes_per_microbatch") for st in stages),
         transient_bytes=tuple(extra(st.predicted, "transient_bytes") for st in stages),
         loss_transient_bytes=tuple(extra(st.predicted, "loss_transient_bytes") for st in stages),
+        optimizer_ms=tuple(extra(st.predicted, "optimizer_ms") for st in stages)
+        if any(extra(st.predicted, "optimizer_ms") for st in stages) else None,
         recompute=tuple(bool(getattr(st, "recompute", False)) for st in stages),
         **({"tp": tuple(getattr(st, "tp", 1) for st in stages),
             "tp_comm_fwd_ms": tuple(extra(st.predicted, "tp_comm_fwd_ms") for st in stages),

@@ -20,9 +20,9 @@ def _events(x: EventsLike) -> list[Event]:
 
 
 # Chrome's reserved colour names (catapult's color_scheme): forward, input gradient, weight
-# gradient and all-reduce each their own
+# gradient, all-reduce and optimizer step each their own
 COLOURS = {"F": "thread_state_running", "B": "rail_response", "W": "good",
-           "allreduce": "thread_state_iowait"}
+           "allreduce": "thread_state_iowait", "optimizer": "yellow"}
 
 
 def chrome_trace(events: EventsLike, metadata: Mapping[str, Any] | None = None,
@@ -65,7 +65,8 @@ def merge_traces(*traces: dict[str, Any]) -> dict[str, Any]:
 
 def text_timeline(events: EventsLike, width: int = 100, max_ranks: int = 32) -> str:
     """One line per rank, time left to right in `width` columns. Forward of microbatch j is the
-    digit j mod 10, backward the letter 'a' + j mod 26, all-reduce '=', idle '.'."""
+    digit j mod 10, backward the letter 'a' + j mod 26, all-reduce '=', optimizer step '#',
+    idle '.'."""
     evs = _events(events)
     if not evs:
         return "(no events)"
@@ -80,7 +81,7 @@ def text_timeline(events: EventsLike, width: int = 100, max_ranks: int = 32) -> 
                 continue
             if e.kind == "tp":  # inside its forward/backward: drawn there
                 continue
-            ch = "=" if e.kind == "allreduce" else (
+            ch = "=" if e.kind == "allreduce" else "#" if e.kind == "optimizer" else (
                 str(e.mb % 10) if e.kind == "F" else chr(ord("a") + e.mb % 26) if e.kind == "B"
                 else chr(ord("A") + e.mb % 26))
             a = min(int(e.start_ms * scale), width - 1)
@@ -93,5 +94,6 @@ def text_timeline(events: EventsLike, width: int = 100, max_ranks: int = 32) -> 
     legend = "legend: 0-9 forward of microbatch j (mod 10), a-z its backward"
     if any(e.kind == "W" for e in evs):
         legend += " (input gradient), A-Z its weight gradient"
-    lines.append(legend + ", = all-reduce, . idle")
+    lines.append(legend + ", = all-reduce" + (", # optimizer step" if any(e.kind == "optimizer" for e in evs)
+                                               else "") + ", . idle")
     return "\n".join(lines)

@@ -80,6 +80,8 @@ class LayerMeasurement:
     bwd_weight_ms: float | None = None
     split_bytes: SplitBytes | None = None  # zero bubble and recomputation: see `split_bytes`
     frozen_param_bytes: int = 0  # of param_bytes, parameters with requires_grad=False
+    # one optimizer step over the layer's trainable parameters, per optimizer (`profiler.optimizers`)
+    optimizer_ms: dict[str, float] | None = None
 
 
 def tensor_bytes(value: Any) -> int:
@@ -536,4 +538,8 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
     for m in layers:
         m.bwd_input_ms, m.bwd_weight_ms = split[m.name]
         m.split_bytes = held[m.name]
+    from profiler.optimizers import step_ms_all  # (it times with this module's Timer)
+
+    for m, run in zip(layers, runners, strict=True):
+        m.optimizer_ms = step_ms_all(run.stage.parameters(), device, min(warmup, 1), repeats)
     return layers, _whole_result(whole), oh

@@ -7,7 +7,9 @@ Internal module. Definitions used in report.json:
 - per rank, per iteration (medians over the same steps): `fwd_ms_per_microbatch`,
   `bwd_ms_per_microbatch` (compute only); `comm_ms` = time posting sends, waiting for their
   delivery at the flush and in gradient all-reduces; `idle_ms` = the rest of the rank's step
-  (mostly waiting for a peer's activations or gradients: the pipeline bubble).
+  (mostly waiting for a peer's activations or gradients: the pipeline bubble);
+  `optimizer_ms` = the optimizer step (and zero_grad) per iteration, against the plan's
+  `predicted_optimizer_ms`.
 - `peak_memory_bytes`: on CUDA `torch.cuda.max_memory_allocated`; on CPU the sum of parameter,
   gradient and optimizer-state bytes of the stage plus the peak bytes autograd held saved for
   the microbatches in flight, with on the last stage the loss's backward working memory
@@ -44,6 +46,7 @@ class RankRecord:
     peak_inflight: int
     peak_activation_bytes: int  # bytes autograd held saved for the microbatches in flight
     events: list[tuple[str, str, int, int, float, float]] = field(default_factory=list)  # last step
+    optimizer_ms: list[float] = field(default_factory=list)  # per step: optimizer.step + zero_grad
 
 
 def _steady(xs: list[float]) -> list[float]:
@@ -74,6 +77,8 @@ def build_report(plan: Plan, records: list[RankRecord], losses: list[float], ste
             memory_measure=r.memory_measure,
             peak_activation_bytes=r.peak_activation_bytes,
             predicted_memory_bytes=plan.stages[r.stage].predicted.memory_bytes,
+            optimizer_ms=_median(_steady(r.optimizer_ms)),
+            predicted_optimizer_ms=getattr(plan.stages[r.stage].predicted, "optimizer_ms", 0.0) or 0.0,
         ))
     return Report(
         plan_profile_sha256=plan.profile_sha256,
@@ -103,7 +108,7 @@ def measured_simulation(records: list[RankRecord], iteration_ms: float) -> objec
     ]
     end = max((ev.end_ms for ev in events), default=0.0)
     busy = {r.rank: sum(ev.end_ms - ev.start_ms for ev in events
-                        if ev.rank == r.rank and ev.kind in "FB") for r in records}
+                        if ev.rank == r.rank and ev.kind in ("F", "B", "W", "optimizer")) for r in records}
     comm = {r.rank: sum(ev.end_ms - ev.start_ms for ev in events
                         if ev.rank == r.rank and ev.kind == "allreduce") for r in records}
     idle = {k: max(end - busy[k] - comm[k], 0.0) for k in busy}

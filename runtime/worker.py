@@ -23,6 +23,7 @@ from torch import nn
 
 from planner.errors import PipeplanError
 from planner.formats import Plan
+from profiler.optimizers import make_optimizer
 from profiler.tracing import TracingWarning
 from runtime import checkpoint, comm, rng, stages, tensor_parallel
 from runtime.comm import P2P, PeerError
@@ -56,14 +57,6 @@ def _device(env: DistEnv) -> tuple[torch.device, str]:
               "GPUs: every rank runs on the CPU with gloo (start one rank per GPU to use them)",
               file=sys.stderr, flush=True)
     return torch.device("cpu"), "gloo"
-
-
-def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.SGD(params, lr=lr)
 
 
 def split_batch(batch: object, microbatch_size: int, m: int
@@ -311,7 +304,7 @@ class Worker:
     # ------------------------------------------------------------------ training
     def train(self) -> RankRecord:
         plan, opts = self.plan, self.opts
-        step_ms, comm_ms, idle_ms = [], [], []
+        step_ms, comm_ms, idle_ms, opt_ms = [], [], [], []
         self.losses: list[float] = []
         last_events: list[TimedEvent] = []
         for s in range(self.start_step, self.start_step + opts.steps):
@@ -336,8 +329,13 @@ class Worker:
                     f"stage {self.stage}: {sparse[0]} has a sparse gradient (nn.Embedding(sparse=True)) and "
                     "--optimizer adam does not take sparse gradients (torch.optim.Adam refuses them): "
                     "train with --optimizer sgd or momentum, or make the embedding dense (sparse=False)")
+            o0 = time.time()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the step's kernels, not their launch
+            o1 = time.time()
+            opt_ms.append((o1 - o0) * 1e3)
             if self.stage_group is not None:
                 rng.sync_buffers(self.module, counters, plan.stages[self.stage].replicas,
                                  self.stage_group, plan.stages[self.stage].devices[self.tp_rank])
@@ -345,11 +343,12 @@ class Worker:
             t1 = time.time()
             ms = (t1 - t0) * 1e3
             step_ms.append(ms)
-            busy = sum(self.executor.stats.fwd_ms[f0:]) + sum(self.executor.stats.bwd_ms[b0:])
+            busy = sum(self.executor.stats.fwd_ms[f0:]) + sum(self.executor.stats.bwd_ms[b0:]) + opt_ms[-1]
             comm = self.p2p.comm_ms - c0 + sum((e.end_s - e.start_s) * 1e3 for e in ar)
             comm_ms.append(comm)
             idle_ms.append(max(ms - busy - comm, 0.0))
-            last_events = self.executor.events + ar
+            last_events = self.executor.events + ar + [
+                TimedEvent(f"optimizer {self.stage}", "optimizer", self.stage, -1, o0, o1)]
             if self.rank == 0:
                 self.losses.append(step_loss)
                 print(f"step {s + 1}: loss {step_loss:.6f}  {ms:.1f} ms  "
@@ -369,7 +368,7 @@ class Worker:
             measure = "params+grads+optimizer_state+saved_activations"
         return RankRecord(
             rank=self.rank, stage=self.stage, replica=self.replica, step_ms=step_ms,
-            fwd_ms=st.fwd_ms, bwd_ms=st.bwd_ms, comm_ms=comm_ms, idle_ms=idle_ms,
+            fwd_ms=st.fwd_ms, bwd_ms=st.bwd_ms, comm_ms=comm_ms, idle_ms=idle_ms, optimizer_ms=opt_ms,
             peak_memory_bytes=peak, memory_measure=measure, peak_inflight=st.peak_inflight,
             peak_activation_bytes=st.peak_saved_bytes,
             events=[(e.name, e.kind, e.stage, e.mb, e.start_s, e.end_s) for e in last_events],
@@ -449,6 +448,7 @@ class Worker:
         for r in report.ranks:
             print(f"  rank {r.rank} stage {r.stage} replica {r.replica}: "
                   f"fwd {r.fwd_ms_per_microbatch:.2f} ms/mb, bwd {r.bwd_ms_per_microbatch:.2f} ms/mb, "
+                  f"optimizer {getattr(r, 'optimizer_ms', 0.0):.2f} ms, "
                   f"comm {r.comm_ms:.1f} ms, idle {r.idle_ms:.1f} ms, "
                   f"peak in-flight {r.peak_inflight_microbatches}, "
                   f"peak memory {r.peak_memory_bytes / 1e6:.2f} MB", flush=True)

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     write_text_atomic(corr_path, corrections.model_dump_json(indent=2) + "\n")
     write_text_atomic(cluster_path, json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
     if profile is not None:
-        new_profile = corrected_profile(profile, corrections)
+        new_profile = corrected_profile(profile, corrections, plan.options.optimizer)
         save_model(new_profile, profile_path)
         new_plan = make_plan(new_profile, cluster, plan.options)
         print(f"wrote {corr_path}, {cluster_path}, {profile_path}")

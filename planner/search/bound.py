@@ -237,6 +237,13 @@ class Variant:
     Pp: np.ndarray  # parameter bytes (of one TP shard)
     Ap: np.ndarray  # activation bytes kept per microbatch in flight (scaled); recompute: see `kept`
     Zp: np.ndarray | None = None  # of Pp, the parameters without gradients (frozen); None: none
+    # one optimizer step (ms, fastest speed), after the stage's all-reduce; None: 0 (not
+    # measured, or a TP variant: its shard's share is not priced here, which only lowers the bound)
+    Op: np.ndarray | None = None
+
+    def optimizer_ms(self, lo, hi):
+        """The optimizer step of stages [lo, hi) (one side an index, the other an array)."""
+        return 0.0 if self.Op is None else self.Op[hi] - self.Op[lo]
 
     def static_prefix(self, coef: float) -> np.ndarray:
         """Parameters, gradients and optimizer state, prefix: `coef` copies of every parameter
@@ -401,6 +408,9 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
     for i in range(1, L):
         into[:, i] = hop_ms[:, i - 1, i]
     variants = _variants(table, cluster, scale, vmax, degrees, recompute)
+    opt = table.optimizer_prefix(optimizer)
+    if opt is not None:
+        variants = [replace(v, Op=np.array(opt, dtype=float) / vmax) if v.tp == 1 else v for v in variants]
     Wp = np.array(table.bwd_weight_prefix_ms if table.bwd_weight_prefix_ms is not None
                   else [0.5 * x for x in table.bwd_prefix_ms], dtype=float)
     Bu = np.array(table.bwd_prefix_ms, dtype=float)
@@ -677,6 +687,7 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
                       + act[None, :, None] * inflight <= c.memory_bytes)  # (R, A, D+1)
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, A)
+            ar = ar + v.optimizer_ms(a, b)  # the stage's tail: all-reduce, then optimizer step
             f2, c2 = fwd[None, :, None], crit[None, :, None]
 
             room = (T + slack - c.HF[a])[None, :, None]
@@ -897,6 +908,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
             transient = peak if v.recompute else 0.0
             ar = np.stack([_allreduce_ms(params, int(r), float(bw), c.latency_us)
                            for r, bw in zip(rs, ar_gbps, strict=True)])  # (R, J)
+            ar = ar + v.optimizer_ms(i, j)  # the stage's tail: all-reduce, then optimizer step
             # memory per replica count (Ra, J, D+1); a choice's stage is priced with its own
             # r (the smallest of its n: the most in flight, the cheapest all-reduce), its
             # suffix is the best behind any r of that n that fits (`replica_choices`)
@@ -1262,7 +1274,7 @@ def restrict(c: Conditions, cuts: np.ndarray) -> Conditions:
     cuts = np.asarray(cuts)
     assert cuts[0] == 0 and cuts[-1] == c.L and bool(np.all(np.diff(cuts) > 0)), "cuts: 0 < ... < L"
     vs = tuple(Variant(v.tp, v.recompute, v.Fp[cuts], v.Bp[cuts], v.Pp[cuts], v.Ap[cuts],
-                       None if v.Zp is None else v.Zp[cuts])
+                       None if v.Zp is None else v.Zp[cuts], None if v.Op is None else v.Op[cuts])
                for v in c.variants)
     return replace(
         c, L=len(cuts) - 1, variants=vs, Cp=c.Cp[cuts], Wshare_num=c.Wshare_num[cuts],

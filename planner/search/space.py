@@ -142,12 +142,14 @@ def structure_of(c: Candidate) -> Structure:
 
 
 def throughput_objective_ms(costs: PipelineCosts) -> float:
-    """PipeDream's objective of a costed candidate: its slowest stage per microbatch."""
+    """PipeDream's objective of a costed candidate: its slowest stage per microbatch (its
+    all-reduce and optimizer step shared out over the iteration's microbatches)."""
     m = costs.num_microbatches
     worst = 0.0
+    opt = costs.optimizer_ms or (0.0,) * len(costs.stage_devices)
     for s, devs in enumerate(costs.stage_devices):
         r = len(devs)
-        worst = max(worst, (costs.fwd_ms[s] + costs.bwd_ms[s]) / r + costs.allreduce_ms[s] / m)
+        worst = max(worst, (costs.fwd_ms[s] + costs.bwd_ms[s]) / r + (costs.allreduce_ms[s] + opt[s]) / m)
         if s >= 1:
             worst = max(worst, 2 * costs.sends[(s - 1, s)].ms / r)
     return worst

@@ -25,6 +25,10 @@ def random_profile(rng: random.Random, num_layers: int, dag: bool) -> Profile:
                    param_bytes=int(rng.uniform(1e5, 3e8)),
                    activation_bytes=int(rng.uniform(1e6, 4e8)),
                    output_bytes=int(rng.uniform(1e5, 5e7))) for i in range(num_layers)]
+    for x in layers:  # an optimizer step per iteration, from the parameters (no draw: the
+        # instances stay those of earlier rounds); adam ~1 ms per 100 MB, as on a GPU
+        x["optimizer_ms"] = {"sgd": x["param_bytes"] / 3e8, "momentum": x["param_bytes"] / 2e8,
+                             "adam": x["param_bytes"] / 1e8}
     edges = []
     for i in range(1, num_layers):
         edges.append(dict(src=f"l{i - 1}", dst=f"l{i}", bytes=layers[i - 1]["output_bytes"]))

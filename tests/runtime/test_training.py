@@ -40,6 +40,10 @@ def test_mlp_two_stages_1f1b(run, tmp_path, monkeypatch):
     for pid in (0, 1):
         names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid}
         assert {"0F0", "0B3", "1F3", "1B0"} <= names
+    # each rank's optimizer step, measured and reported (the planner prices it: planner.cost)
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0} >= {
+        "optimizer 0", "optimizer 1"}
+    assert all(r["optimizer_ms"] > 0 and r["predicted_optimizer_ms"] == 0.0 for r in report["ranks"])
 
 
 def test_replicated_stage_1f1b_adam(run, tmp_path):
