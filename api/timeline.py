@@ -28,8 +28,9 @@ from matplotlib.patches import Patch  # noqa: E402
 from planner.formats import Plan  # noqa: E402
 from planner.simulator import Simulation, simulate  # noqa: E402
 
-COLORS = {"F": "#4c72b0", "B": "#dd8452", "allreduce": "#55a868"}
-LABELS = {"F": "forward", "B": "backward", "allreduce": "all-reduce"}
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#c44e52", "allreduce": "#55a868", "optimizer": "#ccb974"}
+LABELS = {"F": "forward", "B": "backward", "W": "weight gradient", "allreduce": "all-reduce",
+          "optimizer": "optimizer step"}
 IDLE = "#f4cccc"
 OTHER = "#8c8c8c"
 MAX_LABELLED_EVENTS = 600  # write microbatch numbers on the bars below this many events
@@ -47,10 +48,13 @@ class TooLarge(ValueError):
 
 
 def estimated_events(plan: Plan) -> int:
-    """Events a simulation of `plan` produces: a forward and a backward per microbatch per stage,
-    one all-reduce per replica of a replicated stage (known before simulating)."""
-    return 2 * plan.num_microbatches * len(plan.stages) + sum(
-        s.replicas for s in plan.stages if s.replicas > 1)
+    """Events a simulation of `plan` produces: a forward and a backward (and a W under zb-h1)
+    per microbatch per stage, one all-reduce per replica of a replicated stage and one optimizer
+    step per replica where the plan prices it (known before simulating)."""
+    per_mb = 3 if plan.schedule == "zb-h1" else 2
+    return per_mb * plan.num_microbatches * len(plan.stages) + sum(
+        s.replicas for s in plan.stages if s.replicas > 1) + sum(
+        s.replicas for s in plan.stages if (getattr(s.predicted, "optimizer_ms", 0.0) or 0.0) > 0)
 
 
 def simulate_plan(plan: Plan, max_events: int) -> Simulation:
@@ -163,7 +167,8 @@ def render(sim: Simulation, fmt: str, title: str = "") -> bytes:
         shown = "" if detailed else f" ({len(sim.events)} events aggregated per pixel)"
         ax.set_title(f"{title}iteration {sim.iteration_ms:.3f} ms, bubble fraction "
                      f"{max(sim.bubble_fraction, 0.0):.1%}{shown}", fontsize=10)
-        handles = [Patch(color=c, label=LABELS[k]) for k, c in COLORS.items()]
+        present = {e.kind for e in sim.events} | {"F", "B"}
+        handles = [Patch(color=c, label=LABELS[k]) for k, c in COLORS.items() if k in present]
         handles.append(Patch(color=IDLE, label="idle (bubble)"))
         fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
         buf = io.BytesIO()

@@ -153,9 +153,6 @@ class Measured(_Open):
     loss_ms: NonNegativeFloat | None = None
     loss_activation_bytes: NonNegativeInt | None = None
     loss_workspace_bytes: NonNegativeInt | None = None
-    # one optimizer step over the whole model, per optimizer (the layers' `optimizer_ms` add up
-    # to about this; more where the step batches its tensors, as foreach does on CUDA)
-    optimizer_ms: dict[OptimizerName, NonNegativeFloat] | None = None
 
 
 class Profile(_Open):
@@ -419,7 +416,7 @@ class StagePredicted(_Open):
     memory_bytes: int  # peak per device
     memory_limit_bytes: int
     allreduce_ms: float = 0.0
-    optimizer_ms: float = 0.0  # one optimizer step, per iteration, after the all-reduce
+    optimizer_ms: NonNegativeFloat = 0.0  # one optimizer step, per iteration, after the all-reduce
     bwd_input_ms: float | None = None  # zb-h1: B (recomputation included) and W of bwd_ms
     bwd_weight_ms: float | None = None
     # TP all-reduces of one microbatch's forward / backward (a TP stage; inside fwd_ms / bwd_ms)

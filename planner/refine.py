@@ -51,6 +51,10 @@ class StageCorrection(BaseModel):
     # one optimizer step per iteration (the run's median; None: the report has none)
     predicted_optimizer_ms: float = 0.0
     measured_optimizer_ms: float | None = None
+    # the step at the profile's speed 1 and for whole layers, per ms measured on one of the
+    # stage's devices: its speed x its TP degree (a TP rank steps its shard); for a profile
+    # without the figure, which refine can only share out
+    step_to_profile: float = 1.0
 
     @property
     def optimizer_ms(self) -> float:
@@ -144,6 +148,7 @@ def fit(plan: Plan, report: Report) -> Corrections:
     if report.iteration_ms <= 0:
         raise PipeplanError("the report's iteration_ms is 0: run more than one step")
     stages = []
+    devices = plan.cluster.devices()
     for st in plan.stages:
         ranks = by_stage[st.index]
         p = st.predicted
@@ -163,6 +168,7 @@ def fit(plan: Plan, report: Report) -> Corrections:
             memory_scale=_ratio(act_meas or 0.0, act_pred) if act_meas and act_pred > 0 else 1.0,
             predicted_optimizer_ms=float(getattr(p, "optimizer_ms", 0.0) or 0.0),
             measured_optimizer_ms=max(opt) if opt else None,  # the stage's slowest replica
+            step_to_profile=min(devices[d].speed for d in st.devices) * getattr(st, "tp", 1),
         ))
     base = costs_from_plan(plan)
     schedule = plan_actions(plan)
@@ -203,8 +209,10 @@ def fit(plan: Plan, report: Report) -> Corrections:
 def _corrected_steps(profile: Profile, corrections: Corrections, optimizer: str | None
                      ) -> dict[str, dict[str, float]]:
     """Per layer of a stage whose run measured its optimizer step, the layer's `optimizer_ms`
-    with `optimizer`'s step scaled so that the stage's layers add up to the measured one (shared
-    out by trained parameter bytes where the profile had no figure)."""
+    with `optimizer`'s step scaled by measured / predicted (the profile's figures are at speed
+    1 and for whole layers, as the prediction's inputs were); where nothing was predicted, the
+    measured step at the profile's speed (`step_to_profile`) shared out by trained parameter
+    bytes."""
     if optimizer is None:
         return {}
     by_name = {x.name: x for x in profile.layers}
@@ -214,12 +222,13 @@ def _corrected_steps(profile: Profile, corrections: Corrections, optimizer: str 
             continue
         layers = [by_name[n] for n in st.layers if n in by_name]
         had = [float((x.optimizer_ms or {}).get(optimizer, 0.0)) for x in layers]
-        if sum(had) > 0:
-            new = [h * st.measured_optimizer_ms / sum(had) for h in had]
+        if sum(had) > 0 and st.predicted_optimizer_ms > 0:
+            new = [h * st.measured_optimizer_ms / st.predicted_optimizer_ms for h in had]
         else:
             trained = [x.param_bytes - (x.frozen_param_bytes or 0) for x in layers]
             total = sum(trained)
-            new = [st.measured_optimizer_ms * t / total if total > 0 else 0.0 for t in trained]
+            step = st.measured_optimizer_ms * st.step_to_profile
+            new = [step * t / total if total > 0 else 0.0 for t in trained]
         for x, v in zip(layers, new, strict=True):
             out[x.name] = {**(x.optimizer_ms or {}), optimizer: v}
     return out

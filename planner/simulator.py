@@ -60,7 +60,7 @@ class Event(NamedTuple):
 class Simulation:
     events: list[Event]
     iteration_ms: float  # makespan, all-reduces included
-    busy_ms: dict[int, float]  # forward + backward per rank
+    busy_ms: dict[int, float]  # forward + backward (B and W) + optimizer step, per rank
     comm_ms: dict[int, float]  # all-reduce per rank
     idle_ms: dict[int, float]  # makespan - busy - comm
     bubble_fraction: float  # idle / (ranks x makespan)

@@ -541,5 +541,6 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
     from profiler.optimizers import step_ms_all  # (it times with this module's Timer)
 
     for m, run in zip(layers, runners, strict=True):
-        m.optimizer_ms = step_ms_all(run.stage.parameters(), device, min(warmup, 1), repeats)
+        m.optimizer_ms = step_ms_all(run.stage.parameters(), device, min(warmup, 1), repeats, clock,
+                                     label=m.name)
     return layers, _whole_result(whole), oh

@@ -16,6 +16,7 @@ and its all-reduce (`planner.cost`).
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -48,7 +49,7 @@ def unique_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def step_ms(params: Iterable[torch.Tensor], name: str, device: torch.device,
-            warmup: int = 2, repeats: int = 5) -> float:
+            warmup: int = 2, repeats: int = 5, clock: str = "wall") -> float:
     """Median milliseconds of one `name` step (and zero_grad) over copies of the trainable
     `params` (0.0 when none is trainable). The copies get small gradients, the same every step
     (Adam's state stays in the normal float range: no denormals to slow the CPU), on `device`."""
@@ -63,7 +64,7 @@ def step_ms(params: Iterable[torch.Tensor], name: str, device: torch.device,
             grads.append((torch.rand(p.shape, generator=gen, dtype=torch.float32) * 1e-3 + 1e-4)
                          .to(p.dtype).to(device))
     opt = make_optimizer(name, copies, lr=1e-3)
-    timer = Timer(device)
+    timer = Timer(device, clock)
     times = []
     for k in range(max(warmup, 1) + repeats):  # at least one warm-up: the state's creation
         with torch.no_grad():  # fresh gradients, as a backward leaves them (untimed)
@@ -79,7 +80,17 @@ def step_ms(params: Iterable[torch.Tensor], name: str, device: torch.device,
 
 
 def step_ms_all(params: Iterable[torch.Tensor], device: torch.device, warmup: int = 2,
-                repeats: int = 5) -> dict[str, float]:
-    """`step_ms` for every optimizer the runtime has."""
+                repeats: int = 5, clock: str = "wall", label: str = "") -> dict[str, float] | None:
+    """`step_ms` for every optimizer the runtime has; None, with a warning on stderr, where the
+    copies (the parameters, their gradients and Adam's two moments: 4x the parameters) do not
+    fit the device: the planner then prices no step for that layer."""
     ps = list(params)
-    return {name: step_ms(ps, name, device, warmup, repeats) for name in OPTIMIZERS}
+    try:
+        return {name: step_ms(ps, name, device, warmup, repeats, clock) for name in OPTIMIZERS}
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"warning: layer {label!r}: no optimizer step measured (the copies of its parameters, "
+              "gradients and optimizer state do not fit the device); the planner prices none for it",
+              file=sys.stderr, flush=True)
+        return None

@@ -25,7 +25,6 @@ from profiler.loader import (
     loss_checked,
 )
 from profiler.measure import library_workspace_bytes, measure_all
-from profiler.optimizers import step_ms_all
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,18 +64,6 @@ def _dtype(model: torch.nn.Module) -> str:
         if p.is_floating_point():
             return str(p.dtype).removeprefix("torch.")
     return "float32"
-
-
-def _whole_optimizer_ms(model: torch.nn.Module, device: torch.device, warmup: int,
-                        repeats: int) -> dict[str, float] | None:
-    """One optimizer step over the whole model, per optimizer: what the per-layer figures add
-    up against (`profiler.optimizers`). None where the copies it steps do not fit the device."""
-    try:
-        return step_ms_all(model.parameters(), device, min(warmup, 1), repeats)
-    except torch.OutOfMemoryError:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return None
 
 
 def profile_model_file(
@@ -160,7 +147,6 @@ def profile_model_file(
             f"{mf.path}: the model ran once, then raised {type(exc).__name__}: {first} while it "
             "was timed (forward and backward passes, whole and layer by layer). Profiling runs "
             "the model many times: it must run the same way each time") from exc
-    whole_step = _whole_optimizer_ms(model, dev, warmup, repeats)
     layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
     whole_ms = whole.fwd_ms + whole.bwd_ms
     return Profile(
@@ -184,7 +170,7 @@ def profile_model_file(
             fwd_ms=whole.fwd_ms, bwd_ms=whole.bwd_ms, peak_memory_bytes=whole.peak_memory_bytes,
             activation_bytes=whole.activation_bytes, loss_ms=whole.loss_ms,
             loss_activation_bytes=whole.loss_activation_bytes,
-            loss_workspace_bytes=whole.loss_workspace_bytes, optimizer_ms=whole_step,
+            loss_workspace_bytes=whole.loss_workspace_bytes,
             layer_sum_ratio=(layer_sum / whole_ms) if whole_ms > 0 else None,
             stage_overhead_fwd_ms=overhead.fwd_ms, stage_overhead_bwd_ms=overhead.bwd_ms,
         ),

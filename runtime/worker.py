@@ -329,6 +329,8 @@ class Worker:
                     f"stage {self.stage}: {sparse[0]} has a sparse gradient (nn.Embedding(sparse=True)) and "
                     "--optimizer adam does not take sparse gradients (torch.optim.Adam refuses them): "
                     "train with --optimizer sgd or momentum, or make the embedding dense (sparse=False)")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the all-reduce's copies are not the step's
             o0 = time.time()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -145,3 +145,47 @@ def test_refine_shares_a_measured_step_out_by_parameters_where_the_profile_had_n
     c = fit(plan, _report(plan, st.fwd_ms, st.bwd_ms, [2.0]))
     new = corrected_profile(prof, c, "adam")
     assert [x.optimizer_ms for x in new.layers] == [{"adam": 1.5}, {"adam": 0.5}]
+
+
+def _refit(prof, cl, opts, measured_times):
+    """Plan, 'run' it with the given per-stage steps (the rest as predicted), refine, re-plan."""
+    plan = make_plan(prof, cl, opts)
+    p0 = plan.stages[0].predicted
+    c = fit(plan, _report(plan, p0.fwd_ms, p0.bwd_ms, measured_times(plan), plan.predicted.iteration_ms))
+    new = corrected_profile(prof, c, opts.optimizer)
+    return plan, new, make_plan(new, cl, opts)
+
+
+def test_refine_keeps_a_step_measured_as_predicted_on_slower_devices_and_tp_stages() -> None:
+    """The profile's steps are at speed 1 and for whole layers; a run on half-speed devices, or
+    on a TP stage whose ranks step their shards, measures the prediction itself: nothing moves."""
+    from tests.planner.test_tensor_parallel_cost import _cluster, _profile
+
+    prof = chain_profile([1.0] * 4, params=[10**6] * 4)
+    for x in prof.layers:
+        x.optimizer_ms = {"adam": 0.25}
+    half = cluster(nodes=1, per_node=2, memory_gb=80).model_copy(update={"speed": 0.5})
+    opts = PlanOptions(global_batch=16, microbatch_size=2, optimizer="adam", split=[2, 2], method="manual")
+    plan, new, again = _refit(prof, half, opts, lambda p: [st.predicted.optimizer_ms for st in p.stages])
+    assert [st.predicted.optimizer_ms for st in plan.stages] == pytest.approx([1.0, 1.0])
+    assert [x.optimizer_ms["adam"] for x in new.layers] == pytest.approx([0.25] * 4)
+    assert [st.predicted.optimizer_ms for st in again.stages] == pytest.approx([1.0, 1.0])
+
+    tp_prof = _profile()
+    for x in tp_prof.layers:
+        x.optimizer_ms = {"sgd": 1.0}
+    opts = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd", method="manual", split=[2], tp=[2])
+    plan, new, again = _refit(tp_prof, _cluster(mem_gb=80), opts,
+                              lambda p: [st.predicted.optimizer_ms for st in p.stages])
+    assert [x.optimizer_ms["sgd"] for x in new.layers] == pytest.approx([1.0, 1.0])
+    assert again.stages[0].predicted.optimizer_ms == pytest.approx(plan.stages[0].predicted.optimizer_ms)
+
+
+def test_refine_shares_out_a_step_at_the_profiles_speed() -> None:
+    """No figure in the profile: the step measured on half-speed devices is twice the profile's."""
+    prof = chain_profile([1.0, 1.0], params=[3 * 10**6, 10**6])
+    half = cluster(nodes=1, per_node=1, memory_gb=80).model_copy(update={"speed": 0.5})
+    opts = PlanOptions(global_batch=16, microbatch_size=2, optimizer="adam", split=[2], method="manual")
+    _, new, again = _refit(prof, half, opts, lambda p: [2.0])
+    assert [x.optimizer_ms for x in new.layers] == [{"adam": 0.75}, {"adam": 0.25}]
+    assert again.stages[0].predicted.optimizer_ms == pytest.approx(2.0)

@@ -46,11 +46,10 @@ def test_adam_is_the_runtimes_and_costs_more_than_sgd() -> None:
     assert times["adam"] > 1.5 * times["sgd"] > 0
 
 
-def test_profile_has_each_layers_step_and_the_whole_models(small_env) -> None:
+def test_profile_has_each_layers_step(small_env) -> None:
     prof = profile_model_file(EXAMPLES / "mlp.py", batch_size=4, warmup=1, repeats=2)
     for x in prof.layers:
         trained = x.param_bytes - (x.frozen_param_bytes or 0)
         assert set(x.optimizer_ms) == set(OPTIMIZERS)
         assert (min(x.optimizer_ms.values()) > 0) == (trained > 0)
-    assert prof.measured is not None and set(prof.measured.optimizer_ms) == set(OPTIMIZERS)
-    assert prof.measured.optimizer_ms["adam"] > 0
+    assert any(x.optimizer_ms["adam"] > 0 for x in prof.layers)
