@@ -81,6 +81,14 @@ def profiles(only: list[str] | None) -> dict[str, Profile]:
     return {k: v for k, v in out.items() if not only or k in only}
 
 
+def with_optimizer_steps(profile: Profile, ms_per_gb: float) -> Profile:
+    """`profile` with an SGD step of `ms_per_gb` per GB of trained parameters on every layer
+    that has none (PipeDream's profiles do not measure it)."""
+    layers = [x if x.optimizer_ms else x.model_copy(update={"optimizer_ms": {
+        "sgd": ms_per_gb * (x.param_bytes - (x.frozen_param_bytes or 0)) / 1e9}}) for x in profile.layers]
+    return profile.model_copy(update={"layers": layers})
+
+
 def least_memory_gb(profile: Profile, cluster: dict, options: PlanOptions, b: int) -> float:
     """The least device memory at which the planner's memory conditions admit some plan
     (bisection over the DP's feasibility at unlimited time, 1F1B's memory whatever the
@@ -364,6 +372,10 @@ def main() -> None:
                     help="the planner's schedule for the main plan (1f1b, zb-h1, gpipe, auto)")
     ap.add_argument("--schedules", default="",
                     help="also plan with these schedules (e.g. zb-h1,gpipe,auto)")
+    ap.add_argument("--optimizer-step-ms-per-gb", type=float, default=0.0,
+                    help="give every layer without a measured optimizer step an SGD step of this "
+                         "many ms per GB of its parameters (e.g. 1.5: SGD reads parameter and "
+                         "gradient and writes the parameter, 12 bytes per float at 2 TB/s); 0: none")
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/plan_quality.json"))
     ap.add_argument("--planned", default="",
                     help="results JSON of an earlier run: take the planner's figures from its rows "
@@ -384,6 +396,8 @@ def main() -> None:
             f"{'wall':>5} {'random':>10} {'best base':>10} {'vs best%':>8} same idle")
     print(head)
     for pname, profile in profiles(only).items():
+        if args.optimizer_step_ms_per_gb > 0:
+            profile = with_optimizer_steps(profile, args.optimizer_step_ms_per_gb)
         B0 = profile.batch_size
         for cname in args.clusters.split(","):
             for mem in args.memory.split(","):
