@@ -92,6 +92,11 @@ def format_profile(profile: Any) -> str:
                        "processes) and more --repeats")
     if m is not None and m.peak_memory_bytes:
         out.append(f"whole-model peak memory: {_mb(m.peak_memory_bytes)} MB")
+    steps = [getattr(x, "optimizer_ms", None) or {} for x in profile.layers]
+    if any(steps):
+        names = [k for k in ("sgd", "momentum", "adam") if any(k in d for d in steps)]
+        out.append("optimizer step per iteration (sum of layers): " + ", ".join(
+            f"{k} {sum(d.get(k, 0.0) for d in steps):.3f} ms" for k in names))
     out.extend(format_tp(profile))
     return "\n".join(out)
 

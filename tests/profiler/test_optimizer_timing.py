@@ -53,3 +53,8 @@ def test_profile_has_each_layers_step(small_env) -> None:
         assert set(x.optimizer_ms) == set(OPTIMIZERS)
         assert (min(x.optimizer_ms.values()) > 0) == (trained > 0)
     assert any(x.optimizer_ms["adam"] > 0 for x in prof.layers)
+    from planner.commands.profile import format_profile
+
+    total = sum(x.optimizer_ms["adam"] for x in prof.layers)
+    assert "optimizer step per iteration (sum of layers): sgd " in format_profile(prof)
+    assert f"adam {total:.3f} ms" in format_profile(prof)
