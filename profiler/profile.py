@@ -15,6 +15,7 @@ import torch
 from planner.errors import PipeplanError
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
 from profiler.graph import LayerGraph, trace
+from profiler.host_memory import keep_large_blocks
 from profiler.loader import (
     DONATED,
     DONATED_ADVICE,
@@ -89,6 +90,7 @@ def profile_model_file(
         raise PipeplanError("--warmup must be >= 0 and --repeats >= 1")
     started = time.perf_counter()
     dev = resolve_device(device)
+    keep_large_blocks()  # as every runtime rank does: the profile prices what the run pays
     if threads is not None:
         if threads < 1:
             raise PipeplanError(f"--threads {threads}: must be at least 1")

@@ -228,11 +228,13 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    from profiler.host_memory import keep_large_blocks
     from runtime import comm
     from runtime.worker import DistEnv, _device, node_key
 
     env = DistEnv.from_environ()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    keep_large_blocks()  # as the runtime's ranks: speed measured as the run will see it
     device, backend = _device(env)
     comm.init_process_group(backend, device, env.rank, env.world_size, args.timeout)
     me, world = env.rank, env.world_size

@@ -23,6 +23,7 @@ from torch import nn
 
 from planner.errors import PipeplanError
 from planner.formats import Plan
+from profiler.host_memory import keep_large_blocks
 from profiler.optimizers import make_optimizer
 from profiler.tracing import TracingWarning
 from runtime import checkpoint, comm, rng, stages, tensor_parallel
@@ -522,6 +523,7 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
             if said:
                 print(f"warning: {said}", file=sys.stderr, flush=True)
     torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    keep_large_blocks()  # as the profiler does: the run pays what the profile priced
     worker = Worker(plan, opts, env)
     comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)
     worker.setup()
