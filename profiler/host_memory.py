@@ -14,7 +14,7 @@ glibc.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import sys
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
@@ -23,16 +23,16 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 2**31 - 1  # the most mallopt takes: in effect, never trim the heap
 
 
+@functools.cache
 def keep_large_blocks() -> bool:
-    """Set the thresholds for this process; True where they took (Linux with glibc)."""
+    """Set the thresholds for this process (once); True where they took (Linux with glibc)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own libc: no library search
     except (OSError, AttributeError):  # musl and other libcs: nothing to set
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and ok
+    return all([mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1,
+                mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1])

@@ -14,15 +14,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
-import importlib.util, json, resource, sys
+import json, resource, sys
 import torch
 from profiler.host_memory import keep_large_blocks
+from profiler.loader import load_model_file
 took = keep_large_blocks() if sys.argv[1] == "keep" else None
 torch.manual_seed(0)
 torch.set_num_threads(1)
-spec = importlib.util.spec_from_file_location("gpt", sys.argv[2])
-gpt = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpt)
+gpt = load_model_file(sys.argv[2])
 model = gpt.build_model()
 inputs, target = gpt.make_batch(4)
 faults = []
