@@ -16,7 +16,8 @@ started:
   the ring formula with the fitted link gives `allreduce_efficiency`;
 - each device's speed relative to the profiled device: a fixed workload (an MLP's forward and
   backward, or with `--profile P --model M` the profiled model's at the profile's batch size)
-  timed on every rank *at once*, against the same workload alone on rank 0 — or, when the
+  timed on every rank *at once*, against the same workload alone on rank 0 (both for at least
+  1.5 s after a warm-up, so neither is measured cold) — or, when the
   profile was made on another kind of device, against the profile's measured time of it. On
   a CPU box with more ranks than cores this is the oversubscription;
 - usable memory per device: free GPU memory, or the machine's available memory shared by its
@@ -229,14 +230,16 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     import torch.distributed as dist
 
     from profiler.host_memory import keep_large_blocks
-    from runtime import comm
+    from runtime import comm, cpu_binding
     from runtime.worker import DistEnv, _device, node_key
 
     env = DistEnv.from_environ()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    torch.set_num_threads(cpu_binding.default_threads(env.local_world_size))
     keep_large_blocks()  # as the runtime's ranks: speed measured as the run will see it
     device, backend = _device(env)
     comm.init_process_group(backend, device, env.rank, env.world_size, args.timeout)
+    # bound to cores as the runtime's ranks are, so links and speed are measured as a run sees them
+    cpu_binding.bind_rank(env.rank, device.type, node_key(), env.local_rank, cpu_binding.gather_all)
     me, world = env.rank, env.world_size
     hosts: list[object] = [None] * world
     # a node: torchrun's GROUP_RANK where set (containers may share a host name), and the host
@@ -319,7 +322,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     comm.barrier(device)
 
     # device speed: the workload on every rank at once, against it alone on rank 0
-    solo = _time_ms(step, torch, device, 7) if me == 0 else None
+    solo = _time_ms(step, torch, device, 7, window_s=1.5) if me == 0 else None
     comm.barrier(device)
     together = _time_ms(step, torch, device, 7, window_s=1.5)
     mem = _memory_bytes(torch, device, env.local_world_size)

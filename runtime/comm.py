@@ -9,7 +9,7 @@ step, so a rank never waits for a peer to consume what it produced. A failed or 
 wait raises `PeerError` naming the peer rank.
 
 Two protocols. On gloo (tags, a receive thread, buffered sends) operations are issued at once
-and receives are posted one action ahead. On NCCL, which matches a pair's operations by
+and receives are posted two actions ahead (`runtime.executor.RECV_LOOKAHEAD`). On NCCL, which matches a pair's operations by
 order and runs them in issue order, `batched=True`: `send` and `post_recv` only queue, and the
 queue goes out as one `batch_isend_irecv` at `end_action()` (the executor calls it after each
 action, having queued that action's sends and the next action's receives) or before any

@@ -20,6 +20,7 @@ join); on a recomputed stage, also what the recomputation of a block saves, whil
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,14 @@ from planner.errors import PipeplanError
 from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes, loss_workspace_bytes
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
+
+# gloo: receives are posted this many actions ahead. One ahead, posting a receive whose message
+# the peer had already sent blocked dist.irecv 1.4-5.5 ms (gloo's connection lock; ~0.05 ms of
+# CPU) 10-40 times in 20 steps of the GPT example on 2 stages; two ahead, 0-2 times, and the
+# iteration went from 37-40 to 35-36 ms (benchmarks/README.md, "Receives posted two ahead").
+# More costs memory (a buffer per posted receive) and bought nothing more. PIPEPLAN_RECV_LOOKAHEAD
+# overrides it (benchmarks/gloo_stalls.py compares 1 and 2).
+RECV_LOOKAHEAD = max(1, int(os.environ.get("PIPEPLAN_RECV_LOOKAHEAD", "2")))
 
 
 @dataclass
@@ -152,8 +161,9 @@ class StageExecutor:
         for i, a in enumerate(actions):
             if not batched or i == 0:
                 self._post(a)
-            if not batched and i + 1 < len(actions):
-                self._post(actions[i + 1])
+            if not batched:
+                for ahead in actions[i + 1:i + 1 + RECV_LOOKAHEAD]:
+                    self._post(ahead)
             if a.kind == "F":
                 total += self.forward(a.mb, inputs[a.mb], targets[a.mb])
             elif a.kind == "B":

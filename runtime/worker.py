@@ -26,7 +26,7 @@ from planner.formats import Plan
 from profiler.host_memory import keep_large_blocks
 from profiler.optimizers import make_optimizer
 from profiler.tracing import TracingWarning
-from runtime import checkpoint, comm, rng, stages, tensor_parallel
+from runtime import checkpoint, comm, cpu_binding, rng, stages, tensor_parallel
 from runtime.comm import P2P, PeerError
 from runtime.executor import StageExecutor, TimedEvent
 from runtime.options import RunOptions
@@ -522,10 +522,11 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
         for said in (layout_warning(plan, env), node_name_warning(plan, env, node_key())):
             if said:
                 print(f"warning: {said}", file=sys.stderr, flush=True)
-    torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1)))
+    torch.set_num_threads(opts.threads or cpu_binding.default_threads(env.local_world_size))
     keep_large_blocks()  # as the profiler does: the run pays what the profile priced
     worker = Worker(plan, opts, env)
     comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)
+    cpu_binding.bind_rank(env.rank, worker.device.type, node_key(), env.local_rank, cpu_binding.gather_all)
     worker.setup()
     gc.collect()
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
