@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +102,10 @@ class StageExecutor:
         # loss_workspace_bytes`); on CUDA the allocator's peak sees it. None: not measured yet
         self.loss_workspace_bytes: int | None = None if device.type != "cuda" else 0
         self.split_backward = False  # set by run() when the actions include W
+        # count what autograd saves (a Python hook per saved tensor, ~10 % of a small stage's
+        # forward on CPU): the worker turns it on for a run's first step only, whose actions and
+        # shapes every later step repeats, so later steps run as the profile timed them
+        self.count_memory = True
         self._w_done = 0
         self.recompute = False  # the worker sets both for a recomputed stage (runtime.recompute)
         self.forward_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = module
@@ -192,7 +196,8 @@ class StageExecutor:
             feed[key] = t
         t0 = time.time()
         # saved activations, each storage once, parameters and buffers not (as the profiler counts)
-        with count_saved_bytes(self._state) as seen:
+        counting = count_saved_bytes(self._state) if self.count_memory else nullcontext({})
+        with counting as seen:
             try:
                 out = self.forward_fn(feed)
             except RuntimeError as exc:
@@ -203,8 +208,9 @@ class StageExecutor:
                     "in place, e.g. nn.ReLU(inplace=True) or x.add_(...) at the start of its first "
                     "layer: autograd forbids that on a received tensor. Cut the model elsewhere "
                     "(plan --method manual --split ...) or make that operation out of place") from None
-            for ptr, nbytes in getattr(self.forward_fn, "kept", {}).items():  # recomputed blocks' inputs
-                seen.setdefault(ptr, nbytes)
+            if self.count_memory:  # recomputed blocks' inputs
+                for ptr, nbytes in getattr(self.forward_fn, "kept", {}).items():
+                    seen.setdefault(ptr, nbytes)
             loss = None
             if self.is_last:
                 target = target.to(self.device)
@@ -258,7 +264,7 @@ class StageExecutor:
     def _with_recompute_count(self, st: _InFlight) -> Iterator[None]:
         """While microbatch `st`'s backward runs: count what recomputation saves."""
         self._current = st
-        if self.recompute:
+        if self.recompute and self.count_memory:
             self.forward_fn.on_recompute = self._on_recompute  # type: ignore[attr-defined]
         try:
             yield
@@ -311,7 +317,8 @@ class StageExecutor:
                 got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
                                                  self._weights, direct=self.recompute)
             input_grads = dict(zip(keys, got, strict=True))
-            self._hold_for_weights(st)
+            if self.count_memory:
+                self._hold_for_weights(st)
         elif tensors:
             with self._with_recompute_count(st):
                 torch.autograd.backward(tensors, grads)

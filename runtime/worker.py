@@ -321,6 +321,7 @@ class Worker:
             inputs, targets = split_batch(self.mf.make_batch(plan.global_batch), self.b, self.m)
             counters = rng.int_buffers(self.module) if self.stage_group is not None else {}
             self.executor.step = s
+            self.executor.count_memory = s == self.start_step  # the first step measures memory
             loss = self.executor.run(self.actions, inputs, targets)
             self.p2p.flush()
             ar = self.sync_grads()
