@@ -234,12 +234,15 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     from runtime.worker import DistEnv, _device, node_key
 
     env = DistEnv.from_environ()
-    torch.set_num_threads(cpu_binding.default_threads(env.local_world_size))
+    threads = cpu_binding.default_threads(env.local_world_size)
+    torch.set_num_threads(threads)
     keep_large_blocks()  # as the runtime's ranks: speed measured as the run will see it
     device, backend = _device(env)
     comm.init_process_group(backend, device, env.rank, env.world_size, args.timeout)
-    # bound to cores as the runtime's ranks are, so links and speed are measured as a run sees them
-    cpu_binding.bind_rank(env.rank, device.type, node_key(), env.local_rank, cpu_binding.gather_all)
+    # bound to cores where the runtime's ranks are (PIPEPLAN_CPU_BIND=1), so links and speed are
+    # measured as a run sees them
+    cpu_binding.bind_rank(env.rank, device.type, node_key(), env.local_rank, threads,
+                          cpu_binding.gather_all)
     me, world = env.rank, env.world_size
     hosts: list[object] = [None] * world
     # a node: torchrun's GROUP_RANK where set (containers may share a host name), and the host

@@ -9,12 +9,13 @@ step, so a rank never waits for a peer to consume what it produced. A failed or 
 wait raises `PeerError` naming the peer rank.
 
 Two protocols. On gloo (tags, a receive thread, buffered sends) operations are issued at once
-and receives are posted two actions ahead (`runtime.executor.RECV_LOOKAHEAD`). On NCCL, which matches a pair's operations by
-order and runs them in issue order, `batched=True`: `send` and `post_recv` only queue, and the
-queue goes out as one `batch_isend_irecv` at `end_action()` (the executor calls it after each
-action, having queued that action's sends and the next action's receives) or before any
-blocking wait. `planner.p2p_order` checks statically that a plan's actions, issued this way,
-cannot deadlock or mismatch; the worker refuses a plan that fails it on NCCL.
+and receives are posted two actions ahead (`PIPEPLAN_RECV_LOOKAHEAD`, `runtime.executor`).
+On NCCL, which matches a pair's operations by order and runs them in issue order,
+`batched=True`: `send` and `post_recv` only queue, and the queue goes out as one
+`batch_isend_irecv` at `end_action()` (the executor calls it after each action, having
+queued that action's sends and the next action's receives) or before any blocking wait.
+`planner.p2p_order` checks statically that a plan's actions, issued this way, cannot deadlock
+or mismatch; the worker refuses a plan that fails it on NCCL.
 
 `init_process_group`, `new_group` and `barrier` here pass the rank's device explicitly and,
 on NCCL, turn on blocking waits with the run's timeout and async error handling, so a dead

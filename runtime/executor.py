@@ -35,13 +35,20 @@ from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes, l
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 
+
 # gloo: receives are posted this many actions ahead. One ahead, posting a receive whose message
 # the peer had already sent blocked dist.irecv 1.4-5.5 ms (gloo's connection lock; ~0.05 ms of
-# CPU) 10-40 times in 20 steps of the GPT example on 2 stages; two ahead, 0-2 times, and the
-# iteration went from 37-40 to 35-36 ms (benchmarks/README.md, "Receives posted two ahead").
-# More costs memory (a buffer per posted receive) and bought nothing more. PIPEPLAN_RECV_LOOKAHEAD
-# overrides it (benchmarks/gloo_stalls.py compares 1 and 2).
-RECV_LOOKAHEAD = max(1, int(os.environ.get("PIPEPLAN_RECV_LOOKAHEAD", "2")))
+# CPU) 10-40 times in 20 steps of the GPT example on 2 stages; two ahead, 0-2 times in 30, and
+# the 3 + 3 split's iteration 0.90x (benchmarks/README.md, "gloo_stalls.py"). More costs
+# memory and bought nothing more: each posted receive holds a buffer (one activation or
+# gradient), which neither the planner's memory model nor the CPU report counts.
+# PIPEPLAN_RECV_LOOKAHEAD overrides it on gloo (benchmarks/gloo_stalls.py compares 1 and 2).
+# An unbatched NCCL run (PIPEPLAN_P2P_BATCHED=0) posts one ahead: NCCL matches by order.
+def _recv_lookahead() -> int:
+    text = os.environ.get("PIPEPLAN_RECV_LOOKAHEAD", "2")
+    if not text.isdigit() or int(text) < 1:
+        raise PipeplanError(f"PIPEPLAN_RECV_LOOKAHEAD={text!r}: give a whole number of actions, 1 or more")
+    return int(text)
 
 
 @dataclass
@@ -144,8 +151,11 @@ class StageExecutor:
 
     # ------------------------------------------------------------------ receives
     def _post(self, action: Action) -> None:
-        """Post this action's receives early where the shapes are known."""
+        """Post this action's receives early where the shapes are known (W receives nothing:
+        its B took the gradient)."""
         j = action.mb
+        if action.kind == "W":
+            return
         if action.kind == "F":
             for key, src in self._recvs:
                 self.p2p.post_recv(self.peer_in(src, j), j, key, grad=False)
@@ -162,11 +172,12 @@ class StageExecutor:
         total = 0.0
         self.split_backward = any(a.kind == "W" for a in actions)
         batched = self.p2p.batched  # NCCL: the order planner.p2p_order checks (runtime.comm)
+        lookahead = _recv_lookahead() if self.device.type != "cuda" else 1
         for i, a in enumerate(actions):
             if not batched or i == 0:
                 self._post(a)
             if not batched:
-                for ahead in actions[i + 1:i + 1 + RECV_LOOKAHEAD]:
+                for ahead in actions[i + 1:i + 1 + lookahead]:
                     self._post(ahead)
             if a.kind == "F":
                 total += self.forward(a.mb, inputs[a.mb], targets[a.mb])

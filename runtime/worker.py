@@ -308,6 +308,7 @@ class Worker:
         step_ms, comm_ms, idle_ms, opt_ms = [], [], [], []
         self.losses: list[float] = []
         last_events: list[TimedEvent] = []
+        self.opts_every_step_memory = os.environ.get("PIPEPLAN_COUNT_MEMORY") == "every-step"
         for s in range(self.start_step, self.start_step + opts.steps):
             t0 = time.time()
             self.executor.events = []
@@ -321,7 +322,9 @@ class Worker:
             inputs, targets = split_batch(self.mf.make_batch(plan.global_batch), self.b, self.m)
             counters = rng.int_buffers(self.module) if self.stage_group is not None else {}
             self.executor.step = s
-            self.executor.count_memory = s == self.start_step  # the first step measures memory
+            # the first step measures memory (PIPEPLAN_COUNT_MEMORY=every-step: all, for a model
+            # whose saved tensors' sizes depend on the data, e.g. MoE routing)
+            self.executor.count_memory = s == self.start_step or self.opts_every_step_memory
             loss = self.executor.run(self.actions, inputs, targets)
             self.p2p.flush()
             ar = self.sync_grads()
@@ -523,11 +526,13 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
         for said in (layout_warning(plan, env), node_name_warning(plan, env, node_key())):
             if said:
                 print(f"warning: {said}", file=sys.stderr, flush=True)
-    torch.set_num_threads(opts.threads or cpu_binding.default_threads(env.local_world_size))
+    threads = opts.threads or cpu_binding.default_threads(env.local_world_size)
+    torch.set_num_threads(threads)
     keep_large_blocks()  # as the profiler does: the run pays what the profile priced
     worker = Worker(plan, opts, env)
     comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)
-    cpu_binding.bind_rank(env.rank, worker.device.type, node_key(), env.local_rank, cpu_binding.gather_all)
+    cpu_binding.bind_rank(env.rank, worker.device.type, node_key(), env.local_rank, threads,
+                          cpu_binding.gather_all)
     worker.setup()
     gc.collect()
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step

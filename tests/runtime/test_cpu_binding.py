@@ -27,6 +27,28 @@ def test_chunks_follow_local_rank_not_global_order_and_nodes_apart() -> None:
     assert cores_for(ranks, 3) == (6, 7)
 
 
+def test_not_bound_when_off_or_threads_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.cpu_binding import bind_rank
+
+    def gather(me: tuple) -> list:
+        return [("a", 0, (0, 1)), ("a", 1, (0, 1))]
+
+    monkeypatch.delenv("PIPEPLAN_CPU_BIND", raising=False)
+    assert bind_rank(0, "cpu", "a", 0, 1, gather) is None  # off by default: nothing gathered
+    monkeypatch.setenv("PIPEPLAN_CPU_BIND", "1")
+    assert bind_rank(0, "cuda", "a", 0, 1, gather) is None  # GPU ranks are left alone
+    here = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    if len(here) >= 2:  # a share of one CPU each; --threads 2 does not fit it: left unbound
+        def two(me: tuple) -> list:
+            return [("a", 0, here), ("a", 1, here)]
+
+        try:
+            assert bind_rank(0, "cpu", "a", 0, len(here), two) is None
+            assert tuple(sorted(os.sched_getaffinity(0))) == here
+        finally:
+            os.sched_setaffinity(0, here)
+
+
 def test_not_bound_when_oversubscribed_or_already_bound() -> None:
     assert cores_for([("a", i, (0, 1)) for i in range(4)], 0) is None  # more ranks than CPUs
     # someone (numactl, torchrun) bound the ranks already: their sets differ
@@ -41,7 +63,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     rank = int(os.environ["RANK"])
     comm.init_process_group("gloo", torch.device("cpu"), rank, 2, 60)
-    got = cpu_binding.bind_rank(rank, "cpu", "node", rank, cpu_binding.gather_all)
+    got = cpu_binding.bind_rank(rank, "cpu", "node", rank, 1, cpu_binding.gather_all)
     sets = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
     print(rank, got, sorted(sets), flush=True)
     dist.destroy_process_group()
@@ -51,9 +73,9 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and 2 CPUs")
 @pytest.mark.parametrize("switch", ["1", "0"])
-def test_every_thread_of_a_rank_is_bound_or_none_is(tmp_path: object, switch: str) -> None:
-    """Two real gloo ranks: each binds all its threads (gloo's loop included) to its own half of
-    the CPUs; with PIPEPLAN_CPU_BIND=0 nothing changes."""
+def test_every_thread_of_a_rank_is_bound_or_none_is(switch: str) -> None:
+    """Two real gloo ranks: with PIPEPLAN_CPU_BIND=1 each binds all its threads (gloo's loop
+    included) to its own half of the CPUs; with 0 (the default) nothing changes."""
     import socket
 
     with socket.socket() as s:

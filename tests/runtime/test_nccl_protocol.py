@@ -100,7 +100,7 @@ def _runtime_batches(path, stage_of, last):
     return out
 
 
-@pytest.mark.parametrize("case", ["1f1b-replicas", "gpipe-dag", "1f1b-tp"])
+@pytest.mark.parametrize("case", ["1f1b-replicas", "gpipe-dag", "1f1b-tp", "zb-h1"])
 def test_runtime_issues_exactly_what_the_static_check_models(run, tmp_path, batched, monkeypatch, case):
     """The order planner.p2p_order proves safe is the order the runtime really issues (also
     from and to every TP rank of a tensor-parallel stage)."""
@@ -112,6 +112,9 @@ def test_runtime_issues_exactly_what_the_static_check_models(run, tmp_path, batc
     if case == "1f1b-replicas":
         model = MODELS / "seq_mlp.py"
         path = run.plan(model, 3, [1, 2, 1], global_batch=12, microbatch_size=2)
+    elif case == "zb-h1":  # a W receives nothing: its B took the gradient
+        model = MODELS / "seq_mlp.py"
+        path = run.plan(model, 3, schedule="zb-h1", global_batch=12, microbatch_size=2)
     elif case == "1f1b-tp":
         for k, v in {"PIPEPLAN_GPT_BLOCKS": "2", "PIPEPLAN_GPT_DIM": "32", "PIPEPLAN_GPT_HEADS": "4",
                      "PIPEPLAN_GPT_VOCAB": "128", "PIPEPLAN_GPT_SEQ": "8", "PIPEPLAN_GPT_TIED": "0"}.items():
