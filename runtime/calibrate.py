@@ -229,20 +229,12 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from profiler.host_memory import keep_large_blocks
-    from runtime import comm, cpu_binding
-    from runtime.worker import DistEnv, _device, node_key
+    from runtime import comm
+    from runtime.worker import DistEnv, _device, node_key, start_rank
 
     env = DistEnv.from_environ()
-    threads = cpu_binding.default_threads(env.local_world_size)
-    torch.set_num_threads(threads)
-    keep_large_blocks()  # as the runtime's ranks: speed measured as the run will see it
     device, backend = _device(env)
-    comm.init_process_group(backend, device, env.rank, env.world_size, args.timeout)
-    # bound to cores where the runtime's ranks are (PIPEPLAN_CPU_BIND=1), so links and speed are
-    # measured as a run sees them
-    cpu_binding.bind_rank(env.rank, device.type, node_key(), env.local_rank, threads,
-                          cpu_binding.gather_all)
+    start_rank(env, device, backend, args.timeout)  # as the runtime's ranks: measured as a run sees it
     me, world = env.rank, env.world_size
     hosts: list[object] = [None] * world
     # a node: torchrun's GROUP_RANK where set (containers may share a host name), and the host

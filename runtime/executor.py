@@ -113,6 +113,8 @@ class StageExecutor:
         # forward on CPU): the worker turns it on for a run's first step only, whose actions and
         # shapes every later step repeats, so later steps run as the profile timed them
         self.count_memory = True
+        # receives posted ahead on gloo; one on CUDA (an unbatched NCCL run matches by order)
+        self.recv_lookahead = _recv_lookahead() if device.type != "cuda" else 1
         self._w_done = 0
         self.recompute = False  # the worker sets both for a recomputed stage (runtime.recompute)
         self.forward_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = module
@@ -172,12 +174,11 @@ class StageExecutor:
         total = 0.0
         self.split_backward = any(a.kind == "W" for a in actions)
         batched = self.p2p.batched  # NCCL: the order planner.p2p_order checks (runtime.comm)
-        lookahead = _recv_lookahead() if self.device.type != "cuda" else 1
         for i, a in enumerate(actions):
             if not batched or i == 0:
                 self._post(a)
             if not batched:
-                for ahead in actions[i + 1:i + 1 + lookahead]:
+                for ahead in actions[i + 1:i + 1 + self.recv_lookahead]:
                     self._post(ahead)
             if a.kind == "F":
                 total += self.forward(a.mb, inputs[a.mb], targets[a.mb])

@@ -308,7 +308,7 @@ class Worker:
         step_ms, comm_ms, idle_ms, opt_ms = [], [], [], []
         self.losses: list[float] = []
         last_events: list[TimedEvent] = []
-        self.opts_every_step_memory = os.environ.get("PIPEPLAN_COUNT_MEMORY") == "every-step"
+        every_step_memory = os.environ.get("PIPEPLAN_COUNT_MEMORY") == "every-step"
         for s in range(self.start_step, self.start_step + opts.steps):
             t0 = time.time()
             self.executor.events = []
@@ -324,7 +324,7 @@ class Worker:
             self.executor.step = s
             # the first step measures memory (PIPEPLAN_COUNT_MEMORY=every-step: all, for a model
             # whose saved tensors' sizes depend on the data, e.g. MoE routing)
-            self.executor.count_memory = s == self.start_step or self.opts_every_step_memory
+            self.executor.count_memory = s == self.start_step or every_step_memory
             loss = self.executor.run(self.actions, inputs, targets)
             self.p2p.flush()
             ar = self.sync_grads()
@@ -520,19 +520,28 @@ def node_name_warning(plan: Plan, env: DistEnv, here: str) -> str | None:
             "start torchrun with --node-rank in the cluster file's node order")
 
 
+def start_rank(env: DistEnv, device: torch.device, backend: str, timeout_s: float,
+               threads: int | None = None) -> None:
+    """What every rank of ours (the runtime's, calibrate's) does before its work: torch threads
+    (`threads`, default the node's CPUs over its ranks), glibc's large blocks kept as the
+    profiler keeps them (the run pays what the profile priced), the process group, and the
+    CPU binding where `PIPEPLAN_CPU_BIND=1` asks for it."""
+    threads = threads or cpu_binding.default_threads(env.local_world_size)
+    torch.set_num_threads(threads)
+    keep_large_blocks()
+    comm.init_process_group(backend, device, env.rank, env.world_size, timeout_s)
+    cpu_binding.bind_rank(env.rank, device.type, node_key(), env.local_rank, threads,
+                          cpu_binding.gather_all)
+
+
 def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     """Run one rank to the end; exceptions propagate (the caller reports them)."""
     if "GROUP_RANK" in os.environ and env.local_rank == 0:  # torchrun's; not our local launcher
         for said in (layout_warning(plan, env), node_name_warning(plan, env, node_key())):
             if said:
                 print(f"warning: {said}", file=sys.stderr, flush=True)
-    threads = opts.threads or cpu_binding.default_threads(env.local_world_size)
-    torch.set_num_threads(threads)
-    keep_large_blocks()  # as the profiler does: the run pays what the profile priced
     worker = Worker(plan, opts, env)
-    comm.init_process_group(worker.backend, worker.device, env.rank, env.world_size, opts.timeout)
-    cpu_binding.bind_rank(env.rank, worker.device.type, node_key(), env.local_rank, threads,
-                          cpu_binding.gather_all)
+    start_rank(env, worker.device, worker.backend, opts.timeout, opts.threads)
     worker.setup()
     gc.collect()
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
