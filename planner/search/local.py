@@ -47,12 +47,33 @@ def _split_positions(table: LayerTable, a: int, z: int) -> list[int]:
 def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Structure]:
     """Every move from `st` (recomputation is not a move: `Evaluator` gives every structure
     the best recomputation for it)."""
+    return (_apply(st, mv) for mv in _moves(st, table, ev))
+
+
+# a move of `_moves`: (bounds, replicas, degrees) of the new stages, or (None, policy, None), or
+# (None, None, microbatch size)
+Move = tuple
+
+
+def _apply(st: Structure, mv: Move) -> Structure:
+    bounds, x, y = mv
+    if bounds is not None:
+        return st.with_stages(bounds, x, y)
+    if x is not None:
+        return st.with_stages(st.bounds, st.replicas, policy=x)
+    return replace(st, microbatch_size=y)
+
+
+def _moves(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Move]:
+    """`neighbours` as moves, in the same order: a kick draws one of them and builds only that
+    one (on 128 devices a structure has over a thousand neighbours, and building every one of
+    them for each random step took a fifth of a plan's time)."""
     b, r, t = list(st.bounds), list(st.replicas), list(st.degrees)
     S = len(r)
     free = ev.cluster.num_devices - st.num_devices
 
     def w(bounds, reps, tps=None):
-        return st.with_stages(bounds, reps, t if tps is None else tps)
+        return (bounds, reps, t if tps is None else tps)
 
     # boundary shifts
     for k in range(1, S):
@@ -114,13 +135,13 @@ def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Stru
                     yield w(b, r[:k] + [rep] + r[k + 1:], t[:k] + [d] + t[k + 1:])
     for p in range(len(ev.policies)):
         if p != st.policy:
-            yield st.with_stages(st.bounds, st.replicas, policy=p)
+            yield (None, p, None)
     # the next microbatch size up or down (`--microbatch-sizes`), stages as they are
     if st.microbatch_size in ev.sizes:
         i = ev.sizes.index(st.microbatch_size)
         for j in (i - 1, i + 1):
             if 0 <= j < len(ev.sizes):
-                yield replace(st, microbatch_size=ev.sizes[j])
+                yield (None, None, ev.sizes[j])
 
 
 def wide_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
@@ -211,7 +232,10 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
         if wider is not None and ev(wider).better_than(cur_s):
             cur, cur_s = wider, ev(wider)
             continue
-        best, best_s = _best_move(neighbours(cur, table, ev), cur_s, ev, budget)
+        # a move to a stage that computes nothing scores INFEASIBLE, never better than any
+        # score: not built (on 128 devices, most moves from a kicked plan keep such a stage)
+        best, best_s = _best_move((_apply(cur, mv) for mv in _moves(cur, table, ev)
+                                   if mv[0] is None or not ev.idle_stage(mv[0])), cur_s, ev, budget)
         if best is None and wide and not budget.spent(ev):
             best, best_s = _best_move(wide_moves(cur, ev), cur_s, ev, budget)
         if best is None and split_one and not budget.spent(ev):
@@ -246,10 +270,10 @@ def _doubled(st: Structure, ev: Evaluator) -> Structure | None:
 def kick(st: Structure, rng: random.Random, table: LayerTable, ev: Evaluator,
          moves: int = 3) -> Structure:
     for _ in range(moves):
-        options = list(neighbours(st, table, ev))
+        options = list(_moves(st, table, ev))
         if not options:
             break
-        st = options[rng.randrange(len(options))]
+        st = _apply(st, options[rng.randrange(len(options))])
     return st
 
 

@@ -303,3 +303,24 @@ def test_tiny_time_limit_still_returns_the_best_seed() -> None:
     cand = solve(profile, cluster, options.model_copy(update={"time_limit_s": 1e-6}))
     ev = evaluate(layer_table(profile), cluster, cand, options)
     assert cand.solver["objective"] == pytest.approx(ev.iteration_ms, rel=REL)
+
+
+def test_idle_stage_is_the_definition_for_every_stage() -> None:
+    """`Evaluator.idle_stage` (precomputed `idle_ends`) says a stage [a, z) computes nothing
+    exactly where `compute_ms(a, z) <= 0`, for every a < z: runs of 0-ms layers at the ends,
+    in the middle, single ones, and layers that are 0 ms in forward or backward only."""
+    from planner.search.space import Evaluator
+    from tests.planner.helpers import chain_profile, cluster
+
+    rng = random.Random(3)
+    for trial in range(30):
+        n = rng.randint(1, 14)
+        fwd = [rng.choice([0.0, 0.0, rng.uniform(0.1, 3)]) for _ in range(n)]
+        bwd = [rng.choice([0.0, f, rng.uniform(0.1, 3)]) for f in fwd]
+        table = layer_table(chain_profile(fwd, bwd))
+        ev = Evaluator(table, cluster(), PlanOptions(global_batch=8, microbatch_size=8, optimizer="sgd"))
+        whole_idle = table.compute_ms(0, n) <= 0
+        for a in range(n):
+            for z in range(a + 1, n + 1):
+                want = not whole_idle and table.compute_ms(a, z) <= 0
+                assert ev.idle_stage((a, z)) == want, (trial, fwd, bwd, a, z)
