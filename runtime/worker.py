@@ -35,6 +35,21 @@ from runtime.report import RankRecord, build_report, chrome_trace, measured_simu
 log = logging.getLogger(__name__)
 
 
+class NoParameters:
+    """The optimizer of a stage without parameters: its step does nothing, its state is empty
+    (a checkpoint holds none for it)."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+        self.param_groups: list = []
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int
@@ -218,7 +233,10 @@ class Worker:
         for p in self.params.values():
             unique.setdefault(id(p), p)
         self.unique_params = list(unique.values())
-        self.optimizer = make_optimizer(opts.optimizer, self.unique_params, opts.lr)
+        # a stage of layers without parameters (activations, reshapes) has nothing to step:
+        # torch's optimizers refuse an empty parameter list
+        self.optimizer = make_optimizer(opts.optimizer, self.unique_params, opts.lr) \
+            if self.unique_params else NoParameters()
         if opt_state:
             checkpoint.load_optimizer_state(self.optimizer, self.params, opt_state)
 

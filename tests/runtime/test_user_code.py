@@ -138,3 +138,21 @@ def test_sparse_embedding_gradients_on_replicas(run, tmp_path):
         assert max_abs_diff(ref, torch.load(ck / "model.pt")) < TOL, optimizer
     rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--optimizer", "adam", "--timeout", 60)
     assert rc != 0 and "sparse gradient" in err and "Traceback" not in err, err
+
+
+def test_a_stage_without_parameters_trains_and_resumes(run, tmp_path):
+    """A stage of layers without parameters (an activation alone, on two replicas) has no
+    optimizer to step (torch's refuse an empty parameter list: every run of such a plan
+    failed); training equals single-process training with Adam, and a checkpoint resumes."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [1, 1, 4], [1, 2, 1])
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--optimizer", "adam", "--save",
+                        tmp_path / "ck1", "--timeout", 60)
+    assert rc == 0, err
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--optimizer", "adam", "--resume",
+                        tmp_path / "ck1", "--save", tmp_path / "ck", "--timeout", 60)
+    assert rc == 0, err
+    got = torch.load(tmp_path / "ck" / "model.pt")
+    ref = reference_train(str(model), 2, optimizer="adam")
+    assert set(got) == set(ref)
+    assert _diff(got, ref, ref) < TOL
