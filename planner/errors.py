@@ -4,3 +4,12 @@
 class PipeplanError(Exception):
     """An error caused by the user's input (a file, a flag, a model); the CLI prints its
     message without a traceback and exits with status 2."""
+
+
+def first_line(text: str, most: int = 300) -> str:
+    """The first line of an error message for a one-line report: at most `most` characters,
+    cut after a whole word with an ellipsis where longer."""
+    line = (text.strip().splitlines() or [""])[0]
+    if len(line) <= most:
+        return line
+    return line[:most].rsplit(" ", 1)[0].rstrip(" ,;:") + " …"

@@ -187,6 +187,13 @@ def _grad_targets(out: dict[str, Any]) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _detached(t: Any) -> Any:
+    """A tensor's detached view (no copy) that requires grad where the tensor does."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().requires_grad_(t.requires_grad)
+    return t
+
+
 def layer_values(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     """Every value crossing a layer boundary, from running the layers one by one (no grad)."""
     values: dict[str, Any] = {input_key(i): t for i, t in enumerate(inputs)}
@@ -255,8 +262,13 @@ class WholeRunner:
         f = self.timer.stop(t0)
         t1 = self.timer.start()
         leaves = _grad_targets(out)
-        loss = self.loss_fn(out, self.target)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        # the loss on a detached view of the output: its gradient with respect to each output
+        # tensor alone, not through the model (an output may feed another, e.g. hidden
+        # states returned beside the logits computed from them: a gradient taken through the
+        # model would free its graph before the backward below and count that path twice)
+        view = pytree.tree_map(_detached, out)
+        loss = self.loss_fn(view, self.target)
+        grads = torch.autograd.grad(loss, _grad_targets(view), allow_unused=True)
         lo = self.timer.stop(t1)
         pairs = [(t, g) for t, g in zip(leaves, grads, strict=True) if g is not None]
         t2 = self.timer.start()
@@ -282,12 +294,7 @@ def loss_workspace_bytes(out: Any, target: Any, loss_fn: Callable[[Any, Any], An
     the runtime's last stage (on CPU) both measure it here."""
     from profiler.allocations import peak_new_bytes
 
-    def detach(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return t.detach().requires_grad_(t.requires_grad)
-        return t
-
-    view = pytree.tree_map(detach, out)
+    view = pytree.tree_map(_detached, out)
     leaves = _grad_targets(view)
     if not leaves:
         return 0

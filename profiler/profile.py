@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from planner.errors import PipeplanError
+from planner.errors import PipeplanError, first_line
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
 from profiler.graph import LayerGraph, trace
 from profiler.host_memory import keep_large_blocks
@@ -124,7 +124,7 @@ def profile_model_file(
     except PipeplanError:
         raise
     except Exception as exc:  # noqa: BLE001
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        first = first_line(str(exc))
         raise PipeplanError(
             f"{mf.path}: one training step, loss_fn(build_model()(*inputs), target).backward(), "
             f"raised {type(exc).__name__}: {first}. Fix the model so that this runs by hand "
@@ -142,7 +142,7 @@ def profile_model_file(
     except (PipeplanError, KeyboardInterrupt, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001  # the model, run once more, failed this time
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        first = first_line(str(exc))
         if DONATED in str(exc):
             raise PipeplanError(f"{mf.path}: {DONATED_ADVICE}") from None
         raise PipeplanError(

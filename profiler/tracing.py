@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from planner.errors import PipeplanError
+from planner.errors import PipeplanError, first_line
 
 MAX_AUTO_LEAVES = 32
 
@@ -180,7 +180,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
         except PipeplanError:
             raise
         except Exception as exc:  # noqa: BLE001 - any tracing failure triggers the fallbacks
-            last_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+            last_error = first_line(f"{type(exc).__name__}: {exc}")
             failing = [p for p, _ in tracer.module_stack.values() if isinstance(p, str) and p]
             if isinstance(exc, _Opaque) and not failing:
                 # in the model's own forward: no module to call whole, and torch.export would
@@ -228,7 +228,7 @@ def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
             else:
                 gm = ep.module()
     except Exception as exc:  # noqa: BLE001
-        return None, f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+        return None, first_line(f"{type(exc).__name__}: {exc}")
     finally:
         for lg, level in zip(quiet, levels, strict=True):
             lg.setLevel(level)

@@ -198,3 +198,57 @@ def test_split_bytes_are_the_gradients_w_waits_for_and_the_saved_inputs() -> Non
         assert got.weight_grad_bytes == one
         assert got.weight_grad_output_bytes == output_part
         assert got.saved_input_bytes == one
+
+
+FEATURES_MODEL = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h0 = self.inp(x)
+        return self.out(self.blocks(h0)), h0  # the logits, and features they were computed from
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 3)
+
+
+def loss_fn(o, t):
+    return nn.functional.mse_loss(o[0], t) + 0.1 * o[1].abs().mean()
+'''
+
+
+def test_a_model_returning_features_its_logits_were_computed_from(tmp_path) -> None:
+    """An output that feeds another output (hidden states returned beside the logits): the
+    whole-model backward takes the loss's gradient of each output alone, then one backward
+    through the model, so every parameter gets exactly the gradient of `loss.backward()`
+    (the gradient taken through the model freed its graph: every such model failed to
+    profile, "Trying to backward through the graph a second time")."""
+    from profiler.measure import WholeRunner
+
+    path = tmp_path / "features.py"
+    path.write_text(FEATURES_MODEL)
+    profile = profile_model_file(path, 2, warmup=0, repeats=1)
+    assert profile.measured.bwd_ms > 0
+    ns: dict = {}
+    exec(FEATURES_MODEL, ns)
+    torch.manual_seed(0)
+    model = ns["build_model"]()
+    (x,), t = ns["make_batch"](2)
+    ns["loss_fn"](model(x), t).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    WholeRunner(model, (x,), t, ns["loss_fn"], torch.device("cpu")).once(keep=True)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, want[n], rtol=0, atol=1e-7), n
