@@ -2,7 +2,8 @@
 
 Internal module. Each transfer is one tensor identified by (microbatch, tensor key, direction).
 The first transfer of a (peer, key, direction) in a run carries a small int64 header (dtype,
-shape) so nothing needs to be known in advance; later ones reuse the cached shape (every
+shape; tagged without a microbatch, so the two sides' first transfers may be for different
+microbatches) so nothing needs to be known in advance; later ones reuse the cached shape (every
 microbatch of a run has the same size), which lets receives be posted early (prefetch).
 Sends are non-blocking (`isend`); their handles are kept until `flush()` at the end of the
 step, so a rank never waits for a peer to consume what it produced. A failed or timed-out
@@ -208,7 +209,10 @@ class P2P:
         if skey not in self._shapes:
             self._shapes[skey] = (t.dtype, tuple(t.shape))
             h = _header(t).to(self.device)
-            self._sends.append(self._submit(True, h, peer, self._tag(mb, key, grad, True), what))
+            # the header's tag names no microbatch: the receiver's first receive of this key
+            # may be for another microbatch than the sender's first send (a hand-ordered
+            # plan's actions), and it takes whichever header comes
+            self._sends.append(self._submit(True, h, peer, self._tag(0, key, grad, True), what))
         self._sends.append(self._submit(True, t, peer, self._tag(mb, key, grad, False), what))
         self.comm_ms += (time.perf_counter() - t0) * 1e3
 
@@ -245,7 +249,7 @@ class P2P:
         if not self.post_recv(peer, mb, key, grad):
             h = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
-            self._wait(self._submit(False, h, peer, self._tag(mb, key, grad, True), what))
+            self._wait(self._submit(False, h, peer, self._tag(0, key, grad, True), what))
             self._shapes[(peer, key, grad, False)] = _parse_header(h.cpu())
             self.post_recv(peer, mb, key, grad)
         p = self._recvs.pop((peer, key, mb, grad))

@@ -160,3 +160,18 @@ def test_two_torchrun_agents_train_like_one_process(run, tmp_path):
     ref = reference_train(str(model), 2, optimizer="adam", global_batch=16, microbatch_size=2)
     assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < TOL
     assert "step 2: loss" in logs[0][0] and "step 2" not in logs[1][0]  # rank 0 reports
+
+
+def test_a_hand_ordered_plan_whose_first_transfers_differ_per_side(run, tmp_path):
+    """Rank 0 runs its backward of microbatch 0 last: its first gradient received is that of
+    microbatch 1 while rank 1 sends microbatch 0's first. The shape header of a (peer, key,
+    direction) was tagged with the sender's first microbatch, so the receiver waited for a
+    header that never came until --timeout, and blamed a healthy peer; it names none now."""
+    model = MODELS / "seq_mlp.py"
+    path = run.plan(model, 2, global_batch=8, microbatch_size=2)
+    plan = json.loads(path.read_text())
+    actions = plan["rank_actions"]["0"]
+    actions.remove("0B0")
+    actions.append("0B0")
+    path.write_text(json.dumps(plan))
+    _check(run, model, path, 2, tmp_path)
