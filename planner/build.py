@@ -160,7 +160,7 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
                 **({"tp_comm_fwd_ms": costs.tp_comm_fwd_ms[s],
                     "tp_comm_bwd_ms": costs.tp_comm_bwd_ms[s]} if t > 1 else {}),
             ),
-            recompute=st.recompute,
+            recompute=st.recompute, param_bytes=table.param_bytes(st.start, st.stop),
         ))
     it = sim.iteration_ms
     solver = {"name": options.method, "status": "HEURISTIC", **candidate.solver}

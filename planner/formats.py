@@ -434,6 +434,9 @@ class PlanStage(_Open):
     predicted: StagePredicted
     recompute: bool = False  # activation recomputation (torch.utils.checkpoint per block)
     tp: PositiveInt = 1  # tensor-parallel degree: each replica is sharded over tp devices
+    # the profile's parameter bytes of the stage's layers (whole, one replica): the runtime
+    # checks the model it builds against it (absent in older plans: not checked)
+    param_bytes: NonNegativeInt | None = None
 
     @model_validator(mode="after")
     def _check(self) -> PlanStage:

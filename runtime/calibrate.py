@@ -430,9 +430,10 @@ def main(argv: list[str]) -> int:
     except PipeplanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from runtime.launch import ERROR_FILE_ENV
+    from runtime.launch import ERROR_FILE_ENV, die_with_launcher
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        die_with_launcher()
         return _rank(args, os.environ.get(ERROR_FILE_ENV))
     nproc = args.nproc_per_node
     if nproc is None:

@@ -163,6 +163,12 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
             f"plan's microbatch size ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             "make the plan with a --microbatch-size the model accepts (BatchNorm in training needs "
             "more than one row)") from None
+    mismatch = stages.parameter_mismatch(plan, graph, opts.model)
+    if mismatch and not opts.allow_mismatch:
+        raise PipeplanError(f"{mismatch}: build it as it was profiled, or profile it again and make "
+                            "a new plan, or pass --allow-mismatch to run the plan anyway")
+    if mismatch:
+        print(f"warning: {mismatch}; running anyway (--allow-mismatch)", file=sys.stderr)
     if trace_info:
         stages.save_trace_info(graph, granularity, trace_info)
     return granularity
@@ -172,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from runtime.launch import ERROR_FILE_ENV
+    from runtime.launch import ERROR_FILE_ENV, die_with_launcher
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        die_with_launcher()
         return _rank_main(args, os.environ.get(ERROR_FILE_ENV))
     import tempfile
 

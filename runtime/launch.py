@@ -5,7 +5,8 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0
 MASTER_PORT) — exactly what torchrun sets, including torchrun's way of hosting the rendezvous
 store in the launcher (TORCHELASTIC_USE_AGENT_STORE; the launcher's store binds its port
 itself, so no other process can take the port between choosing and using it) — plus
-PIPEPLAN_ERROR_FILE, where a failing rank writes its error. When any rank fails, the others are stopped at once and the error of the
+PIPEPLAN_ERROR_FILE, where a failing rank writes its error, and PIPEPLAN_LAUNCHER_PID: a rank
+ends when the launcher dies (`die_with_launcher`). When any rank fails, the others are stopped at once and the error of the
 rank that failed first on its own (not because a peer went away) is returned.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ERROR_FILE_ENV = "PIPEPLAN_ERROR_FILE"
+LAUNCHER_PID_ENV = "PIPEPLAN_LAUNCHER_PID"  # the launcher a rank must not outlive
 _GRACE_S = 1.0  # after a failure, how long the other ranks get to write their own errors
 
 
@@ -41,6 +43,28 @@ def _read_error(path: Path, rank: int, code: int) -> Failure:
     except (OSError, ValueError, KeyError):
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return Failure(rank, code, "crash", f"rank {rank} {how} without reporting an error")
+
+
+def die_with_launcher() -> None:
+    """In a rank this launcher started: ask Linux to end it (SIGTERM) when the launcher dies,
+    and end now if it already has. The ranks' connections to each other outlive the
+    launcher's store, so a launcher killed outright (SIGKILL, an OOM kill, a closed session)
+    left them training for nobody, holding the cores. Elsewhere (torchrun, other systems)
+    nothing changes."""
+    pid = os.environ.get(LAUNCHER_PID_ENV)
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(pid):  # the launcher died before the request took effect
+        print(f"error: rank {os.environ.get('RANK', '?')}: its launcher (pid {pid}) has exited; "
+              "stopping", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def free_port() -> int:
@@ -86,6 +110,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None) -> list
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "OMP_NUM_THREADS": str(threads),
                 ERROR_FILE_ENV: str(Path(tmp) / f"rank{rank}.json"),
+                LAUNCHER_PID_ENV: str(os.getpid()),
             })
             procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env))
 

@@ -157,6 +157,30 @@ def check_layers(plan: Plan, names: list[str], model_path: str, granularity: str
         )
 
 
+def parameter_mismatch(plan: Plan, graph: object, model_path: str) -> str | None:
+    """Where a stage's layers, built now, hold other parameter bytes than the profile said
+    (`PlanStage.param_bytes`, counted per layer as the profiler does): a message naming the
+    first such stage, else None. The file's hash and layer names can match while the model
+    differs: a model file sized by environment variables or other files (a width, a dtype).
+    Plans without the figure, and lazy modules not yet materialised, are not checked."""
+    from profiler.graph import build_stage
+
+    for st in plan.stages:
+        if st.param_bytes is None:
+            continue
+        try:
+            built = sum(p.numel() * p.element_size() for name in st.layers
+                        for p in build_stage(graph, [name]).parameters())
+        except ValueError:  # an UninitializedParameter has no size yet
+            return None
+        if built != st.param_bytes:
+            return (f"{model_path} builds a different model than was profiled: the layers of "
+                    f"stage {st.index} ({st.layers[0]} … {st.layers[-1]}) hold {built:,} bytes of "
+                    f"parameters, the profile {st.param_bytes:,} (its size set by environment "
+                    "variables or other files, e.g. a width or a dtype?)")
+    return None
+
+
 def build_all_stages(graph: object, plan: Plan) -> list[nn.Module]:
     from profiler.graph import build_stage
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from runtime_paths import MODELS
+from runtime_paths import EXAMPLES, MODELS
 
 
 @pytest.fixture
@@ -67,6 +67,48 @@ def test_unknown_layer_names_are_a_clear_error(run, tmp_path):
     plan.write_text(json.dumps(data))
     rc, out, err, _ = run(plan, "--model", model, "--steps", 1)
     assert rc == 2 and "'no_such_layer'" in err and "Traceback" not in err
+
+
+def test_a_model_sized_differently_than_profiled_is_a_clear_error(run, tmp_path, monkeypatch):
+    """Same file, same layer names, another width (set by an environment variable): its
+    parameter bytes are not the profile's. A plan made by the planner says each stage's
+    (`param_bytes`); a run of such a plan trained a model 8x the planned one without a word."""
+    import json
+
+    from planner.cost import layer_table
+    from planner.formats import Cluster, PlanOptions
+    from planner.solve import make_plan
+    from profiler.profile import profile_model_file
+
+    model = EXAMPLES / "mlp.py"
+    monkeypatch.setenv("PIPEPLAN_MLP_DIM", "16")
+    monkeypatch.setenv("PIPEPLAN_MLP_BLOCKS", "2")
+    profile = profile_model_file(model, 2, warmup=0, repeats=1)
+    half = len(profile.layers) // 2
+    plan = make_plan(profile, Cluster(nodes=1, devices_per_node=2, device_memory_gb=1,
+                                      intra_node_gb_per_s=10, inter_node_gb_per_s=10),
+                     PlanOptions(global_batch=8, microbatch_size=2, method="manual",
+                                 split=[half, len(profile.layers) - half],
+                                 optimizer="sgd"))
+    table = layer_table(profile)
+    assert [s.param_bytes for s in plan.stages] == [table.param_bytes(0, half),
+                                                    table.param_bytes(half, table.num_layers)]
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    rc, out, err, _ = run(path, "--model", model, "--steps", 1)
+    assert rc == 0, err
+    monkeypatch.setenv("PIPEPLAN_MLP_DIM", "32")
+    rc, out, err, _ = run(path, "--model", model, "--steps", 1)
+    assert rc == 2 and "builds a different model than was profiled" in err and "stage 0" in err
+    assert "Traceback" not in err and "step 1" not in out
+    rc, out, err, _ = run(path, "--model", model, "--steps", 1, "--allow-mismatch")
+    assert rc == 0 and "warning" in err and "running anyway" in err
+    data = json.loads(path.read_text())  # a plan of before the figure: not checked
+    for st in data["stages"]:
+        del st["param_bytes"]
+    path.write_text(json.dumps(data))
+    rc, out, err, _ = run(path, "--model", model, "--steps", 1)
+    assert rc == 0 and "different model" not in err
 
 
 def test_world_size_must_match_under_torchrun(run):
@@ -139,3 +181,50 @@ def test_calibrated_nodes_in_another_order_are_warned_about(run):
     said = node_name_warning(cal, DistEnv(0, 2, 0, 1), "b#0")  # host b came first this time
     assert said is not None and "b#0" in said and "a#0" in said and "--node-rank" in said
     assert node_name_warning(runnable_plan(plan), DistEnv(0, 2, 0, 1), "b#0") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_end_when_their_launcher_is_killed(run, tmp_path):
+    """A launcher killed outright (SIGKILL: no chance to stop its ranks) takes its ranks with
+    it; they trained on for nobody before (their connections to each other outlive it)."""
+    import signal
+    import time
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launcher = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                                 "--steps", "1000000", "--threads", "1"], cwd=root,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.time() + 60
+        while len(ranks) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+            kids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
+            ranks = [int(x) for x in kids.stdout.split()]
+        assert len(ranks) == 2, "the ranks did not start"
+        time.sleep(3)  # training
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline and any(os.path.exists(f"/proc/{r}") and
+                                             "Z" not in _state(r) for r in ranks):
+            time.sleep(0.2)
+        alive = [r for r in ranks if os.path.exists(f"/proc/{r}") and "Z" not in _state(r)]
+        assert not alive, f"ranks {alive} outlived their launcher"
+    finally:
+        launcher.kill()
+        for r in ranks:
+            try:
+                os.kill(r, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
