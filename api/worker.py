@@ -14,6 +14,7 @@ watches the parent process id.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,8 @@ from typing import Any
 from api.wording import in_api_words
 from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
+
+log = logging.getLogger(__name__)
 
 
 def _make_plan(task: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +97,11 @@ def run_one(task: dict[str, Any]) -> tuple[str, Any]:
     except PipeplanError as exc:
         return "user", in_api_words(str(exc))
     except Exception as exc:  # noqa: BLE001 - any bug is reported to the parent, not lost
-        tail = "".join(traceback.format_exception(exc)[-3:])
-        return "internal", f"{type(exc).__name__}: {exc}\n{tail}"
+        # the traceback goes to the server's log (this process's stderr), not to the client
+        log.error("internal error in a %s task:\n%s", task.get("kind", "?"),
+                  "".join(traceback.format_exception(exc)))
+        return "internal", (f"internal error ({type(exc).__name__}) in the planner; the server "
+                            "logged its traceback")
 
 
 def serve(conn: Any, lifeline: Any = None) -> None:

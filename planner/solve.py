@@ -24,6 +24,9 @@ from planner.schedules import SCHEDULES
 from planner.units import format_bytes
 
 Method = Callable[[Profile, Cluster, PlanOptions], Candidate]
+# the least a profile's layers may take in all (ms): below it (all zeros, or subnormal times)
+# the plan's times, throughput and ratios are not numbers a plan.json can hold
+MIN_TOTAL_MS = 1e-6
 
 
 def _pipedream(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
@@ -76,6 +79,13 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
                             f"iteration; at most {MAX_MICROBATCHES} are planned: give a larger "
                             "--microbatch-size")
     table = layer_table(profile)
+    total = table.compute_ms(0, table.num_layers)
+    if not total >= MIN_TOTAL_MS:
+        raise PipeplanError(f"the profile's layers take {total:.3g} ms in all (forward and backward "
+                            f"of one batch of {profile.batch_size}): at least {MIN_TOTAL_MS:g} ms is "
+                            "needed to plan (a pipeline of nothing has no best split). Profile the "
+                            "model again (python -m planner profile), or give the layers' times in "
+                            "milliseconds")
     reserved = reserved_memory_bytes(profile, cluster)
     nominal, cluster = cluster, cluster.with_memory_reserved(reserved)
     if options.schedule == "auto":

@@ -1261,7 +1261,7 @@ def _steps_to_prove(lo: float, hi: float) -> int:
     """Geometric bisection steps from [lo, hi] until the interval is within PROOF_GAP."""
     if lo <= 0:
         return 64
-    ratio = math.log(hi / lo)
+    ratio = math.log(hi) - math.log(lo)  # (hi / lo overflows where lo is subnormal)
     target = -math.log1p(-PROOF_GAP)
     return 0 if ratio <= target else math.ceil(math.log2(ratio / target))
 

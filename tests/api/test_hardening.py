@@ -139,3 +139,14 @@ def test_500_is_json_with_the_request_id(tmp_path: Path) -> None:
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert r.json()["request_id"] == "boom-1" and "RuntimeError" in r.json()["detail"]
     assert "disk on fire" not in r.text  # internals stay in the log
+
+
+def test_a_worker_bug_keeps_its_traceback_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A task that fails on a bug answers with the exception's type only: the client saw
+    the traceback's last frames (file paths of the server) in a 500's detail."""
+    from api.worker import run_one
+
+    status, message = run_one({"kind": "no such kind"})
+    assert status == "internal" and "ValueError" in message
+    assert "File " not in message and "no such kind" not in message
+    assert "Traceback" in caplog.text

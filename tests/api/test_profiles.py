@@ -70,6 +70,9 @@ def test_malformed_profile_names_the_field(client: TestClient) -> None:
 
     r = client.post("/v1/profiles", content=json.dumps(profile_doc()), headers={"content-type": "text/plain"})
     assert r.status_code == 422 and "Content-Type: application/json" in r.json()["detail"][0]["msg"]
+    # no content type at all: said so (validation said only "a valid dictionary" before)
+    r = client.post("/v1/profiles", content=json.dumps(profile_doc()), headers={"content-type": ""})
+    assert r.status_code == 422 and "without a Content-Type" in r.json()["detail"][0]["msg"]
 
 
 def test_body_over_limit_413(tmp_path) -> None:

@@ -324,3 +324,17 @@ def test_idle_stage_is_the_definition_for_every_stage() -> None:
             for z in range(a + 1, n + 1):
                 want = not whole_idle and table.compute_ms(a, z) <= 0
                 assert ev.idle_stage((a, z)) == want, (trial, fwd, bwd, a, z)
+
+
+@pytest.mark.parametrize("ms", [0.0, 5e-324, 1e-30])
+def test_a_profile_of_no_time_is_a_clear_error(ms: float) -> None:
+    """All-zero or subnormal layer times: a plan of them has no throughput a plan.json can
+    hold (infinity was written as null, which `simulate` then refused) and the bound's
+    arithmetic overflowed (an OverflowError traceback, a 500 in the service)."""
+    from planner.search.bound import _steps_to_prove
+    from tests.planner.helpers import chain_profile, cluster
+
+    profile = chain_profile([ms] * 4, [ms] * 4)
+    with pytest.raises(PipeplanError, match="profile the model again|Profile the model again"):
+        make_plan(profile, cluster(), PlanOptions(global_batch=16, microbatch_size=8, optimizer="sgd"))
+    assert _steps_to_prove(5e-324, 1.0) > 0
