@@ -571,13 +571,38 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
 
 def report_failure(env: DistEnv, exc: BaseException, error_file: str | None) -> None:
     """Tell the launcher (error file) or the user (stderr) what failed on this rank."""
-    import traceback
 
     kind = "peer" if isinstance(exc, PeerError) else "user" if isinstance(exc, PipeplanError) else "error"
-    text = str(exc) if kind != "error" else "".join(traceback.format_exception(exc)).rstrip()
+    text = str(exc) if kind != "error" else _traceback_text(exc)
     if error_file:
         Path(error_file).write_text(json.dumps({
             "rank": env.rank, "kind": kind, "message": f"rank {env.rank}: {text}", "time": time.time(),
         }))
     else:
         print(f"error: rank {env.rank}: {text}", file=sys.stderr, flush=True)
+
+
+def _traceback_text(exc: BaseException) -> str:
+    """The traceback of an unexpected error on a rank. Where it passes through the user's own
+    files (their model raised), only those frames and the error: the frames of the runtime,
+    torch.fx and torch.nn around them (some forty lines) say nothing to the user. Otherwise
+    (a fault of ours or of a library) all of it; PIPEPLAN_FULL_TRACEBACK=1: always all."""
+    import traceback
+
+    full = "".join(traceback.format_exception(exc)).rstrip()
+    if os.environ.get("PIPEPLAN_FULL_TRACEBACK") == "1":
+        return full
+    ours = [str(Path(__file__).resolve().parents[1] / d) for d in ("runtime", "planner", "profiler", "api")]
+    libs = [str(Path(torch.__file__).resolve().parents[1]), str(Path(os.__file__).resolve().parent)]
+
+    def users(filename: str) -> bool:
+        f = str(Path(filename).resolve()) if not filename.startswith("<") else ""
+        return bool(f) and not any(f.startswith(x) for x in ours + libs)
+
+    frames = [fr for fr in traceback.extract_tb(exc.__traceback__) if users(fr.filename)]
+    if not frames:
+        return full
+    shown = "".join(traceback.format_list(frames))
+    last = "".join(traceback.format_exception_only(exc)).rstrip()
+    return ("Traceback (your code's frames; PIPEPLAN_FULL_TRACEBACK=1 shows all):\n"
+            f"{shown}{last}")

@@ -25,6 +25,9 @@ def test_a_rank_that_raises_stops_every_rank_with_its_error(run, fault):
     assert rc == 1
     assert "rank 0" in err and "deliberate failure in Faulty.forward" in err
     assert wall < 120  # far below the 300 s timeout: the other ranks were stopped at once
+    # the model's own frame and the error, without the runtime's and torch's around them
+    assert "seq_mlp.py" in err and "your code's frames" in err
+    assert "runtime/executor.py" not in err and "torch/nn/modules" not in err
 
 
 def test_a_hung_rank_is_detected_by_the_timeout_and_named(run, fault):
