@@ -171,3 +171,14 @@ def test_serve_refuses_a_database_it_cannot_open(tmp_path: Path, capsys: pytest.
         assert main(["serve", "--port", "1", "--db", str(db)]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+def test_error_excerpts_end_on_a_whole_word() -> None:
+    """A long exception message in a one-line error is cut after a whole word with an
+    ellipsis (it was cut mid-word: "a second time o while it was timed")."""
+    from planner.errors import first_line
+
+    assert first_line("short\nsecond line") == "short"
+    cut = first_line("word " * 100, 40)
+    assert cut.endswith("word …") and len(cut) <= 42
+    assert first_line("x" * 50, 40) == "x" * 40 + " …"
