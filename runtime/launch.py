@@ -50,7 +50,8 @@ def die_with_launcher() -> None:
     and end now if it already has. The ranks' connections to each other outlive the
     launcher's store, so a launcher killed outright (SIGKILL, an OOM kill, a closed session)
     left them training for nobody, holding the cores. Elsewhere (torchrun, other systems)
-    nothing changes."""
+    nothing changes. (Linux signals when the *thread* that started the rank ends: `launch`
+    waits for its ranks in that thread, so that is when the launcher is done with them.)"""
     pid = os.environ.get(LAUNCHER_PID_ENV)
     if not pid or not sys.platform.startswith("linux"):
         return
