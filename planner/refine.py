@@ -323,7 +323,11 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
         "throughput_samples_per_s": plan.global_batch / (it / 1e3) if it > 0 else 0.0,
         "ratio_to_lower_bound": it / plan.predicted.lower_bound_ms if plan.predicted.lower_bound_ms > 0 else 1.0,
     })
-    return plan.model_copy(update={"stages": stages, "predicted": predicted, "cluster": cluster})
+    # the search's bound and gap were of the old costs: no bound holds for the corrected ones
+    solver = plan.solver.model_copy(update={"status": "REFINED", "objective": it, "bound": None,
+                                            "gap": None})
+    return plan.model_copy(update={"stages": stages, "predicted": predicted, "cluster": cluster,
+                                   "solver": solver})
 
 
 def format_corrections(c: Corrections) -> str:

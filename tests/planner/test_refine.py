@@ -155,3 +155,20 @@ def test_cost_model_uses_class_latency_overhead_and_allreduce_efficiency():
     # the all-reduce pays the class latency (not the message overhead) and the efficiency
     ring = 2 * 1 / 2 * 1000 / 1e9 * 1e3 + 2 * 1 * 105 / 1e3
     assert tuned.allreduce_ms[0] == pytest.approx(ring / 0.5)
+
+
+def test_without_a_profile_the_old_bound_is_not_claimed(tmp_path, capsys):
+    """Without --profile refine keeps the stages and corrects their costs: the search's bound
+    and gap were of the old costs, so the refined plan claims neither (it printed the old
+    bound, "status OPTIMAL, gap 0.0%", under a prediction four times above it)."""
+    _, plan = _plan()
+    report = _run(plan, (2.0, 1.0, 1.0), (2.0, 1.0, 1.0), overhead_us=300.0)
+    for name, obj in (("plan.json", plan), ("report.json", report)):
+        (tmp_path / name).write_text(obj.model_dump_json())
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "new.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "no plan is faster" not in out and "REFINED" in out
+    new = Plan.model_validate_json((tmp_path / "new.json").read_text())
+    assert new.solver.bound is None and new.solver.gap is None
+    assert new.solver.objective == new.predicted.iteration_ms
