@@ -84,6 +84,12 @@ class LayerMeasurement:
     optimizer_ms: dict[str, float] | None = None
 
 
+def param_bytes(module: torch.nn.Module) -> int:
+    """A layer's `param_bytes`: its parameters' bytes, a shared one once. The runtime counts
+    the model it builds the same way (`runtime.stages.parameter_mismatch`)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor in a (nested) value."""
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
@@ -370,7 +376,7 @@ def _layer_result(lg: LayerGraph, runners: list[StageRunner],
     oh = overhead or Overhead()
     out = []
     for layer, run in zip(lg.layers, runners, strict=True):
-        params = sum(p.numel() * p.element_size() for p in run.stage.parameters())
+        params = param_bytes(run.stage)
         frozen = sum(p.numel() * p.element_size() for p in run.stage.parameters() if not p.requires_grad)
         buffers = sum(b.numel() * b.element_size() for b in run.stage.buffers())
         fwd = max(0.0, statistics.median(run.fwd) - oh.fwd_ms) if run.fwd else 0.0

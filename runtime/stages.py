@@ -164,13 +164,13 @@ def parameter_mismatch(plan: Plan, graph: object, model_path: str) -> str | None
     differs: a model file sized by environment variables or other files (a width, a dtype).
     Plans without the figure, and lazy modules not yet materialised, are not checked."""
     from profiler.graph import build_stage
+    from profiler.measure import param_bytes
 
     for st in plan.stages:
         if st.param_bytes is None:
             continue
         try:
-            built = sum(p.numel() * p.element_size() for name in st.layers
-                        for p in build_stage(graph, [name]).parameters())
+            built = sum(param_bytes(build_stage(graph, [name])) for name in st.layers)
         except ValueError:  # an UninitializedParameter has no size yet
             return None
         if built != st.param_bytes:

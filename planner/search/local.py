@@ -45,9 +45,11 @@ def _split_positions(table: LayerTable, a: int, z: int) -> list[int]:
 
 
 def neighbours(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Structure]:
-    """Every move from `st` (recomputation is not a move: `Evaluator` gives every structure
-    the best recomputation for it)."""
-    return (_apply(st, mv) for mv in _moves(st, table, ev))
+    """Every move from `st` that can score (recomputation is not a move: `Evaluator` gives
+    every structure the best recomputation for it). A move to a stage that computes nothing
+    scores INFEASIBLE, never better than any score, so it is not built: on 128 devices most
+    moves from a kicked plan keep such a stage."""
+    return (_apply(st, mv) for mv in _moves(st, table, ev) if mv[0] is None or not ev.idle_stage(mv[0]))
 
 
 # a move of `_moves`: (bounds, replicas, degrees) of the new stages, or (None, policy, None), or
@@ -65,8 +67,8 @@ def _apply(st: Structure, mv: Move) -> Structure:
 
 
 def _moves(st: Structure, table: LayerTable, ev: Evaluator) -> Iterator[Move]:
-    """`neighbours` as moves, in the same order: a kick draws one of them and builds only that
-    one (on 128 devices a structure has over a thousand neighbours, and building every one of
+    """Every move from `st` (idle stages included), unbuilt: a kick draws one of them and
+    builds only that one (on 128 devices a structure has over a thousand neighbours, and building every one of
     them for each random step took a fifth of a plan's time)."""
     b, r, t = list(st.bounds), list(st.replicas), list(st.degrees)
     S = len(r)
@@ -232,10 +234,7 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
         if wider is not None and ev(wider).better_than(cur_s):
             cur, cur_s = wider, ev(wider)
             continue
-        # a move to a stage that computes nothing scores INFEASIBLE, never better than any
-        # score: not built (on 128 devices, most moves from a kicked plan keep such a stage)
-        best, best_s = _best_move((_apply(cur, mv) for mv in _moves(cur, table, ev)
-                                   if mv[0] is None or not ev.idle_stage(mv[0])), cur_s, ev, budget)
+        best, best_s = _best_move(neighbours(cur, table, ev), cur_s, ev, budget)
         if best is None and wide and not budget.spent(ev):
             best, best_s = _best_move(wide_moves(cur, ev), cur_s, ev, budget)
         if best is None and split_one and not budget.spent(ev):
