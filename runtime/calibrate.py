@@ -21,7 +21,12 @@ started:
   profile was made on another kind of device, against the profile's measured time of it. On
   a CPU box with more ranks than cores this is the oversubscription;
 - usable memory per device: free GPU memory, or the machine's available memory shared by its
-  local ranks (`--memory-gb` overrides, e.g. to plan as if devices were smaller).
+  local ranks (`--memory-gb` overrides, e.g. to plan as if devices were smaller);
+- what a message costs inside a running pipeline (`runtime.pipeline_probe`, with two or more
+  ranks): every rank a stage of a 1F1B chain of MLP blocks over the runtime's own channel,
+  and the per-message delay on top of the fitted links with which the planner's simulator
+  reproduces the measured iteration, written as `p2p_overhead_us` (what `planner refine`
+  fits from a real run; on our 2 cores ~0.8-1.2 ms against a ping-pong's ~0.13 ms).
 
 Rank 0 writes cluster.json (uniform form on one node or equal nodes, the list form when nodes
 differ; `latency_us` is the smallest class latency so bounds stay valid; the class latencies,
@@ -324,9 +329,29 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     rows: list[object] = [None] * world
     dist.all_gather_object(rows, (together, mem, device.type, device_name(device)))
     comm.barrier(device)
+
+    # what a message costs inside a running pipeline (runtime.pipeline_probe)
+    probe = None
+    if world >= 2:
+        from runtime import pipeline_probe
+
+        probe = pipeline_probe.run(torch, dist, me, world, device, args.timeout)
+        comm.barrier(device)
     dist.destroy_process_group()
     if me != 0:
         return None
+    if probe is not None:
+        hops = []
+        for r in range(1, world):
+            kind = "intra" if node_of[r - 1] == node_of[r] else "inter"
+            link = links.get(kind) or links.get("inter" if kind == "intra" else "intra")
+            hops.append((link["latency_us"], link["gb_per_s"]))
+        probe["hops"] = [list(h) for h in hops]
+        probe["simulated_without_overhead_ms"] = pipeline_probe.simulated_ms(
+            probe["fwd_ms"], probe["bwd_ms"], probe["microbatches"], probe["bytes"], hops, 0.0)
+        probe["p2p_overhead_us"] = pipeline_probe.fit_overhead(
+            probe["fwd_ms"], probe["bwd_ms"], probe["microbatches"], probe["bytes"], hops,
+            probe["iteration_ms"])
     # the same kind of device as the profiled one: only running together slows it (the
     # profile's whole-model time sums separately timed parts, so it is no reference); another
     # kind: the profile's time of the same work against this device's
@@ -343,6 +368,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
         "speeds": [base / r[0] for r in rows],  # type: ignore[index,operator]
         "memory_bytes": [r[1] for r in rows],  # type: ignore[index]
         "device": rows[0][2], "device_name": rows[0][3],  # type: ignore[index]
+        "pipeline": probe,
     }
 
 
@@ -377,10 +403,11 @@ def cluster_from(meas: dict, memory_gb: float | None = None) -> dict:
         inter_node_latency_us=round(inter["latency_us"], 2),
         allreduce_efficiency=round(float(meas["allreduce"].get("efficiency", 1.0)) or 1.0, 4)
         if meas.get("allreduce") else 1.0,
+        p2p_overhead_us=round(float(meas["pipeline"]["p2p_overhead_us"]), 1) if meas.get("pipeline") else 0.0,
         calibration={k: meas.get(k) for k in (
             "backend", "device", "device_name", "links", "allreduce", "speed_workload",
             "speed_reference_ms", "solo_ms", "profile_measured_ms", "profiled_device",
-            "same_device_as_profiled", "together_ms", "speeds", "memory_bytes")}
+            "same_device_as_profiled", "together_ms", "speeds", "memory_bytes", "pipeline")}
         | {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     )
     return out
@@ -411,6 +438,7 @@ def format_summary(cluster: dict, nominal: dict | None) -> str:
         f"{'cross-node latency (us)':32s} {cluster['inter_node_latency_us']:>14.1f} {n('inter_node_latency_us'):>10s}",
         f"{'cross-node bandwidth (GB/s)':32s} {cluster['inter_node_gb_per_s']:>14.3f} {n('inter_node_gb_per_s'):>10s}",
         f"{'all-reduce efficiency':32s} {cluster['allreduce_efficiency']:>14.3f} {n('allreduce_efficiency'):>10s}",
+        f"{'per-message overhead (us)':32s} {cluster.get('p2p_overhead_us', 0.0):>14.1f} {n('p2p_overhead_us'):>10s}",
         f"{'device speed (x profiled device)':32s} {speed!s:>14s} {n('speed'):>10s}",
         f"{'memory per device (GB)':32s} {memory!s:>14s} {n('device_memory_gb'):>10s}",
     ]

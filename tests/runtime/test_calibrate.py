@@ -15,6 +15,7 @@ from runtime_paths import MODELS
 
 from planner.formats import Cluster
 from runtime.calibrate import cluster_from, fit_alpha_beta, format_summary
+from runtime.pipeline_probe import fit_overhead
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,6 +81,14 @@ def test_calibrate_two_local_ranks(tmp_path):
     assert all(t > 0 for _, t in cal["links"]["intra"]["points_us"])
     assert len(cal["speeds"]) == 2 and c.device_memory_gb > 0
     assert "same-node latency" in r.stdout and "nominal" in r.stdout and "wrote" in r.stdout
+    # the pipeline probe ran both ranks as a 1F1B chain; its overhead is the fit of what it measured
+    probe = cal["pipeline"]
+    assert len(probe["fwd_ms"]) == len(probe["bwd_ms"]) == 2 and min(probe["fwd_ms"] + probe["bwd_ms"]) > 0
+    assert probe["iteration_ms"] > 0 and c.p2p_overhead_us >= 0
+    refit = fit_overhead(probe["fwd_ms"], probe["bwd_ms"], probe["microbatches"], probe["bytes"],
+                         probe["hops"], probe["iteration_ms"])
+    assert c.p2p_overhead_us == pytest.approx(refit, abs=0.06)
+    assert "per-message overhead" in r.stdout
 
 
 def test_calibrate_two_nodes_under_torchrun(tmp_path):
