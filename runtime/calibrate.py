@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, help="usable memory per device to write instead "
                    "of the measured one")
     p.add_argument("--rounds", type=int, default=60,
-                   help="messages per size (default 60; all-reduces: 3x as many)")
+                   help="messages per size (default 60; all-reduces: 3x as many; iterations of "
+                        "the pipeline probe: as many, at least 10)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a rank waits for a peer before it gives up (default 120)")
     return p
@@ -335,7 +336,8 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     if world >= 2:
         from runtime import pipeline_probe
 
-        probe = pipeline_probe.run(torch, dist, me, world, device, args.timeout)
+        probe = pipeline_probe.run(torch, dist, me, world, device, args.timeout,
+                                   iterations=max(10, args.rounds))
         comm.barrier(device)
     dist.destroy_process_group()
     if me != 0:

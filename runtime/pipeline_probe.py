@@ -84,7 +84,7 @@ def fit_overhead(fwd_ms: Sequence[float], bwd_ms: Sequence[float], microbatches:
 
 
 def run(torch: Any, dist: Any, me: int, world: int, device: Any, timeout_s: float,
-        iterations: int = 30, microbatches: int = MICROBATCHES, batch: int = BATCH,
+        iterations: int = 60, microbatches: int = MICROBATCHES, batch: int = BATCH,
         dim: int = DIM) -> dict | None:
     """Every rank runs the probe's pipeline; rank 0 returns what it measured (per rank forward
     and backward ms, iteration ms), the others None."""
