@@ -277,7 +277,8 @@ class Cluster(_Closed):
     intra_node_latency_us: NonNegativeFloat | None = None
     inter_node_latency_us: NonNegativeFloat | None = None
     # what each pipeline message pays beyond its link (the runtime's work and wake-ups around a
-    # message), fitted from a run by `python -m planner refine`; not paid by all-reduces
+    # message): measured by `python -m runtime calibrate` in a short pipeline of its own, fitted
+    # from a run by `python -m planner refine`; not paid by all-reduces
     p2p_overhead_us: NonNegativeFloat = 0.0
     # measured gradient all-reduce time = the ring formula's / allreduce_efficiency (<= 1)
     allreduce_efficiency: float = Field(default=1.0, gt=0, le=1)

@@ -26,7 +26,8 @@ started:
   ranks): every rank a stage of a 1F1B chain of MLP blocks over the runtime's own channel,
   and the per-message delay on top of the fitted links with which the planner's simulator
   reproduces the measured iteration, written as `p2p_overhead_us` (what `planner refine`
-  fits from a real run; on our 2 cores ~0.8-1.2 ms against a ping-pong's ~0.13 ms).
+  fits from a real run; on our 2 cores 0.65-1.22 ms with 2 ranks, ~1.4 ms with 4, against a
+  ping-pong's 0.13-0.31 ms).
 
 Rank 0 writes cluster.json (uniform form on one node or equal nodes, the list form when nodes
 differ; `latency_us` is the smallest class latency so bounds stay valid; the class latencies,
@@ -447,6 +448,12 @@ def format_summary(cluster: dict, nominal: dict | None) -> str:
     if "inter" not in cal["links"]:
         lines.append("(one node: cross-node figures are the same-node ones)")
     lines.append("per-rank speed: " + ", ".join(f"{s:.2f}" for s in cal["speeds"]))
+    probe = cal.get("pipeline")
+    if probe:
+        lines.append(f"pipeline probe ({len(probe['fwd_ms'])} ranks, {probe['schedule']}, "
+                     f"{probe['microbatches']} microbatches): iteration {probe['iteration_ms']:.2f} ms "
+                     f"measured, {probe['simulated_without_overhead_ms']:.2f} ms simulated without "
+                     "the per-message overhead")
     return "\n".join(lines)
 
 

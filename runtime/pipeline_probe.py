@@ -10,8 +10,9 @@ any plan exists, the same way:
 1. every rank of the job is one stage of a chain (rank r is stage r), each stage an MLP block
    (forward and backward through autograd) on microbatches of `batch` x `dim` floats, the
    activations sent forward and the gradients back over the runtime's own channel
-   (`runtime.comm.P2P`), used as the executor uses it: receives posted two actions ahead on
-   gloo, one batch per action on NCCL; 1F1B from `planner.schedules`, as a plan would run it;
+   (`runtime.comm.P2P`), used as the executor uses it (its receive lookahead on gloo, one ahead
+   on unbatched NCCL, one batch per action on NCCL); 1F1B from `planner.schedules`, as a plan
+   would run it (`planner.p2p_order` checks the chain's order in the tests);
 2. per rank, the median forward and backward of a microbatch (timed around the compute, as the
    runtime's report times a stage), and the median iteration (the slowest rank's, from a
    barrier to its sends delivered);
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.cost import PipelineCosts, Send, transfer_ms
-from planner.schedules import generate
+from planner.schedules import generate, generate_rank
 from planner.simulator import simulate_costs
 
 SCHEDULE = "1f1b"
@@ -89,8 +90,9 @@ def run(torch: Any, dist: Any, me: int, world: int, device: Any, timeout_s: floa
     """Every rank runs the probe's pipeline; rank 0 returns what it measured (per rank forward
     and backward ms, iteration ms), the others None."""
     from runtime import comm
+    from runtime.executor import _recv_lookahead
 
-    actions = chain_schedule(world, microbatches)[me]
+    actions = generate_rank(SCHEDULE, [(r,) for r in range(world)], microbatches, me)
     gen = torch.Generator().manual_seed(1000 + me)
     block = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
                                 torch.nn.Linear(4 * dim, dim))
@@ -100,8 +102,10 @@ def run(torch: Any, dist: Any, me: int, world: int, device: Any, timeout_s: floa
     block = block.to(device)
     x0 = torch.randn(batch, dim, generator=gen).to(device)
     p2p = comm.P2P(me, device, {KEY: 0}, timeout_s,
+                   describe_rank={r: f"rank {r} (calibrate's pipeline probe)" for r in range(world)},
                    batched=comm.batched_protocol("nccl" if device.type == "cuda" else "gloo"))
-    lookahead = 1 if p2p.batched else 2
+    # as the executor: on NCCL (batched, or unbatched and matched by order) one ahead
+    lookahead = 1 if p2p.batched or device.type == "cuda" else _recv_lookahead()
 
     def sync() -> None:
         if device.type == "cuda":
@@ -141,6 +145,7 @@ def run(torch: Any, dist: Any, me: int, world: int, device: Any, timeout_s: floa
                 x, y = held.pop(a.mb)
                 g = (p2p.recv(me + 1, a.mb, KEY, grad=True) if me < world - 1
                      else torch.ones_like(y))
+                sync()
                 t0 = time.perf_counter()
                 y.backward(g)
                 sync()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from planner.formats import Cluster
-from runtime.calibrate import cluster_from
-from runtime.pipeline_probe import fit_overhead, simulated_ms
+from runtime.calibrate import cluster_from, format_summary
+from runtime.pipeline_probe import chain_schedule, fit_overhead, simulated_ms
 
 
 def test_one_microbatch_is_the_sum_of_its_path():
@@ -37,6 +37,15 @@ def test_fit_recovers_the_overhead_of_a_longer_pipeline(world):
     assert fit_overhead([1.0], [2.0], 8, 32768, [], 50.0) == 0.0
 
 
+@pytest.mark.parametrize("world", range(2, 10))
+def test_the_probe_chain_cannot_deadlock_on_nccl(world):
+    """The probe's 1F1B chain, issued as the executor issues it, passes the static order check
+    every plan passes on NCCL (more ranks than microbatches included)."""
+    from planner.p2p_order import check_schedule
+
+    check_schedule(chain_schedule(world, 8), [(r,) for r in range(world)])
+
+
 def _meas(pipeline):
     link = {"latency_us": 120.0, "gb_per_s": 3.0}
     return {"ranks_of_node": [[0, 1]], "speeds": [1.0, 1.0], "memory_bytes": [8e9, 8e9],
@@ -45,7 +54,11 @@ def _meas(pipeline):
 
 
 def test_cluster_json_carries_the_overhead():
-    c = Cluster.model_validate(cluster_from(_meas({"p2p_overhead_us": 812.34, "iteration_ms": 25.0})))
+    probe = {"p2p_overhead_us": 812.34, "iteration_ms": 25.0, "fwd_ms": [0.6, 0.6], "schedule": "1f1b",
+             "microbatches": 8, "simulated_without_overhead_ms": 17.5}
+    c = Cluster.model_validate(cluster_from(_meas(probe)))
     assert c.p2p_overhead_us == 812.3 and c.calibration["pipeline"]["iteration_ms"] == 25.0
+    summary = format_summary(c.model_dump(exclude_none=True), None)
+    assert "per-message overhead (us)" in summary and "812.3" in summary and "17.50 ms simulated" in summary
     # one rank: no probe, no overhead (as before the probe)
     assert Cluster.model_validate(cluster_from(_meas(None))).p2p_overhead_us == 0.0
