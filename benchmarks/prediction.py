@@ -84,7 +84,8 @@ def pipeline_row(name: str, model: Path, env: dict[str, str], S: int, split: lis
             "step_ms": json.loads((d / "report.json").read_text())["step_ms"],
             "step_ms_refined": json.loads((d / "report2.json").read_text())["step_ms"],
             "calibrated_latency_us": cl["intra_node_latency_us"], "calibrated_gb_per_s": cl["intra_node_gb_per_s"],
-            "calibrated_speed": cl["speed"], "p2p_overhead_us": corr["p2p_overhead_us_after"],
+            "calibrated_speed": cl["speed"], "calibrated_p2p_overhead_us": cl.get("p2p_overhead_us", 0.0),
+            "p2p_overhead_us": corr["p2p_overhead_us_after"],
             "fwd_scales": [s["fwd_scale"] for s in corr["stages"]],
             "bwd_scales": [s["bwd_scale"] for s in corr["stages"]], "refine_output": out}
 
@@ -111,8 +112,9 @@ def calibrate_twice(tmp: Path) -> dict:
     for i in range(2):
         sh("-m", "runtime", "calibrate", "--nproc-per-node", 4, "-o", tmp / f"c{i}.json")
         rows.append(json.loads((tmp / f"c{i}.json").read_text()))
-    keys = ["intra_node_latency_us", "intra_node_gb_per_s", "speed", "allreduce_efficiency"]
-    return {k: [r[k] for r in rows] + [100 * abs(rows[0][k] - rows[1][k]) / max(rows[0][k], 1e-12)]
+    keys = ["intra_node_latency_us", "intra_node_gb_per_s", "speed", "allreduce_efficiency", "p2p_overhead_us"]
+    return {k: [r.get(k, 0.0) for r in rows]
+            + [100 * abs(rows[0].get(k, 0.0) - rows[1].get(k, 0.0)) / max(rows[0].get(k, 0.0), 1e-12)]
             for k in keys}
 
 
@@ -145,14 +147,14 @@ def main() -> None:
         repeat = calibrate_twice(tmp) if "calibrate" in parts else {}
     load_after = os.getloadavg()
     lines = ["| model | S | calibrated: predicted / measured ms (error) | refined: predicted / measured ms (error) "
-             "| calibrated latency us, GB/s, speed | fitted p2p overhead us | fwd / bwd scales | load avg |",
+             "| calibrated latency us, GB/s, speed, p2p overhead us | fitted p2p overhead us | fwd / bwd scales | load avg |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['S']} | {r['predicted_calibrated_ms']:.1f} / {r['measured_ms']:.1f} "
             f"({r['error_calibrated_pct']:+.1f}%) | {r['predicted_refined_ms']:.1f} / {r['measured_refined_ms']:.1f} "
             f"({r['error_refined_pct']:+.1f}%) | {r['calibrated_latency_us']:.0f}, {r['calibrated_gb_per_s']:.2f}, "
-            f"{r['calibrated_speed']:.2f} | {r['p2p_overhead_us']:.0f} | "
+            f"{r['calibrated_speed']:.2f}, {r['calibrated_p2p_overhead_us']:.0f} | {r['p2p_overhead_us']:.0f} | "
             f"{', '.join(f'{x:.2f}' for x in r['fwd_scales'])} / {', '.join(f'{x:.2f}' for x in r['bwd_scales'])} | "
             f"{' → '.join(f'{x:.1f}' for x in r['loadavg'])} |")
     table = "\n".join(lines)
