@@ -236,6 +236,7 @@ def digest_data(data: object) -> str:
 
 MAX_DEVICE_MEMORY_GB = 1e6  # a petabyte per device: beyond it, a typo (and bytes overflow)
 MAX_SPEED = 1e6
+MAX_LATENCY_US = 1e7  # ten seconds per message: beyond it, a typo (and predictions of ~1e308 ms)
 
 
 class NodeSpec(_Closed):
@@ -271,15 +272,15 @@ class Cluster(_Closed):
     speed: float = Field(default=1.0, gt=0, le=MAX_SPEED)
     intra_node_gb_per_s: float = Field(gt=0)
     inter_node_gb_per_s: float = Field(gt=0)
-    latency_us: NonNegativeFloat = 0.0
+    latency_us: NonNegativeFloat = Field(default=0.0, le=MAX_LATENCY_US)
     # per link class, when measured (`python -m runtime calibrate`): a message of n bytes takes
     # `latency_us + n / gb_per_s` (the alpha-beta model); None: `latency_us` for that class
-    intra_node_latency_us: NonNegativeFloat | None = None
-    inter_node_latency_us: NonNegativeFloat | None = None
+    intra_node_latency_us: NonNegativeFloat | None = Field(default=None, le=MAX_LATENCY_US)
+    inter_node_latency_us: NonNegativeFloat | None = Field(default=None, le=MAX_LATENCY_US)
     # what each pipeline message pays beyond its link (the runtime's work and wake-ups around a
     # message): measured by `python -m runtime calibrate` in a short pipeline of its own, fitted
     # from a run by `python -m planner refine`; not paid by all-reduces
-    p2p_overhead_us: NonNegativeFloat = 0.0
+    p2p_overhead_us: NonNegativeFloat = Field(default=0.0, le=MAX_LATENCY_US)
     # measured gradient all-reduce time = the ring formula's / allreduce_efficiency (<= 1)
     allreduce_efficiency: float = Field(default=1.0, gt=0, le=1)
     # what calibrate measured, for people (points, fits, per-rank speeds, nominal figures)

@@ -61,6 +61,18 @@ def test_cluster_forms() -> None:
                                 "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 1, "bogus": 1})
 
 
+@pytest.mark.parametrize("field", ["latency_us", "intra_node_latency_us", "inter_node_latency_us",
+                                   "p2p_overhead_us"])
+def test_a_message_time_beyond_ten_seconds_is_refused(field: str) -> None:
+    """1e308 us per message planned, and printed a prediction of ~1e308 ms; now the field is
+    named in the error. Ten seconds per message is still accepted."""
+    base = {"nodes": 1, "devices_per_node": 2, "device_memory_gb": 1, "intra_node_gb_per_s": 1,
+            "inter_node_gb_per_s": 1}
+    with pytest.raises(ValidationError, match=field):
+        Cluster.model_validate(base | {field: 1e308})
+    assert getattr(Cluster.model_validate(base | {field: 1e7}), field) == 1e7
+
+
 def test_a_file_of_a_newer_schema_is_refused_with_the_reason() -> None:
     import pytest
     from pydantic import ValidationError
