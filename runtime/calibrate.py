@@ -344,17 +344,9 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     if me != 0:
         return None
     if probe is not None:
-        hops = []
-        for r in range(1, world):
-            kind = "intra" if node_of[r - 1] == node_of[r] else "inter"
-            link = links.get(kind) or links.get("inter" if kind == "intra" else "intra")
-            hops.append((link["latency_us"], link["gb_per_s"]))
-        probe["hops"] = [list(h) for h in hops]
-        probe["simulated_without_overhead_ms"] = pipeline_probe.simulated_ms(
-            probe["fwd_ms"], probe["bwd_ms"], probe["microbatches"], probe["bytes"], hops, 0.0)
-        probe["p2p_overhead_us"] = pipeline_probe.fit_overhead(
-            probe["fwd_ms"], probe["bwd_ms"], probe["microbatches"], probe["bytes"], hops,
-            probe["iteration_ms"])
+        intra, inter = _link_classes(links)
+        crossed = [intra if node_of[r - 1] == node_of[r] else inter for r in range(1, world)]
+        probe = pipeline_probe.priced(probe, [(lk["latency_us"], lk["gb_per_s"]) for lk in crossed])
     # the same kind of device as the profiled one: only running together slows it (the
     # profile's whole-model time sums separately timed parts, so it is no reference); another
     # kind: the profile's time of the same work against this device's
@@ -378,16 +370,18 @@ def rank_main(args: argparse.Namespace) -> dict | None:
 # ---------------------------------------------------------------- cluster.json
 
 
+def _link_classes(links: dict) -> tuple[dict, dict]:
+    """(same-node, cross-node) link figures; a class not measured (one rank per node, or one
+    node) takes the other's."""
+    intra = links.get("intra") or links.get("inter") or {"latency_us": 0.0, "gb_per_s": 1e6}
+    return intra, links.get("inter") or intra
+
+
 def cluster_from(meas: dict, memory_gb: float | None = None) -> dict:
     """The cluster.json fields from rank 0's measurements (pure)."""
     nodes = meas["ranks_of_node"]
     speeds, mem = meas["speeds"], meas["memory_bytes"]
-    links = meas["links"]
-    intra = links.get("intra")
-    inter = links.get("inter")
-    # a class not measured (one rank per node, or one node) takes the other's figures
-    intra = intra or inter or {"latency_us": 0.0, "gb_per_s": 1e6}
-    inter = inter or intra
+    intra, inter = _link_classes(meas["links"])
     node_speed = [round(statistics.median(speeds[r] for r in rs), 4) for rs in nodes]
     node_mem = [memory_gb if memory_gb else round(min(mem[r] for r in rs) / 1e9, 3) for rs in nodes]
     out: dict = {}

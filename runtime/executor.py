@@ -44,11 +44,37 @@ from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 # gradient), which neither the planner's memory model nor the CPU report counts.
 # PIPEPLAN_RECV_LOOKAHEAD overrides it on gloo (benchmarks/gloo_stalls.py compares 1 and 2).
 # An unbatched NCCL run (PIPEPLAN_P2P_BATCHED=0) posts one ahead: NCCL matches by order.
-def _recv_lookahead() -> int:
+def recv_lookahead(device: torch.device) -> int:
+    """Actions whose receives are posted ahead: PIPEPLAN_RECV_LOOKAHEAD (2) on gloo, 1 on CUDA."""
+    if device.type == "cuda":
+        return 1
     text = os.environ.get("PIPEPLAN_RECV_LOOKAHEAD", "2")
     if not text.isdigit() or int(text) < 1:
         raise PipeplanError(f"PIPEPLAN_RECV_LOOKAHEAD={text!r}: give a whole number of actions, 1 or more")
     return int(text)
+
+
+def drive(actions: Sequence[Action], p2p: P2P, lookahead: int, post: Callable[[Action], None],
+          act: Callable[[Action], float]) -> float:
+    """Run `actions` with `act` in the order the rank issues its messages: unbatched (gloo),
+    each action's receives and the next `lookahead` actions' are posted before it runs;
+    batched (NCCL, `planner.p2p_order`'s order), the first action's receives first, then after
+    each action its sends and the next action's receives go out as one batch. `post(a)` posts
+    action a's receives. Returns the sum of what `act` returns."""
+    total = 0.0
+    batched = p2p.batched
+    for i, a in enumerate(actions):
+        if not batched or i == 0:
+            post(a)
+        if not batched:
+            for ahead in actions[i + 1:i + 1 + lookahead]:
+                post(ahead)
+        total += act(a)
+        if batched:  # this action's sends and the next action's receives, one batch
+            if i + 1 < len(actions):
+                post(actions[i + 1])
+            p2p.end_action()
+    return total
 
 
 @dataclass
@@ -114,7 +140,7 @@ class StageExecutor:
         # shapes every later step repeats, so later steps run as the profile timed them
         self.count_memory = True
         # receives posted ahead on gloo; one on CUDA (an unbatched NCCL run matches by order)
-        self.recv_lookahead = _recv_lookahead() if device.type != "cuda" else 1
+        self.recv_lookahead = recv_lookahead(device)
         self._w_done = 0
         self.recompute = False  # the worker sets both for a recomputed stage (runtime.recompute)
         self.forward_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = module
@@ -171,25 +197,18 @@ class StageExecutor:
             targets: Sequence[torch.Tensor]) -> float:
         """Execute `actions`; `inputs[j]`, `targets[j]` are microbatch j's. Returns the sum of
         this rank's scaled microbatch losses (0 on other stages than the last)."""
-        total = 0.0
         self.split_backward = any(a.kind == "W" for a in actions)
-        batched = self.p2p.batched  # NCCL: the order planner.p2p_order checks (runtime.comm)
-        for i, a in enumerate(actions):
-            if not batched or i == 0:
-                self._post(a)
-            if not batched:
-                for ahead in actions[i + 1:i + 1 + self.recv_lookahead]:
-                    self._post(ahead)
+
+        def act(a: Action) -> float:
             if a.kind == "F":
-                total += self.forward(a.mb, inputs[a.mb], targets[a.mb])
-            elif a.kind == "B":
+                return self.forward(a.mb, inputs[a.mb], targets[a.mb])
+            if a.kind == "B":
                 self.backward(a.mb)
             else:
                 self.backward_weight(a.mb)
-            if batched:  # this action's sends and the next action's receives, one batch
-                if i + 1 < len(actions):
-                    self._post(actions[i + 1])
-                self.p2p.end_action()
+            return 0.0
+
+        total = drive(actions, self.p2p, self.recv_lookahead, self._post, act)
         if self._inflight:
             raise RuntimeError(f"microbatches {sorted(self._inflight)} have a forward but no backward")
         return total

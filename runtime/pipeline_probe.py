@@ -10,9 +10,9 @@ any plan exists, the same way:
 1. every rank of the job is one stage of a chain (rank r is stage r), each stage an MLP block
    (forward and backward through autograd) on microbatches of `batch` x `dim` floats, the
    activations sent forward and the gradients back over the runtime's own channel
-   (`runtime.comm.P2P`), used as the executor uses it (its receive lookahead on gloo, one ahead
-   on unbatched NCCL, one batch per action on NCCL); 1F1B from `planner.schedules`, as a plan
-   would run it (`planner.p2p_order` checks the chain's order in the tests);
+   (`runtime.comm.P2P`), issued by the executor's own loop (`runtime.executor.drive`); 1F1B
+   from `planner.schedules`, as a plan would run it (`planner.p2p_order` checks the chain's
+   order in the tests);
 2. per rank, the median forward and backward of a microbatch (timed around the compute, as the
    runtime's report times a stage), and the median iteration (the slowest rank's, from a
    barrier to its sends delivered);
@@ -41,9 +41,14 @@ WARMUP = 3  # iterations not counted
 KEY = "x"
 
 
+def _chain(world: int) -> list[tuple[int]]:
+    """Stage devices of the probe's plan: rank r is stage r."""
+    return [(r,) for r in range(world)]
+
+
 def chain_schedule(world: int, microbatches: int) -> dict[int, list[Any]]:
     """Rank r's actions when rank r is stage r of a chain (the probe's plan)."""
-    return generate(SCHEDULE, [(r,) for r in range(world)], microbatches)
+    return generate(SCHEDULE, _chain(world), microbatches)
 
 
 def simulated_ms(fwd_ms: Sequence[float], bwd_ms: Sequence[float], microbatches: int,
@@ -52,7 +57,7 @@ def simulated_ms(fwd_ms: Sequence[float], bwd_ms: Sequence[float], microbatches:
     link from rank r-1 to rank r; every message pays `overhead_us` more."""
     world = len(fwd_ms)
     costs = PipelineCosts(
-        stage_devices=tuple((r,) for r in range(world)), num_microbatches=microbatches,
+        stage_devices=tuple(_chain(world)), num_microbatches=microbatches,
         fwd_ms=tuple(fwd_ms), bwd_ms=tuple(bwd_ms), allreduce_ms=(0.0,) * world,
         static_memory_bytes=(0.0,) * world, activation_bytes_per_microbatch=(0.0,) * world,
         memory_limit_bytes=(float("inf"),) * world,
@@ -84,15 +89,24 @@ def fit_overhead(fwd_ms: Sequence[float], bwd_ms: Sequence[float], microbatches:
     return 0.5 * (lo + hi)
 
 
+def priced(probe: dict, hops: Sequence[tuple[float, float]]) -> dict:
+    """`run`'s measurements with the links it crossed (`hops`, as in `simulated_ms`), the
+    simulated iteration without overhead and the fitted `p2p_overhead_us` (pure)."""
+    args = (probe["fwd_ms"], probe["bwd_ms"], probe["microbatches"], probe["bytes"], hops)
+    return probe | {"hops": [list(h) for h in hops],
+                    "simulated_without_overhead_ms": simulated_ms(*args, 0.0),
+                    "p2p_overhead_us": fit_overhead(*args, probe["iteration_ms"])}
+
+
 def run(torch: Any, dist: Any, me: int, world: int, device: Any, timeout_s: float,
         iterations: int = 60, microbatches: int = MICROBATCHES, batch: int = BATCH,
         dim: int = DIM) -> dict | None:
     """Every rank runs the probe's pipeline; rank 0 returns what it measured (per rank forward
     and backward ms, iteration ms), the others None."""
     from runtime import comm
-    from runtime.executor import _recv_lookahead
+    from runtime.executor import drive, recv_lookahead
 
-    actions = generate_rank(SCHEDULE, [(r,) for r in range(world)], microbatches, me)
+    actions = generate_rank(SCHEDULE, _chain(world), microbatches, me)
     gen = torch.Generator().manual_seed(1000 + me)
     block = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
                                 torch.nn.Linear(4 * dim, dim))
@@ -104,8 +118,6 @@ def run(torch: Any, dist: Any, me: int, world: int, device: Any, timeout_s: floa
     p2p = comm.P2P(me, device, {KEY: 0}, timeout_s,
                    describe_rank={r: f"rank {r} (calibrate's pipeline probe)" for r in range(world)},
                    batched=comm.batched_protocol("nccl" if device.type == "cuda" else "gloo"))
-    # as the executor: on NCCL (batched, or unbatched and matched by order) one ahead
-    lookahead = 1 if p2p.batched or device.type == "cuda" else _recv_lookahead()
 
     def sync() -> None:
         if device.type == "cuda":
@@ -120,42 +132,36 @@ def run(torch: Any, dist: Any, me: int, world: int, device: Any, timeout_s: floa
     fwd: list[float] = []
     bwd: list[float] = []
 
+    held: dict[int, tuple[Any, Any]] = {}
+
+    def act(a: Any) -> float:
+        if a.kind == "F":
+            x = p2p.recv(me - 1, a.mb, KEY, grad=False) if me > 0 else x0
+            x = x.detach().requires_grad_(me > 0)
+            sync()
+            t0 = time.perf_counter()
+            y = block(x)
+            sync()
+            fwd.append((time.perf_counter() - t0) * 1e3)
+            held[a.mb] = (x, y)
+            if me < world - 1:
+                p2p.send(y, me + 1, a.mb, KEY, grad=False)
+        else:
+            x, y = held.pop(a.mb)
+            g = p2p.recv(me + 1, a.mb, KEY, grad=True) if me < world - 1 else torch.ones_like(y)
+            sync()
+            t0 = time.perf_counter()
+            y.backward(g)
+            sync()
+            bwd.append((time.perf_counter() - t0) * 1e3)
+            if me > 0:
+                p2p.send(x.grad, me - 1, a.mb, KEY, grad=True)
+        return 0.0
+
     def one_iteration() -> float:
-        held: dict[int, tuple[Any, Any]] = {}
         comm.barrier(device)
         t_start = time.perf_counter()
-        for i, a in enumerate(actions):
-            if not p2p.batched or i == 0:
-                post(a)
-            if not p2p.batched:
-                for ahead in actions[i + 1:i + 1 + lookahead]:
-                    post(ahead)
-            if a.kind == "F":
-                x = p2p.recv(me - 1, a.mb, KEY, grad=False) if me > 0 else x0
-                x = x.detach().requires_grad_(me > 0)
-                sync()
-                t0 = time.perf_counter()
-                y = block(x)
-                sync()
-                fwd.append((time.perf_counter() - t0) * 1e3)
-                held[a.mb] = (x, y)
-                if me < world - 1:
-                    p2p.send(y, me + 1, a.mb, KEY, grad=False)
-            else:
-                x, y = held.pop(a.mb)
-                g = (p2p.recv(me + 1, a.mb, KEY, grad=True) if me < world - 1
-                     else torch.ones_like(y))
-                sync()
-                t0 = time.perf_counter()
-                y.backward(g)
-                sync()
-                bwd.append((time.perf_counter() - t0) * 1e3)
-                if me > 0:
-                    p2p.send(x.grad, me - 1, a.mb, KEY, grad=True)
-            if p2p.batched:
-                if i + 1 < len(actions):
-                    post(actions[i + 1])
-                p2p.end_action()
+        drive(actions, p2p, recv_lookahead(device), post, act)  # the executor's issue order
         p2p.flush()
         sync()
         return (time.perf_counter() - t_start) * 1e3
