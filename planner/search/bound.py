@@ -606,6 +606,25 @@ def replica_counts(c: Conditions, v: Variant) -> np.ndarray:
     return np.arange(1, min(c.D // v.tp, c.m) + 1, dtype=float)
 
 
+def variant_choices(c: Conditions, v: Variant) -> tuple[np.ndarray, np.ndarray]:
+    """The replica choices a stage run as `v` may take (`replica_choices`) and their n. With
+    the cross-stage conditions (`tighten`, `prove`), a choice whose counts reach past a node
+    is split there: its smallest count is priced with an all-reduce inside a node, but the
+    counts of more devices than a node has all-reduce across nodes (GNMT on 4 x 4 devices: a
+    stage of 5 replicas, priced as one of 4, all-reduced in 44 ms for 440; its plan met every
+    condition at 193 ms and simulates to 629). Each part is priced with its own smallest
+    count, so it stays a relaxation. (Not in the first bisection, whose plans seed the search.)"""
+    keep = c.rs * v.tp <= c.D
+    rs, n = c.rs[keep], c.n[keep]
+    if not c.cross_stage or c.pessimistic or c.per_node >= c.D:
+        return rs, n
+    counts = np.arange(1, min(c.D // v.tp, c.m) + 1, dtype=float)
+    cn = np.ceil(c.m / counts)
+    inside = counts * v.tp <= c.per_node
+    first = np.r_[True, (cn[1:] != cn[:-1]) | (inside[1:] != inside[:-1])]
+    return counts[first], cn[first]
+
+
 def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
     """X[i, e]: the least sum of hop transfers of a prefix of stages covering layers [0, i),
     the stages from layer i on having exactly e devices, each prefix stage meeting at T the
@@ -813,8 +832,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
     pre = _prefix_hops(c, T) if cross and c.prefix_hops else None
     per_variant = []  # per variant: the replica choices it can use and what depends on them only
     for v in c.variants:
-        keep = c.rs * v.tp <= D
-        rs, n = c.rs[keep], c.n[keep]
+        rs, n = variant_choices(c, v)
         dd = (rs * v.tp).astype(int)
         flat_link = (dd + 1 <= c.per_node).astype(int)  # without groups: fast if one more fits
         ar_gbps = np.where(dd <= c.per_node, c.intra_gbps, c.inter_gbps)
@@ -827,7 +845,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         # pessimistic seeds), consecutive: `starts` indexes each choice's first
         ra = replica_counts(c, v)
         na = np.ceil(c.m / ra)
-        starts = np.searchsorted(-na, -n)  # na is non-increasing; n[k] first appears there
+        starts = np.searchsorted(ra, rs)  # each choice's smallest count (ra ascending)
         dda = (ra * v.tp).astype(int)
         valida = dvec[None, :] >= dda[:, None]
         idxa = np.where(valida, np.arange(D + 1)[None, :] - dda[:, None], 0)
@@ -1146,7 +1164,7 @@ def dp_work(c: Conditions) -> int:
     iters = cells = 0
     pairs = band_cells(c)
     for v in c.variants:
-        dd = c.rs[c.rs * v.tp <= c.D] * v.tp
+        dd = variant_choices(c, v)[0] * v.tp
         if len(dd):
             rows = len(dd) + sum(int((dd + e <= P).sum()) for e in range(1, P))
             iters += c.L * (1 + sum(1 for e in range(1, P) if (dd + e <= P).any()))
@@ -1248,7 +1266,7 @@ def tighten_step_work(c: Conditions) -> int:
     if c.prefix_hops:  # without classes; with node groups, a state per group fill; a row per
         # replica count where the suffix DP has one per replica choice (`_prefix_hops`)
         counts = sum(len(replica_counts(c, v)) for v in c.variants)
-        choices = sum(int((c.rs * v.tp <= c.D).sum()) for v in c.variants)
+        choices = sum(len(variant_choices(c, v)[0]) for v in c.variants)
         rows = counts / choices if choices else 1.0
         prefix = dp_work(replace(without_classes(c), grouped=False)) * (1 + PREFIX_GROUP_WORK * (_group_size(c) - 1)) * rows
     suffix = dp_work(c) * LAST_BACKWARD_WORK * (MICROBATCH_PATHS_WORK if c.microbatch_paths else 1.0)
