@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
@@ -31,6 +30,7 @@ from api.schemas import CompareOut, CompareRow, JobOut, PlanOut, PlanRequest
 from api.settings import Settings
 from api.storage import JobRow, PlanRow, ProfileRow, Storage
 from planner.formats import Cluster, PlanOptions, Profile, digest_data
+from planner.limits import out_of_range
 
 
 @dataclass(frozen=True)
@@ -132,40 +132,8 @@ def extra_bytes(obj: Any) -> int:
     return total
 
 
-MAX_INT = 2**53  # 9 PB, 104 days in ms: beyond any real profile, and exact in a float
-MAX_FLOAT = 1e15
 MAX_MICROBATCH_SIZES = 64  # candidate microbatch sizes a request may list
 MIN_POSITIVE = 1e-6  # smallest bandwidth (GB/s), memory (GB) or speed a cluster may state
-
-
-def out_of_range(obj: Any, path: tuple[str | int, ...] = (), min_positive: float = 0.0
-                 ) -> tuple[tuple[str | int, ...], str] | None:
-    """The first number in a JSON document outside what the planner can compute with (an
-    infinite or NaN float, a huge magnitude, or a positive number below `min_positive`), with
-    the reason; None if all are fine. Requests are checked so absurd numbers get a 422 instead
-    of overflowing inside a solver."""
-    if isinstance(obj, bool):
-        return None
-    if isinstance(obj, int | float):
-        if isinstance(obj, float) and not math.isfinite(obj):
-            return path, "numbers must be finite"
-        limit = MAX_INT if isinstance(obj, int) else MAX_FLOAT
-        if abs(obj) > limit:
-            return path, f"{obj:g} is out of range (at most {limit:g} in magnitude)"
-        if 0 < obj < min_positive:
-            return path, f"{obj:g} is too small (at least {min_positive:g} when positive)"
-        return None
-    if isinstance(obj, dict):
-        items: Any = obj.items()
-    elif isinstance(obj, list | tuple):
-        items = enumerate(obj)
-    else:
-        return None
-    for k, v in items:
-        found = out_of_range(v, (*path, k), min_positive)
-        if found is not None:
-            return found
-    return None
 
 
 def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> None:

@@ -11,6 +11,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from planner.errors import PipeplanError
+from planner.limits import field_path, out_of_range
 
 M = TypeVar("M", bound=BaseModel)
 _UMASK = os.umask(0)  # (read once: files are written with the permissions open() gives)
@@ -81,6 +82,15 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     except UnicodeDecodeError as exc:
         raise PipeplanError(f"{what}: not UTF-8 text (byte {exc.start}); give the JSON file "
                             "pipeplan wrote, or save it as UTF-8") from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise PipeplanError(f"{what}: holds a number of thousands of digits, more than any field "
+                            "takes; give the JSON file pipeplan wrote") from None
+    except RecursionError:
+        raise PipeplanError(f"{what}: JSON nested too deeply to read; give the JSON file pipeplan "
+                            "wrote") from None
+    bad = out_of_range(data)
+    if bad is not None:
+        raise PipeplanError(f"{what}: {field_path(bad[0])}: {bad[1]}; correct that value")
     return parse_model(data, cls, what)
 
 
@@ -107,7 +117,12 @@ def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] 
 
 def save_model(model: BaseModel, path: str | Path) -> None:
     """Write atomically (a temporary file of its own, then rename) so a crash never leaves half
-    a file, and two writers of one path never share a temporary file."""
+    a file, and two writers of one path never share a temporary file. A model holding a
+    number pipeplan would refuse to read back (`load_model`) is not written."""
+    bad = out_of_range(model.model_dump())
+    if bad is not None:
+        raise PipeplanError(f"{path}: not written: {field_path(bad[0])}: {bad[1]} (the inputs' "
+                            "numbers are too large to compute with; check them)")
     write_text_atomic(path, model.model_dump_json(indent=2) + "\n")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from planner.errors import PipeplanError
 from planner.formats import Plan
 from planner.io import check_output, load_model
+from planner.limits import seed_arg
 from planner.runnable import runnable_plan
 from runtime.options import RunOptions
 
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None,
                    help="optimizer (default: the checkpoint's with --resume, else the one the plan "
                         "was made for)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=seed_arg, default=None,
                    help="seed of the model and the batches (default 0, or the checkpoint's)")
     p.add_argument("--save", metavar="DIR", help="write the trained state dict (+ optimizer state)")
     p.add_argument("--resume", metavar="DIR", help="continue from a --save directory")
@@ -65,7 +66,7 @@ def _resume_meta(directory: str) -> dict[str, object]:
                             "directory written by --save")
     try:
         meta = dict(json.loads(path.read_text()))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         raise PipeplanError(f"--resume {directory}: meta.json is not valid JSON; the checkpoint "
                             "is damaged") from None
     kinds = {"step": int, "lr": (int, float), "seed": int, "optimizer": str}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from planner.errors import PipeplanError
+from planner.limits import seed_arg
 
 
 def _ints(text: str) -> list[int]:
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=["iteration", "throughput"], default="iteration")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     p.add_argument("--time-limit", type=float, default=10.0, help="cpsat time limit, seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--powers-of-two", action="store_true", help="cpsat: replica counts 1, 2, 4, ...")
     p.add_argument("--split", type=_ints, help="manual: layers per stage, e.g. 3,3,2")
     p.add_argument("--replicas", type=_ints, help="manual: replicas per stage, e.g. 1,1,2")

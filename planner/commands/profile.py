@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from planner.errors import PipeplanError
+from planner.limits import seed_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-call-overhead", action="store_true",
                    help="with --layer-timing isolated: do not subtract the fixed cost of calling a "
                    "stage from each layer's times")
-    p.add_argument("--seed", type=int, default=0, help="torch seed for build_model and make_batch")
+    p.add_argument("--seed", type=seed_arg, default=0, help="torch seed for build_model and make_batch")
     p.add_argument("--tp", metavar="T,T,...",
                    help="also measure every layer as it runs on one of T tensor-parallel devices "
                    "(shard-sized modules from the model file's tp_plan(model), or a transformers "

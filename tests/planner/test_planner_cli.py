@@ -105,7 +105,8 @@ def test_import_pipedream_as_a_process(tmp_path: Path) -> None:
 def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, Path],
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Each a one-line error (exit 2), nothing written: a non-UTF-8 cluster, Infinity, a memory
-    whose bytes overflow, two nodes of one name, a device count given as a string, an output that
+    whose bytes overflow, two nodes of one name, a device count given as a string, a number of
+    5000 digits, JSON nested 100000 deep, an output that
     is a directory or lies under a file or is the input itself, a million microbatches, an
     infinite time limit."""
     d, prof = files["dir"], str(files["profile"])
@@ -119,6 +120,8 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
                  "device_memory_gb"),
         "dup": (json.dumps({"nodes": [node, node], **base}).encode(), "appears twice"),
         "str": (json.dumps({"nodes": [{**node, "devices": "2"}], **base}).encode(), "devices"),
+        "digits": (b'{"nodes": ' + b"9" * 5000 + b"}", "thousands of digits"),
+        "deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     }
     for name, (text, message) in clusters.items():
         path = d / f"{name}.json"
@@ -182,3 +185,32 @@ def test_error_excerpts_end_on_a_whole_word() -> None:
     cut = first_line("word " * 100, 40)
     assert cut.endswith("word …") and len(cut) <= 42
     assert first_line("x" * 50, 40) == "x" * 40 + " …"
+
+
+def test_numbers_too_large_to_compute_with_are_named_never_written(files: dict[str, Path],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile time of 1e308 is refused where it is read, naming the field; a profile whose
+    plan would predict more than 1e15 ms gets no plan file (one pipeplan could not read back);
+    a seed beyond 2**53 is refused by the option itself."""
+    d = files["dir"]
+    base = json.loads(files["profile"].read_text())
+    cases = {"huge": (1e308, "layers.1.fwd_ms: 1e+308 is out of range"),
+             "large": (9e14, "not written: stages.0.predicted")}
+    for name, (value, message) in cases.items():
+        prof = json.loads(json.dumps(base))
+        for k, layer in enumerate(prof["layers"]):
+            if name == "large" or k == 1:
+                layer["fwd_ms"] = value
+        path = d / f"{name}.json"
+        path.write_text(json.dumps(prof))
+        out = d / f"{name}.plan.json"
+        assert main(["plan", str(path), "--cluster", str(files["cluster"]), "--global-batch", "32",
+                     "--microbatch-size", "4", "-o", str(out)]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (name, err)
+        assert not out.exists() and not list(d.glob("*.tmp"))
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--seed", str(10**30),
+              "-o", str(d / "p.json")])
+    assert exc.value.code == 2
+    assert "give a seed from 0 to" in capsys.readouterr().err
