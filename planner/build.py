@@ -160,7 +160,8 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
                 **({"tp_comm_fwd_ms": costs.tp_comm_fwd_ms[s],
                     "tp_comm_bwd_ms": costs.tp_comm_bwd_ms[s]} if t > 1 else {}),
             ),
-            recompute=st.recompute, param_bytes=table.param_bytes(st.start, st.stop),
+            recompute=st.recompute,  # the parameters alone (the runtime checks the model it builds)
+            param_bytes=table.param_bytes(st.start, st.stop) - table.buffer_bytes(st.start, st.stop),
         ))
     it = sim.iteration_ms
     solver = {"name": options.method, "status": "HEURISTIC", **candidate.solver}

@@ -63,6 +63,10 @@ class LayerTable:
     loss_workspace_bytes: int = 0  # what the loss's backward allocates beyond them (`loss_workspace_bytes`)
     # of the parameters, those without gradients (`LayerProfile.frozen_param_bytes`); None: none
     frozen_prefix_bytes: tuple[int, ...] | None = None
+    # of the model state, the buffers (`LayerProfile.buffer_bytes`); None: none. They are
+    # counted in `param_prefix_bytes` and `frozen_prefix_bytes` as well: a device holds them
+    # once, like a frozen parameter (no gradient, optimizer state or all-reduce)
+    buffer_prefix_bytes: tuple[int, ...] | None = None
     # one optimizer step, per optimizer name: prefix sums of the layers' `optimizer_ms` (speed
     # 1; independent of the batch); empty where the profile has none
     optimizer_prefix_ms: tuple[tuple[str, tuple[float, ...]], ...] = ()
@@ -160,11 +164,19 @@ class LayerTable:
         return self.fwd_ms(start, stop) + self.bwd_ms(start, stop)
 
     def param_bytes(self, start: int, stop: int) -> int:
+        """The model state a device of a stage of these layers holds: parameters and buffers
+        (`layer_table`; `buffer_bytes` of it are buffers)."""
         return self.param_prefix_bytes[stop] - self.param_prefix_bytes[start]
 
     def frozen_bytes(self, start: int, stop: int) -> int:
-        """Of `param_bytes`, the parameters that take no gradient (nor optimizer state)."""
+        """Of `param_bytes`, what takes no gradient (nor optimizer state, nor all-reduce):
+        frozen parameters and buffers."""
         z = self.frozen_prefix_bytes
+        return 0 if z is None else z[stop] - z[start]
+
+    def buffer_bytes(self, start: int, stop: int) -> int:
+        """Of `param_bytes`, the layers' buffers."""
+        z = self.buffer_prefix_bytes
         return 0 if z is None else z[stop] - z[start]
 
     def activation_bytes(self, start: int, stop: int) -> int:
@@ -298,12 +310,14 @@ def layer_table(profile: Profile) -> LayerTable:
     fwd[-1] += loss_ms(profile)
     activation = [x.activation_bytes for x in layers]
     activation[-1] += loss_activation_bytes(profile)
+    buffers = [int(getattr(x, "buffer_bytes", 0) or 0) for x in layers]
+    frozen = [int(getattr(x, "frozen_param_bytes", 0) or 0) + b for x, b in zip(layers, buffers, strict=True)]
     return LayerTable(
         batch_size=profile.batch_size,
         names=tuple(x.name for x in layers),
         fwd_prefix_ms=_prefix(fwd),
         bwd_prefix_ms=_prefix([x.bwd_ms for x in layers]),
-        param_prefix_bytes=_prefix([x.param_bytes for x in layers]),
+        param_prefix_bytes=_prefix([x.param_bytes + b for x, b in zip(layers, buffers, strict=True)]),
         activation_prefix_bytes=_prefix(activation),
         tensors=tuple(profile_tensors(profile)),
         bwd_weight_prefix_ms=_prefix([layer_bwd_weight_ms(x) for x in layers]),
@@ -313,8 +327,8 @@ def layer_table(profile: Profile) -> LayerTable:
         tp=tp_tables(profile),
         loss_activation_bytes=loss_activation_bytes(profile),
         loss_workspace_bytes=loss_workspace_bytes(profile),
-        frozen_prefix_bytes=_prefix([int(getattr(x, "frozen_param_bytes", 0) or 0) for x in layers])
-        if any(getattr(x, "frozen_param_bytes", 0) for x in layers) else None,
+        frozen_prefix_bytes=_prefix(frozen) if any(frozen) else None,
+        buffer_prefix_bytes=_prefix(buffers) if any(buffers) else None,
         optimizer_prefix_ms=optimizer_prefixes(layers),
     )
 

@@ -119,6 +119,10 @@ class LayerProfile(_Open):
     # `adam`), measured; independent of the batch: a stage pays it once per iteration, after its
     # last backward and its all-reduce. Absent (older and imported profiles): 0
     optimizer_ms: dict[OptimizerName, NonNegativeFloat] | None = None
+    # persistent and non-persistent buffers (BatchNorm statistics, attention masks, tables):
+    # held on every device of the layer's stage, without gradient, optimizer state or
+    # all-reduce (the profiler measures them; absent in older and imported profiles: 0)
+    buffer_bytes: NonNegativeInt | None = None
 
     @model_validator(mode="after")
     def _frozen_within(self) -> LayerProfile:

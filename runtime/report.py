@@ -11,7 +11,7 @@ Internal module. Definitions used in report.json:
   `optimizer_ms` = the optimizer step (and zero_grad) per iteration, against the plan's
   `predicted_optimizer_ms`.
 - `peak_memory_bytes`: on CUDA `torch.cuda.max_memory_allocated`; on CPU the sum of parameter,
-  gradient and optimizer-state bytes of the stage plus the peak bytes autograd held saved for
+  buffer, gradient and optimizer-state bytes of the stage plus the peak bytes autograd held saved for
   the microbatches in flight, with on the last stage the loss's backward working memory
   during each B (`memory_measure` says which).
 - `peak_activation_bytes`: that peak beyond parameters, gradients and optimizer state: saved

@@ -389,8 +389,10 @@ class Worker:
             pbytes = sum(loc(p.detach()).numel() * p.element_size() for p in self.unique_params)
             gbytes = sum(loc(p.detach()).numel() * p.element_size() for p in self.unique_params
                          if p.requires_grad)  # a frozen parameter has no gradient
-            peak = pbytes + gbytes + state_bytes + st.peak_saved_bytes
-            measure = "params+grads+optimizer_state+saved_activations"
+            buffers = {id(b): b for b in self.module.buffers()}  # (a shared one once)
+            bbytes = sum(b.numel() * b.element_size() for b in buffers.values())
+            peak = pbytes + bbytes + gbytes + state_bytes + st.peak_saved_bytes
+            measure = "params+buffers+grads+optimizer_state+saved_activations"
         return RankRecord(
             rank=self.rank, stage=self.stage, replica=self.replica, step_ms=step_ms,
             fwd_ms=st.fwd_ms, bwd_ms=st.bwd_ms, comm_ms=comm_ms, idle_ms=idle_ms, optimizer_ms=opt_ms,

@@ -54,6 +54,30 @@ def test_frozen_parameters_are_counted_once_and_not_all_reduced() -> None:
         LayerProfile.model_validate({**p.layers[1].model_dump(), "frozen_param_bytes": 2_000_000})
 
 
+def test_buffers_are_counted_once_and_not_all_reduced_nor_in_the_plans_parameters() -> None:
+    """A layer's buffers (`buffer_bytes`: BatchNorm statistics, masks) are held once per device
+    like frozen parameters, and the plan's `param_bytes` (checked against the model the runtime
+    builds) leaves them out."""
+    from planner.build import build_plan
+    from tests.planner.helpers import chain_profile, cluster
+
+    p = chain_profile([1.0, 1.0], params=[1_000_000, 1_000_000])
+    p = p.model_copy(update={"layers": [p.layers[0].model_copy(update={"buffer_bytes": 5_000_000}),
+                                        p.layers[1]]})
+    plain = chain_profile([1.0, 1.0], params=[1_000_000, 1_000_000])
+    cl = cluster(nodes=1, per_node=4)
+    cand = Candidate((StageChoice(0, 1, (0, 1)), StageChoice(1, 2, (2,))), 2, 4)
+    for opt in ("sgd", "adam"):
+        k = OPTIMIZER_EXTRA_COPIES[opt]
+        costs, bare = pipeline_costs(layer_table(p), cl, cand, opt), pipeline_costs(layer_table(plain), cl, cand, opt)
+        assert costs.static_memory_bytes[0] == (2 + k) * 1_000_000 + 5_000_000
+        assert costs.static_memory_bytes[1] == bare.static_memory_bytes[1]
+        assert costs.allreduce_ms == bare.allreduce_ms
+    options = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd")
+    plan = build_plan(p, cl, cand, options)
+    assert [st.param_bytes for st in plan.stages] == [1_000_000, 1_000_000]
+
+
 def _least_memory_gb(profile: Profile, cluster: Cluster, options: PlanOptions) -> float | None:
     """The least device memory at which the exhaustive search finds a plan (bisected)."""
     def fits(gb: float) -> bool:

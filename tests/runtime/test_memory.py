@@ -55,3 +55,35 @@ def test_measured_memory_equals_predicted(run, tmp_path, monkeypatch, sizes, sch
     for rank in report["ranks"]:
         predicted = plan.stages[rank["stage"]].predicted.memory_bytes
         assert rank["peak_memory_bytes"] == pytest.approx(predicted, rel=0.02), rank
+
+
+def test_buffers_are_held_once_per_device_and_predicted(run, tmp_path) -> None:
+    """A model whose buffers (lookup tables, BatchNorm statistics) outweigh its parameters: the
+    plan counts each stage's buffers once per device (no gradient, optimizer state or
+    all-reduce), the plan's parameter bytes leave them out, and every rank measures what was
+    predicted."""
+    from runtime_paths import MODELS
+
+    model = MODELS / "buffered_mlp.py"
+    profile = profile_model_file(model, batch_size=4, warmup=0, repeats=1)
+    buffers = [x.buffer_bytes for x in profile.layers]
+    assert sum(buffers) >= 10 * 65_536 * 4, buffers  # the tables: 256 KB x (1 + 2 + 3 + 4)
+    cluster = Cluster.model_validate({"nodes": 1, "devices_per_node": 3, "device_memory_gb": 1,
+                                      "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1})
+    options = PlanOptions(global_batch=8, microbatch_size=2, method="manual", split=[2, 2],
+                          replicas=[2, 1], optimizer="adam")
+    plan = make_plan(profile, cluster, options)
+    for st in plan.stages:
+        held = sum(x.buffer_bytes for x in profile.layers if x.name in st.layers)
+        params = sum(x.param_bytes for x in profile.layers if x.name in st.layers)
+        assert st.param_bytes == params
+        assert st.predicted.static_memory_bytes == pytest.approx(4 * params + held, rel=1e-9)
+    path = tmp_path / "plan.json"
+    save_model(plan, path)
+    rc, _, err, _ = run(path, "--model", model, "--steps", 2, "--optimizer", "adam",
+                        "--report", tmp_path / "report.json", "--timeout", 60)
+    assert rc == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    for rank in report["ranks"]:
+        predicted = plan.stages[rank["stage"]].predicted.memory_bytes
+        assert rank["peak_memory_bytes"] == pytest.approx(predicted, rel=0.02), rank
