@@ -18,8 +18,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.middleware.gzip import GZipMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from api import docs, openapi, service
@@ -83,6 +84,9 @@ def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
     return methods
 
 
+CLIENT_CLOSED = 499
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -99,6 +103,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PipeplanError)
     async def _user_error(request: Request, exc: PipeplanError) -> JSONResponse:
         return error_response(request, 422, in_api_words(str(exc)))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # the client closed the connection before its body arrived: nobody to answer, nothing
+        # wrong here. 499 (nginx's "client closed request") in the access log and the metrics,
+        # not a 500 with a traceback
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

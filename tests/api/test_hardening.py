@@ -150,3 +150,28 @@ def test_a_worker_bug_keeps_its_traceback_in_the_log(caplog: pytest.LogCaptureFi
     assert status == "internal" and "ValueError" in message
     assert "File " not in message and "no such kind" not in message
     assert "Traceback" in caplog.text
+
+
+def test_a_client_that_hangs_up_mid_body_is_a_499_not_a_500(tmp_path: Path) -> None:
+    """A request whose client closes the connection before its declared body has arrived: the
+    server logs no error and counts it as 499 (client closed request), never as a 500, and
+    goes on serving."""
+    import socket
+
+    with Server(tmp_path / "pipeplan.db") as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+                s.sendall(b"POST /v1/profiles HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while True:  # the server notices the closed sockets on its own time
+            metrics = http.get("/metrics").text
+            lines = [x for x in metrics.splitlines() if x.startswith("pipeplan_http_requests_total") and "/v1/profiles" in x]
+            if any('status="499"' in x for x in lines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert any('status="499"' in x for x in lines), lines
+        assert not any('status="500"' in x for x in lines), lines
+        assert http.get("/healthz").status_code == 200
+        assert "Traceback" not in server.log.read_text()
