@@ -155,8 +155,54 @@ def _warn_leaf(model: torch.nn.Module, path: str, reason: str) -> None:
     )
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _state(model: torch.nn.Module) -> tuple[dict[str, int | None], dict[tuple[str, str], object]]:
+    """What a forward may change behind the tracer's back: each parameter's and buffer's
+    version counter (an in-place op on the tensor itself moves it), and each module's plain
+    Python attributes (counters, flags)."""
+    versions = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        versions[name] = getattr(t, "_version", None)
+    plain = {(path, k): v for path, m in model.named_modules() for k, v in vars(m).items()
+             if not k.startswith("_") and isinstance(v, _PLAIN)}
+    return versions, plain
+
+
+def _check_untraced_changes(model: torch.nn.Module, before: tuple[dict, dict]) -> None:
+    """After fx traced `model`: a tensor of the model changed in place by an operation on it
+    alone (`self.count.add_(1)`, `self.ema.mul_(0.9)` in the forward being traced) ran once,
+    while tracing, and is in no graph: the pipeline would never run it, single-device training
+    does on every step. Refused. A plain Python attribute the forward changed (a step counter,
+    a flag) is restored, with a warning: the forward is traced once, so that state and the
+    control flow that reads it stay as they were then."""
+    versions, plain = _state(model)
+    changed = [n for n, v in before[0].items() if v is not None and versions.get(n) != v]
+    if changed:
+        raise PipeplanError(
+            f"{type(model).__name__}.forward changes {', '.join(changed[:5])} in place outside any "
+            "layer, with an operation torch.fx runs once while tracing and does not record: "
+            "pipeline stages would never run it, where single-device training does on every "
+            "step. Make the update inside a module the model calls whole (a block, or a leaf "
+            "such as the layer that produces the value), or compute the new value from the "
+            "forward's inputs")
+    for (path, k), old in before[1].items():
+        m = model.get_submodule(path)
+        new = vars(m).get(k, old)
+        if new is not old and new != old:
+            setattr(m, k, old)  # tracing leaves the user's model as it was
+            warnings.warn(
+                f"{path + '.' if path else ''}{k} (a Python attribute of {type(m).__name__}) "
+                f"changed while tracing ({old!r} -> {new!r}): the forward is traced once, so this "
+                "state, and any control flow that reads it, stays as it was then in pipeline "
+                "training; keep state that changes in tensors inside a layer", TracingWarning,
+                stacklevel=4)
+
+
 def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             ) -> tuple[fx.GraphModule | None, list[str], str]:
+    before = _state(model)
     leaves: set[str] = set(given)
     for path, m in model.named_modules():
         if path in leaves or any(path.startswith(p + ".") for p in leaves) or not _has_hooks(m):
@@ -204,6 +250,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             _warn_leaf(model, failing[-1], reason)
             continue
         _inline_concrete_args(graph, n_inputs)
+        _check_untraced_changes(model, before)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         return gm, sorted(leaves - given), ""
     return None, sorted(leaves - given), last_error

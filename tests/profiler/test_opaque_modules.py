@@ -214,3 +214,56 @@ def test_grad_mode_or_autocast_in_the_models_own_forward_is_a_clear_error(contex
         trace(RootContext(context), (torch.randn(2, 8),))
     # the context restored: tracing changed neither grad mode nor autocast
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+
+
+class _Blk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class CountsInItsOwnForward(nn.Module):
+    """Updates buffers in its own forward with operations on them alone: torch.fx runs those
+    once while tracing and records nothing (found by an outside check: the counter stayed 0 and
+    the moving average lost its decay in pipeline training, silently)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Blk() for _ in range(2)])
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        x = self.blocks[0](x)
+        self.ema.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.blocks[1](x)
+
+
+class StepsInItsOwnForward(nn.Module):
+    """Keeps a Python step counter in its own forward and branches on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Blk() for _ in range(2)])
+        self.n = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n += 1
+        x = self.blocks[0](x)
+        if self.n % 2 == 0:
+            x = x * 2.0
+        return self.blocks[1](x)
+
+
+def test_state_the_models_own_forward_changes_outside_the_graph_is_refused_or_warned() -> None:
+    model = CountsInItsOwnForward()
+    with pytest.raises(PipeplanError, match="changes calls, ema in place outside any layer"):
+        trace(model, (torch.randn(2, 8),))
+    stepping = StepsInItsOwnForward()
+    with pytest.warns(TracingWarning, match=r"n \(a Python attribute of StepsInItsOwnForward\) changed"):
+        trace(stepping, (torch.randn(2, 8),))
+    assert stepping.n == 0  # tracing leaves the model as it was
