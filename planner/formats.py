@@ -392,6 +392,8 @@ class PlanOptions(_Closed):
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:
+        if self.microbatch_sizes is not None and not self.microbatch_sizes:
+            raise ValueError("microbatch_sizes is empty: give at least one size, or leave it out")
         sizes = ([self.microbatch_size] if self.microbatch_size else []) + (self.microbatch_sizes or [])
         for mbs in sizes:
             if self.global_batch % mbs:

@@ -140,13 +140,20 @@ def fit(plan: Plan, report: Report) -> Corrections:
     ranks_of = {st.index: len(st.devices) for st in plan.stages}
     wrong = [s for s, rs in by_stage.items() if s in ranks_of and len(rs) > ranks_of[s]]
     pred = report.predicted_iteration_ms
-    if other or wrong or abs(pred - plan.predicted.iteration_ms) > 1e-6 * max(1.0, abs(pred)):
-        raise PipeplanError(
-            "the report is of a run of another plan of this profile (its stages, ranks or "
-            f"predicted iteration, {pred:.3f} ms against this plan's "
-            f"{plan.predicted.iteration_ms:.3f}, differ); give the plan that run executed")
-    if report.iteration_ms <= 0:
-        raise PipeplanError("the report's iteration_ms is 0: run more than one step")
+    why = []
+    if other:
+        why.append(f"stage(s) {other} are not in this plan")
+    if wrong:
+        why.append(f"stage(s) {sorted(wrong)} have more rank records than this plan gives them devices")
+    if abs(pred - plan.predicted.iteration_ms) > 1e-6 * max(1.0, abs(pred)):
+        why.append(f"its predicted iteration is {pred:.6g} ms against this plan's "
+                   f"{plan.predicted.iteration_ms:.6g}")
+    if why:
+        raise PipeplanError(f"the report is not of a run of this plan ({'; '.join(why)}); give the "
+                            "plan that run executed and its report")
+    if not report.iteration_ms > 0:
+        raise PipeplanError(f"the report's iteration_ms is {report.iteration_ms:g}, not a time a run "
+                            "takes: give the report of a run of more than one step")
     stages = []
     devices = plan.cluster.devices()
     for st in plan.stages:

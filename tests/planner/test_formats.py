@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from planner.formats import INPUT_NODE, Cluster, Profile
+from planner.formats import INPUT_NODE, Cluster, PlanOptions, Profile
 
 
 def _profile(edges: list[dict]) -> Profile:
@@ -105,3 +105,11 @@ def test_validation_errors_describe_the_form_the_value_was_meant_to_take() -> No
         parse_model({**base, "nodes": 1, "devices_per_node": 1, "device_memory_gb": 1,
                      "model": {}, "layers": [], "batch_size": 1}, Cluster, "cluster")
     assert str(got.value).splitlines()[1:] == ["  (top level): unknown field(s) model, layers, batch_size"]
+
+
+def test_an_empty_list_of_microbatch_sizes_is_refused() -> None:
+    """`microbatch_sizes: []` (the service took it and planned the default size): give one or
+    leave the field out."""
+    with pytest.raises(ValueError, match="microbatch_sizes is empty"):
+        PlanOptions(global_batch=8, microbatch_sizes=[])
+    assert PlanOptions(global_batch=8, microbatch_sizes=[2, 4]).microbatch_sizes == [2, 4]

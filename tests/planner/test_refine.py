@@ -103,6 +103,22 @@ def test_report_of_another_plan_is_refused():
         fit(plan, report)
 
 
+
+def test_a_report_that_does_not_fit_the_plan_says_why():
+    """A rank record twice, a prediction of another plan, a negative iteration: each named."""
+    _, plan = _plan()
+    report = _run(plan, (1, 1, 1), (1, 1, 1), 0.0)
+    twice = report.model_copy(update={"ranks": [*report.ranks, report.ranks[0]]})
+    with pytest.raises(PipeplanError, match=r"stage\(s\) \[0\] have more rank records"):
+        fit(plan, twice)
+    other = report.model_copy(update={"predicted_iteration_ms": report.predicted_iteration_ms * 2})
+    with pytest.raises(PipeplanError, match="its predicted iteration is"):
+        fit(plan, other)
+    negative = report.model_copy(update={"iteration_ms": -3.0})
+    with pytest.raises(PipeplanError, match="iteration_ms is -3, not a time"):
+        fit(plan, negative)
+
+
 def test_cli_writes_plan_corrections_cluster_and_profile(tmp_path, capsys):
     profile, plan = _plan()
     report = _run(plan, (2.0, 1.0, 1.0), (2.0, 1.0, 1.0), overhead_us=300.0)
