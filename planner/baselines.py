@@ -189,7 +189,7 @@ def solve_uniform(profile: Profile, cluster: Cluster, options: PlanOptions) -> C
 def solve_params(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
     """Balanced parameter bytes per stage (DeepSpeed's default `parameters`)."""
     return sweep_depths(profile, cluster, options, "params", lambda t, S: partition_balanced(
-        [t.param_bytes(i, i + 1) for i in range(t.num_layers)], S))
+        [t.param_bytes(i, i + 1) - t.buffer_bytes(i, i + 1) for i in range(t.num_layers)], S))
 
 
 def solve_blocks(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:

@@ -580,8 +580,12 @@ def _stage_cost(table: LayerTable, cluster: Cluster, devices: Sequence[Device], 
         full_bwd = scale * tt.span("bwd_prefix_ms", st.start, st.stop) / speed + tp_b
         params = tt.span("param_prefix_bytes", st.start, st.stop)
         full = scale * tt.span("activation_prefix_bytes", st.start, st.stop)
-        whole = table.param_bytes(st.start, st.stop)  # a shard steps its share of the parameters
+        buffers = table.buffer_bytes(st.start, st.stop)
+        whole = table.param_bytes(st.start, st.stop) - buffers  # a shard steps its share of the parameters
         opt *= min(params / whole, 1.0) if whole > 0 else 0.0
+        # every rank of a TP group holds the layers' buffers whole: model state without
+        # gradient, optimizer state or all-reduce, as on one device
+        params, frozen = params + buffers, buffers
     # zero bubble: B and W of the backward (a TP stage splits in the unsharded ratio)
     w = full_bwd * min(w_share, 1.0)
     if first:

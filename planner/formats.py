@@ -392,8 +392,6 @@ class PlanOptions(_Closed):
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:
-        if self.microbatch_sizes is not None and not self.microbatch_sizes:
-            raise ValueError("microbatch_sizes is empty: give at least one size, or leave it out")
         sizes = ([self.microbatch_size] if self.microbatch_size else []) + (self.microbatch_sizes or [])
         for mbs in sizes:
             if self.global_batch % mbs:
@@ -539,5 +537,5 @@ class Report(_Open):
     iteration_ms: float  # median over measured steps
     samples_per_s: float
     predicted_iteration_ms: float
-    losses: list[float]
+    losses: list[float | None]  # None: that step's loss was not finite (a run that diverged)
     ranks: list[RankReport]

@@ -170,13 +170,20 @@ def _state(model: torch.nn.Module) -> tuple[dict[str, int | None], dict[tuple[st
     return versions, plain
 
 
-def _check_untraced_changes(model: torch.nn.Module, before: tuple[dict, dict]) -> None:
+def _shown(value: object) -> str:
+    return repr(value) if isinstance(value, _PLAIN) else f"a {type(value).__name__}"
+
+
+def _check_untraced_changes(model: torch.nn.Module, before: tuple[dict, dict],
+                            original: tuple[dict, dict]) -> None:
     """After fx traced `model`: a tensor of the model changed in place by an operation on it
     alone (`self.count.add_(1)`, `self.ema.mul_(0.9)` in the forward being traced) ran once,
     while tracing, and is in no graph: the pipeline would never run it, single-device training
     does on every step. Refused. A plain Python attribute the forward changed (a step counter,
-    a flag) is restored, with a warning: the forward is traced once, so that state and the
-    control flow that reads it stay as they were then."""
+    a flag; set to a traced value or a tensor counts too) gets a warning: the forward is traced
+    once, so that state and the control flow that reads it stay as they were then. `before` is
+    the state when the successful trace began (a failed attempt may have run code that the
+    retry calls whole, as a leaf); every Python attribute is put back as in `original`."""
     versions, plain = _state(model)
     changed = [n for n, v in before[0].items() if v is not None and versions.get(n) != v]
     if changed:
@@ -187,14 +194,17 @@ def _check_untraced_changes(model: torch.nn.Module, before: tuple[dict, dict]) -
             "step. Make the update inside a module the model calls whole (a block, or a leaf "
             "such as the layer that produces the value), or compute the new value from the "
             "forward's inputs")
-    for (path, k), old in before[1].items():
+    for (path, k), first in original[1].items():
         m = model.get_submodule(path)
-        new = vars(m).get(k, old)
-        if new is not old and new != old:
-            setattr(m, k, old)  # tracing leaves the user's model as it was
+        old = before[1].get((path, k), first)
+        new = vars(m).get(k, first)
+        if new is not first:
+            setattr(m, k, first)  # tracing leaves the user's model as it was
+        # (a traced value compares to a Proxy: only plain values are compared)
+        if new is not old and (not isinstance(new, _PLAIN) or new != old):
             warnings.warn(
                 f"{path + '.' if path else ''}{k} (a Python attribute of {type(m).__name__}) "
-                f"changed while tracing ({old!r} -> {new!r}): the forward is traced once, so this "
+                f"changed while tracing ({old!r} -> {_shown(new)}): the forward is traced once, so this "
                 "state, and any control flow that reads it, stays as it was then in pipeline "
                 "training; keep state that changes in tensors inside a layer", TracingWarning,
                 stacklevel=4)
@@ -202,7 +212,7 @@ def _check_untraced_changes(model: torch.nn.Module, before: tuple[dict, dict]) -
 
 def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             ) -> tuple[fx.GraphModule | None, list[str], str]:
-    before = _state(model)
+    original = _state(model)
     leaves: set[str] = set(given)
     for path, m in model.named_modules():
         if path in leaves or any(path.startswith(p + ".") for p in leaves) or not _has_hooks(m):
@@ -220,6 +230,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
     last_error = ""
     for _ in range(MAX_AUTO_LEAVES + 1):
         tracer = _Tracer(leaves)
+        before = _state(model)
         try:
             with _functions_are_opaque():
                 graph = tracer.trace(model, concrete_args=_concrete_args(model, n_inputs))
@@ -250,7 +261,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             _warn_leaf(model, failing[-1], reason)
             continue
         _inline_concrete_args(graph, n_inputs)
-        _check_untraced_changes(model, before)
+        _check_untraced_changes(model, before, original)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         return gm, sorted(leaves - given), ""
     return None, sorted(leaves - given), last_error

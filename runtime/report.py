@@ -23,10 +23,12 @@ Internal module. Definitions used in report.json:
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
 from planner.formats import Plan, RankReport, Report
+from planner.limits import MAX_FLOAT
 
 
 @dataclass
@@ -55,6 +57,12 @@ def _steady(xs: list[float]) -> list[float]:
 
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
+
+
+def finite_losses(losses: list[float]) -> list[float | None]:
+    """The losses as a report keeps them: a NaN, an infinity or a loss beyond what pipeplan
+    reads back (`planner.limits`) is None, so a run that diverged still writes its report."""
+    return [x if math.isfinite(x) and abs(x) <= MAX_FLOAT else None for x in losses]
 
 
 def build_report(plan: Plan, records: list[RankRecord], losses: list[float], steps: int,
@@ -90,7 +98,7 @@ def build_report(plan: Plan, records: list[RankRecord], losses: list[float], ste
         num_microbatches=per_mb,
         schedule=plan.schedule,
         step_ms=records[0].step_ms,
-        losses=losses,
+        losses=finite_losses(losses),
         ranks=ranks,
     )
 

@@ -539,7 +539,9 @@ def _polish_placement(st: Structure, score: Score, cand: Candidate | None, ev: E
         if cluster.num_devices <= 64 else []
     if use_cpsat and score.fits and not st.tp:
         ev_cand = evaluate(ev.table, cluster, cand, ev.options, ev.devices)
-        params = [ev.table.param_bytes(a, z) for a, z in zip(st.bounds, st.bounds[1:], strict=False)]
+        # the bytes each stage's replicas all-reduce: its trained parameters (not frozen ones, nor buffers)
+        params = [ev.table.param_bytes(a, z) - ev.table.frozen_bytes(a, z)
+                  for a, z in zip(st.bounds, st.bounds[1:], strict=False)]
         devs = place_stages(st.replicas, ev_cand.costs, params, cluster, ev.options.seed)
         if devs is not None:
             tried.append(devs)

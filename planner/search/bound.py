@@ -347,10 +347,12 @@ def _variants(table: LayerTable, cluster: Cluster, scale: float, vmax: float,
         cb = (np.array(tt.ar_bwd_prefix_bytes, dtype=float) * k
               + np.array(tt.ar_bwd_prefix_count, dtype=float) * 2 * (t - 1) * lat / 1e3)
         eff = cluster.allreduce_efficiency
+        # each TP rank holds the layers' buffers whole (`cost._stage_cost`)
+        buffers = None if table.buffer_prefix_bytes is None else np.array(table.buffer_prefix_bytes, dtype=float)
         out.append(Variant(t, False, np.array(tt.fwd_prefix_ms) * scale / vmax + cf / eff,
                            np.array(tt.bwd_prefix_ms) * scale / vmax + cb / eff,
-                           np.array(tt.param_prefix_bytes, dtype=float),
-                           np.array(tt.activation_prefix_bytes, dtype=float) * scale))
+                           np.array(tt.param_prefix_bytes, dtype=float) + (0.0 if buffers is None else buffers),
+                           np.array(tt.activation_prefix_bytes, dtype=float) * scale, buffers))
     return out
 
 
@@ -615,10 +617,9 @@ def variant_choices(c: Conditions, v: Variant) -> tuple[np.ndarray, np.ndarray]:
     condition at 193 ms and simulates to 629). Each part is priced with its own smallest
     count, so it stays a relaxation. (Not in the first bisection, whose plans seed the search;
     not where both link classes are alike.) At most one more choice per variant: `dp_work` does
-    not count it (within its 25 %). Counted, `tighten` affords fewer steps where the budget is
-    short, and lost more than the split gained there (ResNet-101 on 4 x 4 devices, generous:
-    gap 13.8 -> 25.7 %); uncounted, 20 rows on 4 x 4 and 2 x 8 devices had bounds and plans at
-    least as good as without the split on every row (measured side by side)."""
+    not count it (within its 25 %). Counted, `tighten` afforded fewer steps where the budget is
+    short, and lost more than the split gained there (`benchmarks/README.md`, plan_quality.py,
+    "A stage of more replicas than a node holds")."""
     keep = c.rs * v.tp <= c.D
     rs, n = c.rs[keep], c.n[keep]
     if not c.cross_stage or c.pessimistic or c.per_node >= c.D or c.intra_gbps == c.inter_gbps:

@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from planner.formats import INPUT_NODE, Cluster, PlanOptions, Profile
+from planner.formats import INPUT_NODE, Cluster, Profile
 
 
 def _profile(edges: list[dict]) -> Profile:
@@ -107,9 +107,14 @@ def test_validation_errors_describe_the_form_the_value_was_meant_to_take() -> No
     assert str(got.value).splitlines()[1:] == ["  (top level): unknown field(s) model, layers, batch_size"]
 
 
-def test_an_empty_list_of_microbatch_sizes_is_refused() -> None:
-    """`microbatch_sizes: []` (the service took it and planned the default size): give one or
-    leave the field out."""
-    with pytest.raises(ValueError, match="microbatch_sizes is empty"):
-        PlanOptions(global_batch=8, microbatch_sizes=[])
-    assert PlanOptions(global_batch=8, microbatch_sizes=[2, 4]).microbatch_sizes == [2, 4]
+def test_finite_losses_keep_a_diverged_run_reportable() -> None:
+    """A NaN, an infinity or a loss past what pipeplan reads back is None in the report (a
+    diverged run still writes its report, and it reads back)."""
+    from planner.formats import Report
+    from runtime.report import finite_losses
+
+    losses = finite_losses([1.5, float("nan"), float("inf"), 3e16, 2.0])
+    assert losses == [1.5, None, None, None, 2.0]
+    report = Report(plan_profile_sha256="x", steps=5, iteration_ms=1.0, samples_per_s=1.0,
+                    predicted_iteration_ms=1.0, losses=losses, ranks=[])
+    assert Report.model_validate_json(report.model_dump_json()).losses == losses

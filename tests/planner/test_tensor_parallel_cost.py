@@ -70,6 +70,26 @@ def test_tp_stage_compute_and_memory_follow_the_formulas():
     assert plan.rank_actions["0"] == plan.rank_actions["1"]  # type: ignore[index]
 
 
+def test_every_rank_of_a_tp_group_holds_the_buffers_whole():
+    """Found by a review: buffers counted on one device but not on a TP stage (so TP looked
+    cheaper by them), and the TP optimizer step scaled by the shard's share of parameters and
+    buffers. Buffers are held whole on every rank of the group, never all-reduced."""
+    base = _profile()
+    prof = base.model_copy(update={"layers": [x.model_copy(update={"buffer_bytes": 100 * MB,
+                                                                   "optimizer_ms": {"sgd": 1.0}})
+                                              for x in base.layers]})
+    plain_prof = base.model_copy(update={"layers": [x.model_copy(update={"optimizer_ms": {"sgd": 1.0}})
+                                                    for x in base.layers]})
+    cl = _cluster()
+    opts = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd", method="manual")
+    cand = Candidate((StageChoice(0, 2, (0, 1), tp=2),), 2, 4)
+    ev = evaluate(layer_table(prof), cl, cand, opts)
+    bare = evaluate(layer_table(plain_prof), cl, cand, opts)
+    assert ev.costs.static_memory_bytes[0] == pytest.approx(2 * 400 * MB + 200 * MB)
+    assert ev.costs.optimizer_ms[0] == pytest.approx(bare.costs.optimizer_ms[0])
+    assert ev.costs.allreduce_ms == bare.costs.allreduce_ms
+
+
 def test_tp_group_must_stay_in_one_node():
     prof, cl = _profile(), _cluster(nodes=2, per_node=1)
     opts = PlanOptions(global_batch=8, microbatch_size=2, optimizer="sgd", method="manual")

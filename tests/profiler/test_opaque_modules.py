@@ -267,3 +267,61 @@ def test_state_the_models_own_forward_changes_outside_the_graph_is_refused_or_wa
     with pytest.warns(TracingWarning, match=r"n \(a Python attribute of StepsInItsOwnForward\) changed"):
         trace(stepping, (torch.randn(2, 8),))
     assert stepping.n == 0  # tracing leaves the model as it was
+
+
+class KeepsTheLength(nn.Module):
+    """Sets attributes from traced values in its own forward (a cache of the sequence length,
+    a tensor kept for inspection): while tracing they are Proxies, which cannot be compared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Blk() for _ in range(2)])
+        self.seq_len = 0
+        self.last = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seq_len = x.shape[0]
+        x = self.blocks[0](x)
+        self.last = x
+        return self.blocks[1](x)
+
+
+class _CountingHead(nn.Module):
+    """Counts its calls in a buffer, then branches on the data: fx cannot trace it, so it is
+    called whole (a leaf), and its count runs on every step as written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1)
+        if x.sum() > 0:
+            return self.lin(x)
+        return -self.lin(x)
+
+
+class WithCountingHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Blk() for _ in range(2)])
+        self.head = _CountingHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_traced_values_in_attributes_and_a_retried_leaf_are_not_refused() -> None:
+    """Found by a review: an attribute set to a traced value crashed the comparison, and a
+    module made a leaf after a failed attempt was refused for the count that attempt ran."""
+    model = KeepsTheLength()
+    with pytest.warns(TracingWarning, match=r"seq_len .* changed while tracing \(0 -> a Proxy\)"):
+        trace(model, (torch.randn(2, 8),))
+    assert model.seq_len == 0 and model.last is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TracingWarning)  # the head is kept whole, with a warning
+        lg = trace(WithCountingHead(), (torch.randn(2, 8),))
+    assert lg.layer_names()
