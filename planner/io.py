@@ -88,10 +88,16 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     except RecursionError:
         raise PipeplanError(f"{what}: JSON nested too deeply to read; give the JSON file pipeplan "
                             "wrote") from None
+    check_numbers(data, what)
+    return parse_model(data, cls, what)
+
+
+def check_numbers(data: object, what: str) -> None:
+    """Every number of `data` (a JSON document) one pipeplan computes with (`planner.limits`),
+    else a PipeplanError naming `what` and the field."""
     bad = out_of_range(data)
     if bad is not None:
         raise PipeplanError(f"{what}: {field_path(bad[0])}: {bad[1]}; correct that value")
-    return parse_model(data, cls, what)
 
 
 def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] = (),

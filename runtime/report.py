@@ -23,12 +23,11 @@ Internal module. Definitions used in report.json:
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 
 from planner.formats import Plan, RankReport, Report
-from planner.limits import MAX_FLOAT
+from planner.limits import out_of_range
 
 
 @dataclass
@@ -62,7 +61,7 @@ def _median(xs: list[float]) -> float:
 def finite_losses(losses: list[float]) -> list[float | None]:
     """The losses as a report keeps them: a NaN, an infinity or a loss beyond what pipeplan
     reads back (`planner.limits`) is None, so a run that diverged still writes its report."""
-    return [x if math.isfinite(x) and abs(x) <= MAX_FLOAT else None for x in losses]
+    return [x if out_of_range(x) is None else None for x in losses]
 
 
 def build_report(plan: Plan, records: list[RankRecord], losses: list[float], steps: int,

@@ -389,8 +389,7 @@ class Worker:
             pbytes = sum(loc(p.detach()).numel() * p.element_size() for p in self.unique_params)
             gbytes = sum(loc(p.detach()).numel() * p.element_size() for p in self.unique_params
                          if p.requires_grad)  # a frozen parameter has no gradient
-            buffers = {id(b): b for b in self.module.buffers()}  # (a shared one once)
-            bbytes = sum(b.numel() * b.element_size() for b in buffers.values())
+            bbytes = sum(b.numel() * b.element_size() for b in self.module.buffers())  # a shared one once
             peak = pbytes + bbytes + gbytes + state_bytes + st.peak_saved_bytes
             measure = "params+buffers+grads+optimizer_state+saved_activations"
         return RankRecord(

@@ -19,16 +19,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from planner.errors import PipeplanError
     from planner.importers.pipedream import import_pipedream_file
-    from planner.io import check_output, save_model
-    from planner.limits import field_path, out_of_range
+    from planner.io import check_numbers, check_output, save_model
 
     if args.batch_size <= 0:
         raise PipeplanError("--batch-size must be a positive integer")
     check_output(args.output, (args.graph,))
     profile = import_pipedream_file(args.graph, args.batch_size)
-    bad = out_of_range(profile.model_dump())
-    if bad is not None:
-        raise PipeplanError(f"{args.graph}: {field_path(bad[0])}: {bad[1]}; correct that value")
+    check_numbers(profile.model_dump(), args.graph)
     save_model(profile, args.output)
     total = sum(x.fwd_ms + x.bwd_ms for x in profile.layers)
     print(f"wrote {args.output}: {len(profile.layers)} layers, {len(profile.edges)} edges, "
