@@ -25,14 +25,14 @@ gpt = load_model_file(sys.argv[2])
 model = gpt.build_model()
 inputs, target = gpt.make_batch(4)
 faults = []
-for _ in range(14):
+for _ in range(48):
     out = model(*inputs)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     leaf = out.detach().requires_grad_(True)
     (grad,) = torch.autograd.grad(gpt.loss_fn(leaf, target), [leaf])
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     out.backward(grad)
-print(json.dumps({"took": took, "faults": faults[4:]}))
+print(json.dumps({"took": took, "faults": faults[8:]}))
 """
 
 
@@ -47,4 +47,6 @@ def test_the_loss_after_the_model_stops_faulting_once_blocks_are_kept() -> None:
     default, kept = _faults("default"), _faults("keep")
     assert kept["took"] is True
     assert statistics.median(kept["faults"]) < 64, kept
+    # over 40 steps: a kept heap still faults in the odd step where it grows (56-504 faults
+    # seen once in 10-40 steps), the default faults in a third to half of them (2.7k-6.7k)
     assert sum(kept["faults"]) < sum(default["faults"]), (default, kept)
