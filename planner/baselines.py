@@ -12,6 +12,7 @@ error says what it would take). A given `num_stages` fixes S.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -51,12 +52,29 @@ def _greedy(weights: Sequence[float], num_stages: int, cap: float) -> Bounds | N
         i += 1
     bounds.append(n)
     # fewer stages than asked: split the longest stages (never raises the maximum)
-    while len(bounds) - 1 < num_stages:
-        k = max(range(len(bounds) - 1), key=lambda s: bounds[s + 1] - bounds[s])
-        if bounds[k + 1] - bounds[k] < 2:
+    return _split_longest(bounds, num_stages)
+
+
+def _split_longest(bounds: Bounds, num_stages: int) -> Bounds | None:
+    """`bounds` with stages split until there are `num_stages`: each time the longest stage
+    (the first of equals) gives its first layer to a stage of its own; None if the longest
+    has one layer. The pieces split off have one layer, so they are never the longest of a
+    stage that can still be split: a heap over the original stages gives the same splits as
+    rescanning the list each time (that took minutes for thousands of stages)."""
+    heap = [(a - z, k) for k, (a, z) in enumerate(zip(bounds, bounds[1:], strict=False))]
+    heapq.heapify(heap)  # (-length, index): the longest first, then the first of equals
+    peeled = [0] * len(heap)
+    for _ in range(num_stages - len(heap)):
+        neg, k = heapq.heappop(heap)
+        if -neg < 2:
             return None
-        bounds.insert(k + 1, bounds[k] + 1)
-    return bounds
+        peeled[k] += 1
+        heapq.heappush(heap, (neg + 1, k))
+    out = [0]
+    for k, (a, z) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        out += range(a + 1, a + 1 + peeled[k])  # the layers split off, one stage each
+        out.append(z)
+    return out
 
 
 def partition_balanced(weights: Sequence[float], num_stages: int) -> Bounds:
@@ -151,9 +169,12 @@ def _candidate(bounds: Bounds, stage_devices: list[tuple[int, ...]], b: int, m: 
 
 
 def sweep_depths(profile: Profile, cluster: Cluster, options: PlanOptions, name: str,
-                 partition: Callable[[LayerTable, int], Bounds], num_stages: int | None = None
-                 ) -> Candidate:
-    """Try each pipeline depth S (DeepSpeed's pipe x data grid); keep the best (module doc)."""
+                 partition: Callable[[LayerTable, int], Bounds], num_stages: int | None = None,
+                 too_costly: Callable[[int], bool] | None = None) -> Candidate:
+    """Try each pipeline depth S (DeepSpeed's pipe x data grid); keep the best (module doc).
+    `too_costly` (the search, whose seeds these are): whether simulating depth S would pass the
+    work it allows; that depth and the deeper ones (each costs more) are not tried, and if not
+    even the first is, a PipeplanError."""
     t0 = time.perf_counter()
     table = layer_table(profile)
     b, m = resolve_microbatch(profile, options)
@@ -163,14 +184,18 @@ def sweep_depths(profile: Profile, cluster: Cluster, options: PlanOptions, name:
     for S in depths:
         if S > L:
             raise PipeplanError(f"{name}: {S} stages but the profile has only {L} layers")
+        if too_costly is not None and too_costly(S):
+            depths = depths[:depths.index(S)]
+            break
         dp = N // S
         devs = [tuple(range(s * dp, (s + 1) * dp)) for s in range(S)]
         cand = _candidate(partition(table, S), devs, b, m, {})
-        ev = evaluate(table, cluster, cand, options)
+        ev = evaluate(table, cluster, cand, options, record=False)  # times and memory only
         key = (not ev.fits, ev.memory_overshoot() if not ev.fits else ev.iteration_ms)
         if best is None or key < (not best.fits, best.memory_overshoot() if not best.fits else best.iteration_ms):
             best = ev
-    assert best is not None
+    if best is None:
+        raise PipeplanError(f"{name}: no pipeline depth within the work allowed")
     solver = {"name": name, "status": "HEURISTIC", "objective": best.iteration_ms,
               "wall_s": time.perf_counter() - t0, "depths_tried": len(depths)}
     return Candidate(best.candidate.stages, b, m, solver)
@@ -180,15 +205,17 @@ def _layer_costs(table: LayerTable) -> list[float]:
     return [table.compute_ms(i, i + 1) for i in range(table.num_layers)]
 
 
-def solve_uniform(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
+def solve_uniform(profile: Profile, cluster: Cluster, options: PlanOptions,
+                  too_costly: Callable[[int], bool] | None = None) -> Candidate:
     """Equal numbers of layers per stage (DeepSpeed's `uniform`, torchtitan's default)."""
     return sweep_depths(profile, cluster, options, "uniform",
-                        lambda t, S: partition_uniform(t.num_layers, S))
+                        lambda t, S: partition_uniform(t.num_layers, S), too_costly=too_costly)
 
 
-def solve_params(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
+def solve_params(profile: Profile, cluster: Cluster, options: PlanOptions,
+                 too_costly: Callable[[int], bool] | None = None) -> Candidate:
     """Balanced parameter bytes per stage (DeepSpeed's default `parameters`)."""
-    return sweep_depths(profile, cluster, options, "params", lambda t, S: partition_balanced(
+    return sweep_depths(profile, cluster, options, "params", too_costly=too_costly, partition=lambda t, S: partition_balanced(
         [t.param_bytes(i, i + 1) - t.buffer_bytes(i, i + 1) for i in range(t.num_layers)], S))
 
 

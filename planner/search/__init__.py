@@ -46,8 +46,13 @@ machine. The wall clock stops the search only at WALL_NET x the time the most wo
 or one whose cores other work keeps busy, does not reach. (At 1 x `time_limit_s`, on a machine
 1.5-1.7x slower than that one, 71 of the 160 plan-quality rows reached it and 21 gave another
 plan or bound on a rerun. At 3 x `time_limit_s`, as the net was until 2026-11-27, that
-ResNet-18 plan was cut at 30.0 s while two busy processes loaded both cores.) The service
-sets WALL_LIMIT to 1: it promises an answer within `time_limit_s` plus its grace.
+ResNet-18 plan was cut at 30.0 s while two busy processes loaded both cores.) The service runs
+the search as the command line does and stops its process only past that net
+(`planner.solve.solve_deadline_s`): until 2026-12-01 it set WALL_LIMIT to 1, and the real GNMT
+profile on 16 devices at 1 GB/s, whose 10 s plan takes 10-12 s here, got 346.0 and 350.2 ms
+from two such solves at once. The baselines seeded here sweep the pipeline depth on at most
+BASELINE_SHARE of the work each (on 5,000 layers and 4,096 devices their full sweeps took three
+minutes for a plan of --time-limit 0.5; 9 s now).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -108,9 +113,10 @@ __all__ = ["solve", "solve_detailed"]
 # work (about one simulated action each, when the units were fitted) per second of --time-limit
 WORK_PER_SECOND = 140_000
 WALL_NET = 3.0  # the wall-clock safety net, x the seconds the most work takes (`wall_net_s`)
-WALL_LIMIT: float | None = None  # a hard wall-clock limit, x --time-limit (the service sets 1)
+WALL_LIMIT: float | None = None  # a hard wall-clock limit, x --time-limit (None: `wall_net_s`'s net)
 GC_THRESHOLD = 50_000  # new objects between two collections while the search runs (`_fewer_collections`)
 DP_SHARE = 0.35  # of the work, at most, for the bound's bisections (the search gets the rest)
+BASELINE_SHARE = 0.2  # of the work, at most, for each baseline's sweep of pipeline depths (`_baselines`)
 TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound
 PROOF_SHARE = 0.4  # more work after that, to prove the 1 % with each microbatch's backward (`bound.prove`)
 EXHAUST_SHARE = 0.6  # more work after that, to simulate every plan the bound allows (`exhaust`)
@@ -138,8 +144,7 @@ def wall_net_s(time_limit_s: float) -> float:
     """When the wall clock stops a search of `time_limit_s`: WALL_NET x the time its most work
     took where WORK_PER_SECOND was fitted (a 10 s plan may spend up to MAX_WORK x 10 s of
     work), so a machine up to WALL_NET times slower, or busy with other work, still does all
-    of it and gives the same plan; or WALL_LIMIT x `time_limit_s` where that is set (the
-    service, which answers within the limit)."""
+    of it and gives the same plan; or WALL_LIMIT x `time_limit_s` where that is set."""
     if WALL_LIMIT is not None:
         return WALL_LIMIT * time_limit_s
     return WALL_NET * MAX_WORK * time_limit_s
@@ -157,11 +162,27 @@ def microbatch_sizes(profile: Profile, options: PlanOptions) -> list[int]:
 
 
 def _baselines(profile: Profile, cluster: Cluster, options: PlanOptions, b: int,
-               large: bool) -> list[Candidate]:
+               large: bool, ev: Evaluator, max_work: float) -> list[Candidate]:
+    """The baselines' plans at microbatch size b, seeds of the search. Those that sweep the
+    pipeline depth stop where their simulations would pass `max_work` each (`Evaluator`'s
+    units; not counted in its work): on 5,000 layers and 4,096 devices their sweeps took
+    three minutes for a plan of --time-limit 0.5, where a plan-quality instance spends at
+    most a few thousand units on them."""
     opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None})
+    m = options.global_batch // b
+
+    def capped() -> Callable[[int], bool]:
+        spent = 0
+
+        def too_costly(stages: int) -> bool:
+            nonlocal spent
+            spent += ev.simulation_work(m, stages, cluster.num_devices)
+            return spent > max_work
+        return too_costly
+
     out = []
-    fns = [lambda: solve_pipedream(profile, cluster, opts, b), lambda: solve_uniform(profile, cluster, opts),
-           lambda: solve_params(profile, cluster, opts)]
+    fns = [lambda: solve_pipedream(profile, cluster, opts, b), lambda: solve_uniform(profile, cluster, opts, capped()),
+           lambda: solve_params(profile, cluster, opts, capped())]
     if not large:
         fns.append(lambda: solve_blocks(profile, cluster, opts))
     for fn in fns:
@@ -664,7 +685,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         here = _seeds_at(b, ev, table.num_layers, D)
         seeds += here
         upper = min((ev(s).objective_ms for s in here if ev(s).fits), default=math.inf)
-        for cand in _baselines(profile, cluster, options, b, large):
+        for cand in _baselines(profile, cluster, options, b, large, ev, BASELINE_SHARE * total_work):
             st = structure_of(cand)
             seeds.append(st)
             score, placed = ev.score_candidate(cand, st)
