@@ -2,10 +2,12 @@
 
 `workers` dispatcher threads each drive one long-lived solver process (`api.pool.WorkerProcess`:
 forked from a forkserver that has the planner imported, and exiting by itself when the server
-dies), which solves one task at a time. Every solve runs under a deadline of its time limit plus
-`solve_grace_s`; past it the process is killed (a fresh one replaces it) and the job fails with
-error_kind "timeout", whatever the method: the heuristics keep the time budget as CP-SAT does.
-A comparison solves its methods one by one, each under its own deadline, so one slow method
+dies), which solves one task at a time. Every solve runs under a deadline,
+`planner.solve.solve_deadline_s` plus `solve_grace_s`: the heuristics' time limit; the search's
+own wall-clock safety net (its budget is work: a deadline at the limit itself would cut the work
+where the command line does not, and the same request would get another plan from another
+server). Past it the process is killed (a fresh one replaces it) and the job fails with
+error_kind "timeout". A comparison solves its methods one by one, each under its own deadline, so one slow method
 costs its own row only. At most `workers + queue_size` jobs are in flight; `submit` raises
 `QueueFull` beyond that (the route answers 503 with Retry-After). The same request while one is
 in flight joins it instead of solving twice. `cancel` kills a running process or drops a queued
@@ -31,6 +33,8 @@ from typing import Any
 
 from api.pool import TASKS_PER_PROCESS, QueueFull, WorkerProcess, context
 from api.storage import JobRow, Storage
+from planner.formats import PlanOptions
+from planner.solve import solve_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +61,15 @@ class Task:
     job_id: str
     key: str
     payload: dict[str, Any]
-    deadline_s: float  # per solve (per method for a comparison)
+    grace_s: float  # per solve (per method for a comparison), past `solve_deadline_s`
     on_result: ResultHandler
     future: Future[Outcome] = field(default_factory=Future)
     cancel_reason: str | None = None  # set => stop as soon as possible
+
+
+def deadline_s(options: dict[str, Any], grace_s: float) -> float:
+    """When a solve of `options` (a request's options, validated) is stopped."""
+    return solve_deadline_s(PlanOptions.model_validate(options)) + grace_s
 
 
 def timeout_message(method: str, deadline_s: float, limit_s: float) -> str:
@@ -123,7 +132,7 @@ class JobManager:
                 "capacity": self.capacity}
 
     def submit(self, kind: str, key: str, profile_id: str, request: dict[str, Any],
-               payload: dict[str, Any], deadline_s: float, on_result: ResultHandler,
+               payload: dict[str, Any], grace_s: float, on_result: ResultHandler,
                owner: str = "") -> tuple[Task, bool]:
         """Queue a task; returns (task, created). Joins an in-flight task with the same key."""
         with self._lock:
@@ -135,7 +144,7 @@ class JobManager:
             if len(self._tasks) >= self.capacity:
                 raise QueueFull(f"{len(self._tasks)} jobs in flight (capacity {self.capacity})")
             job = self.storage.create_job(kind, key, profile_id, request, owner)
-            task = Task(job.id, key, payload, deadline_s, on_result)
+            task = Task(job.id, key, payload, grace_s, on_result)
             self._tasks[job.id] = task
             self._by_key[key] = task
         self._queue.put(task)
@@ -210,7 +219,8 @@ class JobManager:
 
     def _solve(self, task: Task, payload: dict[str, Any], holder: list[WorkerProcess | None]
                ) -> tuple[str, Any]:
-        """One solve on this dispatcher's process (started or replaced as needed)."""
+        """One solve on this dispatcher's process (started or replaced as needed), stopped at
+        its deadline (`deadline_s`)."""
         proc = holder[0]
         if proc is None or not proc.alive() or proc.tasks >= TASKS_PER_PROCESS:
             if proc is not None:
@@ -219,7 +229,8 @@ class JobManager:
             holder[0] = proc
             self.procs[id(proc)] = proc
         t0 = time.monotonic()
-        status, value = proc.run(payload, task.deadline_s, lambda: task.cancel_reason is not None)
+        status, value = proc.run(payload, deadline_s(payload["options"], task.grace_s),
+                                 lambda: task.cancel_reason is not None)
         if status not in ("ok", "user", "internal"):  # killed (cancel, timeout) or died
             self._drop(holder, kill=True)
         if self.observe is not None:
@@ -247,7 +258,8 @@ class JobManager:
                 if status == "ok":
                     rows.append({"method": method, "plan": value["plan"]})
                 elif status == "timeout":
-                    rows.append({"method": method, "error": timeout_message(method, task.deadline_s, limit_s)})
+                    rows.append({"method": method, "error": timeout_message(
+                        method, deadline_s(options, task.grace_s), limit_s)})
                 elif status == "died":
                     rows.append({"method": method, "error": f"the solver process died (exit code {value})"})
                 else:
@@ -259,7 +271,8 @@ class JobManager:
             return self._cancelled(task)
         if status == "timeout":
             method = payload["options"].get("method", "?")
-            return Outcome("failed", error=timeout_message(method, task.deadline_s, limit_s),
+            return Outcome("failed", error=timeout_message(method, deadline_s(payload["options"], task.grace_s),
+                                                           limit_s),
                            error_kind="timeout")
         if status == "died":
             return Outcome("failed", error=f"the solver process died (exit code {value})",

@@ -32,8 +32,9 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(default=5, ge=1)  # Retry-After on 503 (queue full)
     poll_after_s: int = Field(default=1, ge=1)  # Retry-After on 202 (poll the job then)
     max_time_limit_s: float = Field(default=60.0, gt=0)  # solver time limits are clamped to this
-    # a solve still running at time_limit_s + grace is stopped (its process killed) and its job
-    # fails with error_kind "timeout": every method, heuristics included, keeps the time budget
+    # a solve still running at its deadline + grace is stopped (its process killed) and its job
+    # fails with error_kind "timeout": the heuristics' deadline is time_limit_s, the search's its
+    # own wall-clock net (`planner.solve.solve_deadline_s`: its budget is work, the CLI's plan)
     solve_grace_s: float = Field(default=1.0, ge=0)
     render_timeout_s: float = Field(default=60.0, gt=0)
 

@@ -118,8 +118,21 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
 
 
 def solve_seconds(options: PlanOptions) -> float:
-    """The longest a plan may take: `time_limit_s`, once per schedule with `auto`."""
+    """The time a plan is given: `time_limit_s`, once per schedule with `auto`."""
     return options.time_limit_s * (len(SCHEDULES) if options.schedule == "auto" else 1)
+
+
+def solve_deadline_s(options: PlanOptions) -> float:
+    """How long a caller (the service) lets one solve of `options` run before it stops it. The
+    heuristics: `solve_seconds`. The search (`cpsat`): its budget is work, not time, and it
+    stops itself on the clock only at its safety net (`planner.search.wall_net_s`, once per
+    schedule with `auto`), so a caller that stopped it sooner would cut the work where the
+    command line does not and get another plan for the same input."""
+    if options.method != "cpsat":
+        return solve_seconds(options)
+    from planner.search import wall_net_s  # lazy: ortools loads only when the search is asked for
+
+    return wall_net_s(options.time_limit_s) * (len(SCHEDULES) if options.schedule == "auto" else 1)
 
 
 def _auto_schedule(profile: Profile, cluster: Cluster, options: PlanOptions, table

@@ -35,7 +35,7 @@ from api.schemas import (
 )
 from api.settings import Settings
 from api.storage import PlanRow, Storage
-from planner.solve import METHODS, solve_seconds
+from planner.solve import METHODS
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], route_class=StrictJSONRoute)
 IMMUTABLE = "private, max-age=31536000, immutable"
@@ -93,9 +93,11 @@ def _plan_row(storage: Storage, plan_id: str) -> PlanRow:
 async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep,
                       client: ClientDep, response: Response) -> Any:
     """Plan `profile` (or `profile_id`) on `cluster` with `options`. A time limit above the
-    server's cap is clamped and reported in `warnings`. Every method answers within its
-    `time_limit_s` plus the server's grace (`PIPEPLAN_SOLVE_GRACE_S`): a solve still running then
-    is stopped and its job fails with error_kind "timeout"."""
+    server's cap is clamped and reported in `warnings`. The heuristics answer within their
+    `time_limit_s` plus the server's grace (`PIPEPLAN_SOLVE_GRACE_S`); the search (cpsat), whose
+    budget is work, gives the command line's plan and is stopped only past its own wall-clock
+    net (3 x the time its most work takes, `planner.search.wall_net_s`) plus the grace. A solve
+    still running then is stopped and its job fails with error_kind "timeout"."""
     def lookup() -> tuple[service.Prepared, PlanRow | None]:
         prep = service.prepare(storage, settings, req, client)
         row = storage.get_plan_by_key(prep.key)
@@ -111,7 +113,7 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
     task = await _submit(
         jobs, settings, kind="plan", key=prep.key, profile_id=prep.profile_row.id,
         request=service.job_request(prep), payload=service.task_payload(prep, "plan"),
-        deadline_s=solve_seconds(prep.options) + settings.solve_grace_s,
+        grace_s=settings.solve_grace_s,
         on_result=service.plan_handler(storage, prep, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)
@@ -130,7 +132,7 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
                   client: ClientDep) -> Any:
     """The same profile and cluster under several methods, one row each (plans are stored and
     cached like single plans; `plan_id` links each row to its plan). Each method has its own
-    time budget (`time_limit_s` + grace); one that runs over gets an error row."""
+    deadline (as for a single plan); one that runs over gets an error row."""
     methods = req.methods or [m for m in METHODS if m != "manual"]
     methods = list(dict.fromkeys(methods))
     if len(methods) > settings.max_compare_methods:
@@ -154,7 +156,7 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
     task = await _submit(
         jobs, settings, kind="compare", key=key, profile_id=base.profile_row.id,
         request=service.job_request(base, methods), payload=service.task_payload(base, "compare", missing),
-        deadline_s=solve_seconds(base.options) + settings.solve_grace_s,
+        grace_s=settings.solve_grace_s,
         on_result=service.compare_handler(storage, base, methods, done, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)

@@ -1,6 +1,7 @@
 """The server's processes and time budgets, on a real server on 127.0.0.1: after `kill -9`
 no solver outlives it, the next server marks the jobs lost and serves every stored plan; every
-planning method answers within its time limit plus the grace, whatever the problem size."""
+planning method answers within its deadline (the heuristics' time limit, the search's own
+wall-clock net) plus the grace, whatever the problem size."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from planner.solve import cpsat_available
+from planner.formats import PlanOptions
+from planner.solve import cpsat_available, solve_deadline_s
 from tests.api.conftest import plan_body, profile_doc, slow_body
 from tests.api.server import Server
 
@@ -96,7 +98,7 @@ def big_body(method: str, time_limit_s: float) -> dict:
     return body
 
 
-def test_every_method_keeps_its_time_budget_on_5000_layers_4096_devices(tmp_path: Path) -> None:
+def test_every_method_keeps_its_deadline_on_5000_layers_4096_devices(tmp_path: Path) -> None:
     limit_s = 2.0
     methods = ["uniform", "blocks", "params", "pipedream"] + (["cpsat"] if cpsat_available() else [])
     with Server(tmp_path / "pipeplan.db", workers=1, sync_wait_s="60", solve_grace_s="1") as server, \
@@ -109,9 +111,12 @@ def test_every_method_keeps_its_time_budget_on_5000_layers_4096_devices(tmp_path
             t0 = time.monotonic()
             r = http.post("/v1/plans", json={**body, "profile_id": profile_id})
             elapsed = time.monotonic() - t0
-            # the budget is limit + 1 s grace; +2 s of slack for a CPU shared with other work
-            # (benchmarks/api_load.py measures the figure itself); unbounded, uniform takes ~45 s
-            assert elapsed < limit_s + 1.0 + 3.0, (method, elapsed)
+            # the deadline is limit + 1 s grace for the heuristics (unbounded, uniform takes
+            # ~45 s), the search's own wall-clock net + 1 s for cpsat, whose budget is work (it
+            # gives the command line's plan; here ~9 s); +3 s of slack for a CPU shared with
+            # other work (benchmarks/api_load.py measures the figure itself)
+            deadline_s = solve_deadline_s(PlanOptions.model_validate(body["options"])) + 1.0
+            assert elapsed < deadline_s + 3.0, (method, elapsed)
             if r.status_code == 504:  # stopped at the deadline: a clear error, never a hang
                 assert "time budget" in r.json()["detail"] and method in r.json()["detail"]
             else:
