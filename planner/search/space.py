@@ -10,6 +10,7 @@ a device that does no work is a device the user pays for.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, replace
 
@@ -27,6 +28,7 @@ PLACEMENTS_PER_STRUCTURE = 64
 # 0.53x the time it did when the units were fitted (300 candidates x 18 instance-schedules,
 # timed side by side, identical results)
 EVAL_WORK = 0.6
+ZB_H1_SUBSETS = 4  # `Evaluator._zb_h1_recompute`: up to this many stages, every set of them is tried
 TIME_TOL = 1e-9  # relative: two times this close are equal (prefer fewer devices, stages)
 
 
@@ -127,6 +129,12 @@ def to_candidate(st: Structure, policies: list[Policy], num_microbatches: int
     if devs is None:
         return None
     return candidate_of(st, devs, num_microbatches)
+
+
+def _recomputed(cand: Candidate, stages: set[int] | frozenset[int]) -> Candidate:
+    """`cand` with these stages recomputed as well."""
+    return Candidate(tuple(replace(x, recompute=x.recompute or s in stages) for s, x in enumerate(cand.stages)),
+                     cand.microbatch_size, cand.num_microbatches)
 
 
 def candidate_of(st: Structure, devs: tuple[tuple[int, ...], ...], num_microbatches: int
@@ -277,28 +285,74 @@ class Evaluator:
     def evaluate_placed(self, cand: Candidate, st: Structure) -> tuple[Score, Candidate]:
         """The candidate's score; where it does not fit memory and recomputation is allowed,
         the same candidate with recomputation on exactly the stages that overflow, if that
-        scores better. That is the best choice of recomputation for these stages and devices:
-        recomputing adds time and never makes the simulated iteration shorter, and a stage's
-        memory does not depend on whether another stage recomputes."""
-        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices, record=False,
-                      stage_cache=self.stage_costs)
-        self._count(cand)
+        scores better. Under 1F1B and GPipe that is the best choice of recomputation for these
+        stages and devices: recomputing adds time and never makes the simulated iteration
+        shorter, and a stage's memory does not depend on whether another stage recomputes.
+        Under ZB-H1 it does (`_zb_h1_recompute`)."""
+        ev = self._evaluate(cand)
         score = self._score(ev, st.num_devices, st.num_stages)
         if score.fits or not self.options.allow_recompute:
             return score, cand
-        over = {s for s, (need, lim) in enumerate(zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes,
-                                                      strict=True))
-                if need > lim and cand.stages[s].tp == 1 and not cand.stages[s].recompute}
+        over = self._overflowing(cand, ev)
         if not over:
             return score, cand
-        rc = Candidate(tuple(replace(x, recompute=x.recompute or s in over)
-                             for s, x in enumerate(cand.stages)),
-                       cand.microbatch_size, cand.num_microbatches)
-        ev2 = evaluate(self.table, self.cluster, rc, self.options, self.devices, record=False,
-                       stage_cache=self.stage_costs)
-        self._count(rc)
-        score2 = self._score(ev2, st.num_devices, st.num_stages)
+        if self.options.schedule == "zb-h1":
+            return self._zb_h1_recompute(cand, st, ev, score)
+        rc = _recomputed(cand, over)
+        score2 = self._score(self._evaluate(rc), st.num_devices, st.num_stages)
         return (score2, rc) if score2.better_than(score) else (score, cand)
+
+    def _evaluate(self, cand: Candidate) -> Evaluation:
+        ev = evaluate(self.table, self.cluster, cand, self.options, self.devices, record=False,
+                      stage_cache=self.stage_costs)
+        self._count(cand)
+        return ev
+
+    @staticmethod
+    def _overflowing(cand: Candidate, ev: Evaluation) -> dict[int, float]:
+        """The stages that could recompute (TP degree 1, not yet) and need more memory than
+        their limit, with need / limit."""
+        return {s: need / lim for s, (need, lim) in enumerate(zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes,
+                                                                  strict=True))
+                if need > lim and cand.stages[s].tp == 1 and not cand.stages[s].recompute}
+
+    def _zb_h1_recompute(self, cand: Candidate, st: Structure, ev: Evaluation, score: Score
+                         ) -> tuple[Score, Candidate]:
+        """The best recomputation under ZB-H1, whose stages defer only the W's that keep their
+        peak within the largest 1F1B peak of any stage (`schedules.zb_h1_memory_deferrals`):
+        recomputing the stage that sets that peak lowers every stage's, so one stage recomputed
+        can make another fit, and recomputing every stage that overflows can cost time for
+        nothing (random instances of 6 layers on 3 devices: 81.2 ms, where recomputing one of
+        the two gives 56.4). With up to ZB_H1_SUBSETS stages that could recompute, every set of
+        them; with more, the sets grown one stage at a time, each time the one most over its
+        limit, and the set of every stage that overflows."""
+        plain = [s for s, x in enumerate(cand.stages) if x.tp == 1 and not x.recompute]
+        best = (score, cand)
+
+        def consider(subset: set[int] | frozenset[int]) -> Evaluation:
+            nonlocal best
+            rc = _recomputed(cand, subset)
+            got = self._evaluate(rc)
+            s2 = self._score(got, st.num_devices, st.num_stages)
+            if s2.better_than(best[0]):
+                best = (s2, rc)
+            return got
+
+        if len(plain) <= ZB_H1_SUBSETS:
+            for k in range(1, len(plain) + 1):
+                for subset in itertools.combinations(plain, k):
+                    consider(set(subset))
+            return best
+        everything = frozenset(self._overflowing(cand, ev))
+        grown: set[int] = set()
+        current = ev
+        while over := self._overflowing(_recomputed(cand, grown), current):
+            grown.add(max(over, key=lambda s: (over[s], -s)))
+            if grown == everything:
+                break
+            current = consider(grown)
+        consider(everything)
+        return best
 
     def simulation_work(self, num_microbatches: int, stages: int, devices: int) -> int:
         """The work of one evaluation: simulated actions (F and B per microbatch and stage;
