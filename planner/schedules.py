@@ -25,7 +25,7 @@ counts in its generator (`params["deferred_w"]`, one per stage).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 from planner.actions import Action, parse_actions
@@ -127,11 +127,9 @@ def _memory_codes(name: str, stage: int, stage_replicas: tuple[int, ...], replic
     return memory_codes(replica_actions(name, stage, stage_replicas, replica, num_microbatches, deferred))
 
 
-def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
-    """Per stage, the W's a ZB-H1 replica defers: `zb_h1_deferred_w`, lowered until the stage's
-    peak memory (static + what its microbatches hold, action by action: `rank_memory_peak`) is
-    within the 1F1B peak of the busiest stage on the same costs (never below 0: a stage whose
-    W's all run right after their B may still exceed it by one microbatch's W gradients)."""
+def _stage_peak(costs: PipelineCosts) -> Callable[[int, str, int | None], float]:
+    """peak(s, schedule, deferred W's): stage s's peak memory on `costs` (static + what its
+    microbatches hold, action by action: `rank_memory_peak`), its busiest replica."""
     m, S = costs.num_microbatches, costs.num_stages
     replicas = tuple(len(devs) for devs in costs.stage_devices)
     act = costs.activation_bytes_per_microbatch
@@ -144,7 +142,17 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
             held_peak(_memory_codes(name, s, replicas, k, m, d), act[s], hold[s], transient[s],
                        loss_tr[s])
             for k in _replica_kinds(m, replicas[s]))
+    return peak
 
+
+def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
+    """Per stage, the W's a ZB-H1 replica defers: `zb_h1_deferred_w`, lowered until the stage's
+    peak memory (static + what its microbatches hold, action by action: `rank_memory_peak`) is
+    within the 1F1B peak of the busiest stage on the same costs (never below 0: a stage whose
+    W's all run right after their B may still exceed it by one microbatch's W gradients)."""
+    m, S = costs.num_microbatches, costs.num_stages
+    replicas = tuple(len(devs) for devs in costs.stage_devices)
+    peak = _stage_peak(costs)
     cap = max(peak(s, "1f1b", None) for s in range(S))
     out = []
     for s in range(S):
@@ -160,6 +168,16 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
             d = lo
         out.append(d)
     return out
+
+
+def zb_h1_own_peaks(costs: PipelineCosts) -> list[float]:
+    """Per stage, what its own costs make it hold under ZB-H1 whatever the other stages do:
+    its 1F1B peak (the cap of every stage's deferrals is the largest of these) and its peak
+    with no W deferred (the least it can hold), the larger of the two. A stage above its
+    memory limit here must recompute; once every such stage has, no stage's cap is above
+    its limit, so the others fit (`planner.search.space.Evaluator`)."""
+    peak = _stage_peak(costs)
+    return [max(peak(s, "1f1b", None), peak(s, "zb-h1", 0)) for s in range(costs.num_stages)]
 
 
 def generate(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int,

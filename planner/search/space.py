@@ -10,7 +10,6 @@ a device that does no work is a device the user pays for.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, replace
 
@@ -18,6 +17,7 @@ from planner.build import Evaluation, evaluate
 from planner.cost import LayerTable, PipelineCosts
 from planner.formats import Cluster, Device, PlanOptions
 from planner.partition import Candidate, StageChoice
+from planner.schedules import zb_h1_own_peaks
 
 STYLES = ("packed", "aligned")
 EVERY_PLACEMENT = 12  # devices up to which every node placement of a structure is scored
@@ -28,7 +28,6 @@ PLACEMENTS_PER_STRUCTURE = 64
 # 0.53x the time it did when the units were fitted (300 candidates x 18 instance-schedules,
 # timed side by side, identical results)
 EVAL_WORK = 0.6
-ZB_H1_SUBSETS = 4  # `Evaluator._zb_h1_recompute`: up to this many stages, every set of them is tried
 TIME_TOL = 1e-9  # relative: two times this close are equal (prefer fewer devices, stages)
 
 
@@ -320,39 +319,26 @@ class Evaluator:
                          ) -> tuple[Score, Candidate]:
         """The best recomputation under ZB-H1, whose stages defer only the W's that keep their
         peak within the largest 1F1B peak of any stage (`schedules.zb_h1_memory_deferrals`):
-        recomputing the stage that sets that peak lowers every stage's, so one stage recomputed
-        can make another fit, and recomputing every stage that overflows can cost time for
-        nothing (random instances of 6 layers on 3 devices: 81.2 ms, where recomputing one of
-        the two gives 56.4). With up to ZB_H1_SUBSETS stages that could recompute, every set of
-        them; with more, the sets grown one stage at a time, each time the one most over its
-        limit, and the set of every stage that overflows."""
-        plain = [s for s, x in enumerate(cand.stages) if x.tp == 1 and not x.recompute]
-        best = (score, cand)
-
-        def consider(subset: set[int] | frozenset[int]) -> Evaluation:
-            nonlocal best
-            rc = _recomputed(cand, subset)
-            got = self._evaluate(rc)
-            s2 = self._score(got, st.num_devices, st.num_stages)
-            if s2.better_than(best[0]):
-                best = (s2, rc)
-            return got
-
-        if len(plain) <= ZB_H1_SUBSETS:
-            for k in range(1, len(plain) + 1):
-                for subset in itertools.combinations(plain, k):
-                    consider(set(subset))
-            return best
-        everything = frozenset(self._overflowing(cand, ev))
-        grown: set[int] = set()
-        current = ev
-        while over := self._overflowing(_recomputed(cand, grown), current):
-            grown.add(max(over, key=lambda s: (over[s], -s)))
-            if grown == everything:
-                break
-            current = consider(grown)
-        consider(everything)
-        return best
+        a stage may overflow because another's 1F1B peak lets it defer too much, and then
+        recomputing that other stage makes it fit (random instances of 6 layers on 3 devices:
+        every overflowing stage recomputed, 81.2 ms; the one that sets the cap, 56.4). The
+        stages whose own peaks are above their limit (`schedules.zb_h1_own_peaks`) must
+        recompute, and once they have, the others fit: that set, and where some stage still
+        overflows, that set with it."""
+        own = zb_h1_own_peaks(ev.costs)
+        limits = ev.costs.memory_limit_bytes
+        forced = {s for s, x in enumerate(cand.stages)
+                  if x.tp == 1 and not x.recompute and own[s] > limits[s]}
+        rc = _recomputed(cand, forced or set(self._overflowing(cand, ev)))
+        got = self._evaluate(rc)
+        got_s = self._score(got, st.num_devices, st.num_stages)
+        still = self._overflowing(rc, got)
+        if still:  # (a TP stage's cap, which no recomputation lowers)
+            more = _recomputed(rc, set(still))
+            more_s = self._score(self._evaluate(more), st.num_devices, st.num_stages)
+            if more_s.better_than(got_s):
+                rc, got_s = more, more_s
+        return (got_s, rc) if got_s.better_than(score) else (score, cand)
 
     def simulation_work(self, num_microbatches: int, stages: int, devices: int) -> int:
         """The work of one evaluation: simulated actions (F and B per microbatch and stage;
