@@ -215,8 +215,9 @@ def solve_uniform(profile: Profile, cluster: Cluster, options: PlanOptions,
 def solve_params(profile: Profile, cluster: Cluster, options: PlanOptions,
                  too_costly: Callable[[int], bool] | None = None) -> Candidate:
     """Balanced parameter bytes per stage (DeepSpeed's default `parameters`)."""
-    return sweep_depths(profile, cluster, options, "params", too_costly=too_costly, partition=lambda t, S: partition_balanced(
-        [t.param_bytes(i, i + 1) - t.buffer_bytes(i, i + 1) for i in range(t.num_layers)], S))
+    return sweep_depths(profile, cluster, options, "params", lambda t, S: partition_balanced(
+        [t.param_bytes(i, i + 1) - t.buffer_bytes(i, i + 1) for i in range(t.num_layers)], S),
+        too_costly=too_costly)
 
 
 def solve_blocks(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
