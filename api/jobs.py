@@ -67,7 +67,7 @@ class Task:
     cancel_reason: str | None = None  # set => stop as soon as possible
 
 
-def deadline_s(options: dict[str, Any], grace_s: float) -> float:
+def stop_after_s(options: dict[str, Any], grace_s: float) -> float:
     """When a solve of `options` (a request's options, validated) is stopped."""
     return solve_deadline_s(PlanOptions.model_validate(options)) + grace_s
 
@@ -220,7 +220,7 @@ class JobManager:
     def _solve(self, task: Task, payload: dict[str, Any], holder: list[WorkerProcess | None]
                ) -> tuple[str, Any]:
         """One solve on this dispatcher's process (started or replaced as needed), stopped at
-        its deadline (`deadline_s`)."""
+        its deadline (`stop_after_s`)."""
         proc = holder[0]
         if proc is None or not proc.alive() or proc.tasks >= TASKS_PER_PROCESS:
             if proc is not None:
@@ -229,7 +229,7 @@ class JobManager:
             holder[0] = proc
             self.procs[id(proc)] = proc
         t0 = time.monotonic()
-        status, value = proc.run(payload, deadline_s(payload["options"], task.grace_s),
+        status, value = proc.run(payload, stop_after_s(payload["options"], task.grace_s),
                                  lambda: task.cancel_reason is not None)
         if status not in ("ok", "user", "internal"):  # killed (cancel, timeout) or died
             self._drop(holder, kill=True)
@@ -259,7 +259,7 @@ class JobManager:
                     rows.append({"method": method, "plan": value["plan"]})
                 elif status == "timeout":
                     rows.append({"method": method, "error": timeout_message(
-                        method, deadline_s(options, task.grace_s), limit_s)})
+                        method, stop_after_s(options, task.grace_s), limit_s)})
                 elif status == "died":
                     rows.append({"method": method, "error": f"the solver process died (exit code {value})"})
                 else:
@@ -271,7 +271,7 @@ class JobManager:
             return self._cancelled(task)
         if status == "timeout":
             method = payload["options"].get("method", "?")
-            return Outcome("failed", error=timeout_message(method, deadline_s(payload["options"], task.grace_s),
+            return Outcome("failed", error=timeout_message(method, stop_after_s(payload["options"], task.grace_s),
                                                            limit_s),
                            error_kind="timeout")
         if status == "died":
