@@ -7,8 +7,8 @@ dies), which solves one task at a time. Every solve runs under a deadline,
 own wall-clock safety net (its budget is work: a deadline at the limit itself would cut the work
 where the command line does not, and the same request would get another plan from another
 server). Past it the process is killed (a fresh one replaces it) and the job fails with
-error_kind "timeout". A comparison solves its methods one by one, each under its own deadline, so one slow method
-costs its own row only. At most `workers + queue_size` jobs are in flight; `submit` raises
+error_kind "timeout". A comparison solves its methods one by one, each under its own deadline,
+so one slow method costs its own row only. At most `workers + queue_size` jobs are in flight; `submit` raises
 `QueueFull` beyond that (the route answers 503 with Retry-After). The same request while one is
 in flight joins it instead of solving twice. `cancel` kills a running process or drops a queued
 job. Every state change is written to storage first, so a job is never silently lost: what a
@@ -217,10 +217,10 @@ class JobManager:
             proc.close(kill=kill)
             holder[0] = None
 
-    def _solve(self, task: Task, payload: dict[str, Any], holder: list[WorkerProcess | None]
-               ) -> tuple[str, Any]:
-        """One solve on this dispatcher's process (started or replaced as needed), stopped at
-        its deadline (`stop_after_s`)."""
+    def _solve(self, task: Task, payload: dict[str, Any], holder: list[WorkerProcess | None],
+               deadline_s: float) -> tuple[str, Any]:
+        """One solve on this dispatcher's process (started or replaced as needed), stopped after
+        `deadline_s` (`stop_after_s`)."""
         proc = holder[0]
         if proc is None or not proc.alive() or proc.tasks >= TASKS_PER_PROCESS:
             if proc is not None:
@@ -229,8 +229,7 @@ class JobManager:
             holder[0] = proc
             self.procs[id(proc)] = proc
         t0 = time.monotonic()
-        status, value = proc.run(payload, stop_after_s(payload["options"], task.grace_s),
-                                 lambda: task.cancel_reason is not None)
+        status, value = proc.run(payload, deadline_s, lambda: task.cancel_reason is not None)
         if status not in ("ok", "user", "internal"):  # killed (cancel, timeout) or died
             self._drop(holder, kill=True)
         if self.observe is not None:
@@ -252,27 +251,28 @@ class JobManager:
             rows = []
             for method in payload["methods"]:
                 options = {**payload["options"], "method": method}
-                status, value = self._solve(task, {**payload, "kind": "plan", "options": options}, holder)
+                deadline = stop_after_s(options, task.grace_s)
+                status, value = self._solve(task, {**payload, "kind": "plan", "options": options}, holder,
+                                            deadline)
                 if task.cancel_reason is not None or status == "cancelled":
                     return self._cancelled(task)
                 if status == "ok":
                     rows.append({"method": method, "plan": value["plan"]})
                 elif status == "timeout":
-                    rows.append({"method": method, "error": timeout_message(
-                        method, stop_after_s(options, task.grace_s), limit_s)})
+                    rows.append({"method": method, "error": timeout_message(method, deadline, limit_s)})
                 elif status == "died":
                     rows.append({"method": method, "error": f"the solver process died (exit code {value})"})
                 else:
                     rows.append({"method": method, "error": str(value)})
             status, value = "ok", {"rows": rows}
         else:
-            status, value = self._solve(task, payload, holder)
+            deadline = stop_after_s(payload["options"], task.grace_s)
+            status, value = self._solve(task, payload, holder, deadline)
         if task.cancel_reason is not None or status == "cancelled":
             return self._cancelled(task)
         if status == "timeout":
             method = payload["options"].get("method", "?")
-            return Outcome("failed", error=timeout_message(method, stop_after_s(payload["options"], task.grace_s),
-                                                           limit_s),
+            return Outcome("failed", error=timeout_message(method, deadline, limit_s),
                            error_kind="timeout")
         if status == "died":
             return Outcome("failed", error=f"the solver process died (exit code {value})",

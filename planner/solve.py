@@ -117,9 +117,14 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     return plan
 
 
+def _solves(options: PlanOptions) -> int:
+    """How many solves a plan of `options` makes: one per schedule with `auto`."""
+    return len(SCHEDULES) if options.schedule == "auto" else 1
+
+
 def solve_seconds(options: PlanOptions) -> float:
     """The time a plan is given: `time_limit_s`, once per schedule with `auto`."""
-    return options.time_limit_s * (len(SCHEDULES) if options.schedule == "auto" else 1)
+    return options.time_limit_s * _solves(options)
 
 
 def solve_deadline_s(options: PlanOptions) -> float:
@@ -132,7 +137,7 @@ def solve_deadline_s(options: PlanOptions) -> float:
         return solve_seconds(options)
     from planner.search import wall_net_s  # lazy: ortools loads only when the search is asked for
 
-    return wall_net_s(options.time_limit_s) * (len(SCHEDULES) if options.schedule == "auto" else 1)
+    return wall_net_s(options.time_limit_s) * _solves(options)
 
 
 def _auto_schedule(profile: Profile, cluster: Cluster, options: PlanOptions, table

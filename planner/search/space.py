@@ -308,11 +308,11 @@ class Evaluator:
         return ev
 
     @staticmethod
-    def _overflowing(cand: Candidate, ev: Evaluation) -> dict[int, float]:
+    def _overflowing(cand: Candidate, ev: Evaluation) -> set[int]:
         """The stages that could recompute (TP degree 1, not yet) and need more memory than
-        their limit, with need / limit."""
-        return {s: need / lim for s, (need, lim) in enumerate(zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes,
-                                                                  strict=True))
+        their limit."""
+        return {s for s, (need, lim) in enumerate(zip(ev.stage_memory_bytes, ev.costs.memory_limit_bytes,
+                                                      strict=True))
                 if need > lim and cand.stages[s].tp == 1 and not cand.stages[s].recompute}
 
     def _zb_h1_recompute(self, cand: Candidate, st: Structure, ev: Evaluation, score: Score
@@ -329,12 +329,12 @@ class Evaluator:
         limits = ev.costs.memory_limit_bytes
         forced = {s for s, x in enumerate(cand.stages)
                   if x.tp == 1 and not x.recompute and own[s] > limits[s]}
-        rc = _recomputed(cand, forced or set(self._overflowing(cand, ev)))
+        rc = _recomputed(cand, forced or self._overflowing(cand, ev))
         got = self._evaluate(rc)
         got_s = self._score(got, st.num_devices, st.num_stages)
         still = self._overflowing(rc, got)
         if still:  # (a TP stage's cap, which no recomputation lowers)
-            more = _recomputed(rc, set(still))
+            more = _recomputed(rc, still)
             more_s = self._score(self._evaluate(more), st.num_devices, st.num_stages)
             if more_s.better_than(got_s):
                 rc, got_s = more, more_s
