@@ -79,10 +79,13 @@ def test_the_tightened_dps_plans_never_make_the_plan_worse(seed: int, monkeypatc
     bound holds for it. On 4 of these 5 instances the plan is better for them (seed 39: 1076.9
     -> 928.4 ms); on 9 of the first 40 seeds, and worse on none. (Measured with the 1 % proof
     always tried: where it is out of reach its work searches on from the best plan, which
-    reaches the same plans on seeds 0 and 2 without these seeds.)"""
+    reaches the same plans on seeds 0 and 2 without these seeds. The last descent from the best
+    plan, `_polish`, is off in both runs: since 2026-12-02 it reaches the same plans on seeds 2
+    and 31 without them.)"""
     import planner.search as search
 
     monkeypatch.setattr(search, "HOPELESS_GAP", math.inf)
+    monkeypatch.setattr(search, "POLISH_SHARE", 0.0)
     profile, cluster, options = tight_chain_or_dag(seed)
     with_them = solve_detailed(profile, cluster, options)[1]
     saved = search.TIGHTENED_SHARE
