@@ -33,5 +33,8 @@ def test_four_stage_1f1b_step_takes_the_ideal_time(run, tmp_path, monkeypatch):
                         "--timeout", 60)
     assert rc == 0, err
     ideal = (4 + 4 - 1) * 3 * F_MS
+    one_after_another = 4 * 4 * 3 * F_MS  # no two stages at once: 2.29x the ideal
     measured = json.loads((tmp_path / "r.json").read_text())["iteration_ms"]
-    assert ideal * 0.98 <= measured <= ideal * 1.6, (measured, ideal)
+    # a busy machine adds its per-message latency (CI on a loaded host, 2026-12-02: 1.68x the
+    # ideal, over the 1.6x this allowed until then); the bound stays below stages in turn
+    assert ideal * 0.98 <= measured <= ideal * 1.9 < one_after_another, (measured, ideal)
