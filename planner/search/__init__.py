@@ -660,6 +660,13 @@ def _search_more(starts: list[Structure], work: float, best_s: Score, cand: Cand
     ev.work_limit = max(ev.work_limit, ev.work + int(1.3 * work))
     got, got_s = iterated_search(starts, ev, ev.table, cluster.num_devices, Budget(ev.work + int(work), deadline),
                                  ev.options.seed)
+    return _placed_if_better(got, got_s, best_s, cand, ev, cluster)
+
+
+def _placed_if_better(got: Structure | None, got_s: Score | None, best_s: Score, cand: Candidate,
+                      ev: Evaluator, cluster: Cluster) -> tuple[Score, Candidate]:
+    """`got` placed anew (as the search's plan is) where it is better than `best_s`, else
+    `best_s` and `cand` as they were."""
     if got is None or got_s is None or not got_s.better_than(best_s):
         return best_s, cand
     score, placed = ev.scored(got)
@@ -676,13 +683,7 @@ def _polish(cand: Candidate, best_s: Score, ev: Evaluator, cluster: Cluster, wor
     ev.work_limit = max(ev.work_limit, ev.work + int(1.3 * work))
     got, got_s = descend(structure_of(cand), ev, ev.table, cluster.num_devices,
                          Budget(ev.work + int(work), deadline), wide=True, split_one=True, split_many=True)
-    if not got_s.better_than(best_s):
-        return best_s, cand
-    score, placed = ev.scored(got)
-    score, placed = _polish_placement(got, score, placed, ev, cluster, use_cpsat=True)
-    if placed is None or not score.better_than(best_s):
-        return best_s, cand
-    return score, placed
+    return _placed_if_better(got, got_s, best_s, cand, ev, cluster)
 
 
 def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
