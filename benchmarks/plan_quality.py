@@ -14,6 +14,7 @@ pipedream. Prints a table and writes benchmarks/results/plan_quality.json.
         [--clusters slow16,hier4x4,fast2x8,fast16x8] [--memory generous,tight]
         [--microbatch fixed,chosen] [--loaded-rerun] [--schedule 1f1b] [--schedules zb-h1,gpipe,auto]
         [--planned results.json]   # the planner's figures from an earlier run: random search only
+        [--planner-only]           # one plan per instance, nothing else: A/B of two planner trees
 
 With `--schedules`, each instance is also planned with those schedules (the planner only):
 `auto` must never predict worse than the best fixed schedule, and the summary counts which
@@ -296,9 +297,10 @@ class _Planned(Exception):
 
 def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOptions,
                  sizes: list[int], rs_seconds: float, loaded_rerun: bool,
-                 planned: dict | None = None) -> dict:
+                 planned: dict | None = None, planner_only: bool = False) -> dict:
     """One row; with `planned` (a row of an earlier run's results) the planner's figures are
-    taken from it instead of planning again (the random search and baselines still run)."""
+    taken from it instead of planning again (the random search and baselines still run); with
+    `planner_only`, one plan and nothing else (no rerun, no baselines, no random search)."""
     table = layer_table(profile)
     row: dict = {"instance": name, "layers": table.num_layers, "devices": cluster.num_devices}
     t0 = time.perf_counter()
@@ -314,6 +316,8 @@ def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOpt
                    gap=plan.solver.gap, status=plan.solver.status, wall_s=wall,
                    stages=len(plan.stages), used_devices=sum(s.replicas for s in plan.stages),
                    microbatch_size=plan.microbatch_size, idle_stages=idle)
+        if planner_only:
+            return row
         stop = None
         procs = []
         if loaded_rerun:
@@ -380,6 +384,9 @@ def main() -> None:
     ap.add_argument("--planned", default="",
                     help="results JSON of an earlier run: take the planner's figures from its rows "
                          "instead of planning again (the random search and baselines run)")
+    ap.add_argument("--planner-only", action="store_true",
+                    help="plan each instance once and nothing else (no rerun, baselines or random "
+                         "search): an A/B of two planner trees in half the time")
     ap.add_argument("--memory-cache", default=str(LEAST_MEMORY_CACHE),
                     help="JSON of the tight instances' least memory, read and extended ('' for none)")
     args = ap.parse_args()
@@ -419,7 +426,7 @@ def main() -> None:
                     if args.planned and name not in planned:
                         continue
                     row = run_instance(name, profile, cluster, base, sizes, args.rs_seconds,
-                                       args.loaded_rerun, planned.get(name))
+                                       args.loaded_rerun, planned.get(name), args.planner_only)
                     row.update(profile=pname, cluster=cname, memory=mem, microbatch=mb,
                                device_memory_gb=gbytes)
                     if args.schedules:

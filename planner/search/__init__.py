@@ -31,7 +31,9 @@ with the free devices as replicas (`_packed_seeds`). Then, on POLISH_SHARE more,
 from the best plan with every tier of moves, the heaviest stages split at once among them
 (`_polish`; never a worse plan for it): the search's own last descent rarely has work left,
 and where several stages tie for the slowest no single move improves (a 200-layer chain on
-16 x 1 devices at 1 GB/s, tight, 4 devices idle: 299.1 -> 294.7 ms). Where a
+16 x 1 devices at 1 GB/s, tight, 4 devices idle: 299.1 -> 294.7 ms), and last a stage's
+replicas to another count paid by one other stage (`transfer_moves`: GNMT on 16 x 1, tight,
+two replicas moved at once, 378.3 -> 371.4 ms, where one alone is slower). Where a
 bound is still below the plan, every plan that bound's DP allows at the plan's time (else at
 1 % below it) is simulated at every placement, if they are few enough for EXHAUST_SHARE more
 work (`exhaust.py`): that gives the optimum and proves it (or proves the 1 %), and a plan
@@ -678,11 +680,12 @@ def _placed_if_better(got: Structure | None, got_s: Score | None, best_s: Score,
 def _polish(cand: Candidate, best_s: Score, ev: Evaluator, cluster: Cluster, work: float,
             deadline: float) -> tuple[Score, Candidate]:
     """One descent from `cand` with every tier of moves (`local.descend` with `split_many`,
-    `wide` and `split_one`) on `work` more, its plan placed anew: that plan where it is better than
+    `wide`, `split_one` and `transfer`) on `work` more, its plan placed anew: that plan where it is better than
     `best_s`, else `best_s` and `cand` as they were."""
     ev.work_limit = max(ev.work_limit, ev.work + int(1.3 * work))
     got, got_s = descend(structure_of(cand), ev, ev.table, cluster.num_devices,
-                         Budget(ev.work + int(work), deadline), wide=True, split_one=True, split_many=True)
+                         Budget(ev.work + int(work), deadline), wide=True, split_one=True, split_many=True,
+                         transfer=True)
     return _placed_if_better(got, got_s, best_s, cand, ev, cluster)
 
 

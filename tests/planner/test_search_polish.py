@@ -1,16 +1,21 @@
 """The planner's last descent (`planner.search._polish`): from the best plan every phase gave,
 with every tier of moves, `local.split_many_moves` among them (the heaviest stages split at
-once on the free devices). Judged against the plan before it and against the moves' own
-definition, computed here from the layer table."""
+once on the free devices) and, last, `local.transfer_moves` (a stage's replicas to another
+count, the devices from or to one other stage). Judged against the plan before it, against
+the moves' own definition computed here from the layer table, and against every replica
+vector of a split."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
+import time
 
 from planner.cost import layer_table
 from planner.formats import Cluster, PlanOptions, Profile
 from planner.search import solve_detailed
-from planner.search.local import split_many_moves
+from planner.search.local import Budget, descend, split_many_moves, transfer_moves
 from planner.search.space import Evaluator, Structure
 
 
@@ -87,3 +92,73 @@ def test_a_chain_whose_slowest_stages_tie_gets_them_split_at_once() -> None:
     cand, info = solve_detailed(_chain(200, 0), cluster, options)
     assert info["objective"] < 299.07 * 0.99, info["objective"]
     assert sum(len(s.devices) for s in cand.stages) == 16
+
+
+def _levels(m: int) -> list[int]:
+    """The replica counts that change the microbatches each replica runs: the smallest r of
+    each ceil(m / r)."""
+    first: dict[int, int] = {}
+    for r in range(1, m + 1):
+        first.setdefault(math.ceil(m / r), r)
+    return sorted(first.values())
+
+
+def test_transfer_moves_are_every_count_change_paid_by_one_other_stage() -> None:
+    seen = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        profile = _chain(rng.randint(4, 30), seed)
+        cluster = Cluster(nodes=rng.choice([1, 2, 4]), devices_per_node=4, intra_node_gb_per_s=10,
+                          inter_node_gb_per_s=1, device_memory_gb=80)
+        options = PlanOptions(global_batch=rng.choice([32, 64]), microbatch_size=4, optimizer="sgd",
+                              schedule="1f1b")
+        ev = Evaluator(layer_table(profile), cluster, options)
+        L, D = len(profile.layers), cluster.num_devices
+        S = rng.randint(1, min(L, D))
+        cuts = sorted(rng.sample(range(1, L), S - 1))
+        reps = [1] * S
+        for _ in range(D - S):
+            if rng.random() < 0.5:
+                reps[rng.randrange(S)] += 1
+        st = Structure(4, (0, *cuts, L), tuple(reps))
+        levels = _levels(options.global_batch // 4)
+        want = set()
+        for k, j in itertools.permutations(range(S), 2):
+            for x in levels:
+                if abs(x - reps[k]) >= 2 and reps[j] - (x - reps[k]) >= 1:
+                    nr = list(reps)
+                    nr[k], nr[j] = x, reps[j] - (x - reps[k])
+                    want.add(tuple(nr))
+        got = list(transfer_moves(st, ev))
+        assert all(g.bounds == st.bounds and g.num_devices == st.num_devices for g in got)
+        assert {g.replicas for g in got} == want, (st, want)
+        seen += len(want)
+    assert seen > 40
+
+
+def test_the_last_tier_gives_a_split_its_best_replicas() -> None:
+    """Chains of 13 and 7 layers on 16 devices: the descent with every other tier of moves stops
+    on a split whose replicas are not the best for it, since moving one replica at a time
+    makes it slower before two make it faster; with `transfer` it goes on to the best replica
+    vector of that split, found here by trying every one."""
+    for seed, want_split in ((3, (0, 5, 8, 13)), (162, (0, 2, 5, 7))):
+        rng = random.Random(seed)
+        profile = _chain(rng.randint(6, 30), seed)
+        cluster = Cluster(nodes=rng.choice([4, 8, 16]), devices_per_node=1, intra_node_gb_per_s=1,
+                          inter_node_gb_per_s=rng.choice([0.3, 1, 10]), device_memory_gb=80)
+        options = PlanOptions(global_batch=64, microbatch_size=4, optimizer="sgd", schedule="1f1b")
+        table = layer_table(profile)
+        ev = Evaluator(table, cluster, options)
+        L, D = len(profile.layers), cluster.num_devices
+        start = Structure(4, (0, L), (1,))
+
+        def budget() -> Budget:
+            return Budget(10**9, time.perf_counter() + 120)
+        a, sa = descend(start, ev, table, D, budget(), wide=True, split_one=True, split_many=True)
+        b, sb = descend(a, ev, table, D, budget(), wide=True, split_one=True, split_many=True, transfer=True)
+        assert a.bounds == b.bounds == want_split
+        best = min((ev(Structure(4, a.bounds, r)).objective_ms, r)
+                   for r in itertools.product(range(1, D + 1), repeat=len(a.replicas))
+                   if sum(r) <= D and ev(Structure(4, a.bounds, r)).fits)
+        assert sa.objective_ms > best[0] * 1.01
+        assert sb.objective_ms == best[0] and b.replicas == best[1]
