@@ -23,6 +23,18 @@ def _stages(st: Structure) -> list[tuple[int, int, int, int]]:
     return [(a, z, r, t) for a, z, r, t in zip(st.bounds, st.bounds[1:], st.replicas, st.degrees, strict=False)]
 
 
+def _random_structure(rng: random.Random, L: int, D: int, p: float) -> Structure:
+    """Random boundaries on `L` layers, one replica per stage and each free device of `D` a
+    replica more of a random stage with probability `p`; microbatch size 4."""
+    S = rng.randint(1, min(L, D))
+    cuts = sorted(rng.sample(range(1, L), S - 1))
+    reps = [1] * S
+    for _ in range(D - S):
+        if rng.random() < p:
+            reps[rng.randrange(S)] += 1
+    return Structure(4, (0, *cuts, L), tuple(reps))
+
+
 def test_split_many_moves_split_the_heaviest_stages_on_the_free_devices() -> None:
     seen = 0
     for seed in range(40):
@@ -33,14 +45,8 @@ def test_split_many_moves_split_the_heaviest_stages_on_the_free_devices() -> Non
         options = PlanOptions(global_batch=64, microbatch_size=4, optimizer="sgd", schedule="1f1b")
         table = layer_table(profile)
         ev = Evaluator(table, cluster, options)
-        L, D = len(profile.layers), cluster.num_devices
-        S = rng.randint(1, min(L, D))
-        cuts = sorted(rng.sample(range(1, L), S - 1))
-        reps = [1] * S
-        for _ in range(D - S):
-            if rng.random() < 0.3:
-                reps[rng.randrange(S)] += 1
-        st = Structure(options.microbatch_size or 1, (0, *cuts, L), tuple(reps))
+        D = cluster.num_devices
+        st = _random_structure(rng, len(profile.layers), D, 0.3)
         before = _stages(st)
         per_device = sorted((-table.compute_ms(a, z) / (r * t), k) for k, (a, z, r, t) in enumerate(before)
                             if z - a >= 2)
@@ -113,14 +119,8 @@ def test_transfer_moves_are_every_count_change_paid_by_one_other_stage() -> None
         options = PlanOptions(global_batch=rng.choice([32, 64]), microbatch_size=4, optimizer="sgd",
                               schedule="1f1b")
         ev = Evaluator(layer_table(profile), cluster, options)
-        L, D = len(profile.layers), cluster.num_devices
-        S = rng.randint(1, min(L, D))
-        cuts = sorted(rng.sample(range(1, L), S - 1))
-        reps = [1] * S
-        for _ in range(D - S):
-            if rng.random() < 0.5:
-                reps[rng.randrange(S)] += 1
-        st = Structure(4, (0, *cuts, L), tuple(reps))
+        st = _random_structure(rng, len(profile.layers), cluster.num_devices, 0.5)
+        S, reps = st.num_stages, list(st.replicas)
         levels = _levels(options.global_batch // 4)
         want = set()
         for k, j in itertools.permutations(range(S), 2):
