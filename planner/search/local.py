@@ -176,13 +176,19 @@ def wide_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
                 gr = nr.copy()
                 gr[j] += freed // nt[j]
                 yield st.with_stages(nb, gr, nt)
-    m = ev.options.global_batch // st.microbatch_size
     free = ev.cluster.num_devices - st.num_devices
-    levels = [int(x) for x in replica_choices(m, m)]
+    levels = _replica_levels(st, ev)
     for k in range(S):
         for x in levels:
             if abs(x - r[k]) > 1 and (x - r[k]) * t[k] <= free:
                 yield st.with_stages(b, r[:k] + [x] + r[k + 1:])
+
+
+def _replica_levels(st: Structure, ev: Evaluator) -> list[int]:
+    """The replica counts that change the microbatches each replica runs at this structure's
+    microbatch size: the smallest r of each ceil(m / r)."""
+    m = ev.options.global_batch // st.microbatch_size
+    return [int(x) for x in replica_choices(m, m)]
 
 
 def split_one_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
@@ -251,10 +257,9 @@ def transfer_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
     devices `wide_moves`; where neither a first transfer nor a second one alone improves, both
     together may (GNMT on 16 x 1 devices at 1 GB/s, tight memory: a stage from 2 to 4
     replicas, the last stage from 3 to 1, 378.3 -> 371.4 ms)."""
-    b, r, t = list(st.bounds), list(st.replicas), list(st.degrees)
+    r, t = list(st.replicas), st.degrees
     S = len(r)
-    m = ev.options.global_batch // st.microbatch_size
-    levels = [int(x) for x in replica_choices(m, m)]
+    levels = _replica_levels(st, ev)
     for k in range(S):
         for x in levels:
             d = x - r[k]
@@ -265,7 +270,7 @@ def transfer_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
                     continue
                 nr = r.copy()
                 nr[k], nr[j] = x, r[j] - d
-                yield st.with_stages(b, nr)
+                yield st.with_stages(st.bounds, nr)
 
 
 SPLIT_ONE_SHARE = 0.25  # of the compound moves' work, more, for the last descent (`split_one_moves`)
