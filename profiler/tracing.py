@@ -12,6 +12,11 @@ buffer updates run exactly as written. Strategy, in order:
    `torch.export` (non-strict) with the leaves' call signatures preserved, after which the
    leaves are swapped back for the user's modules (`torch.export._swap`); export specialises on
    shapes. If that fails too, a plain export (leaves traced into, with a warning).
+An exported graph is then run beside the model on the example inputs, forward and backward
+(`_check_export`): export records what the top-level forward computes, not what it does
+besides (a hook registered on a tensor, a non-tensor argument passed to a block), and a graph
+whose outputs or gradients differ from the model's, or that fails where the model runs, is
+refused with an error saying so, never profiled and trained as if it were the model.
 Each node's module path is its target for a `call_module`, else the innermost entry of
 `node.meta["nn_module_stack"]` ("" for code in the root's own forward).
 """
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from planner.errors import PipeplanError, first_line
 
@@ -305,6 +311,103 @@ def _clean_export_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+EXPORT_RTOL = 1e-3  # largest difference to the model's outputs and gradients, relative to their size
+
+
+def _run_with_grads(fn: Any, inputs: tuple[torch.Tensor, ...], params: dict[str, torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """`fn(*inputs)` from one RNG seed, then the backward of a fixed random weighting of its
+    floating outputs: (its tensor outputs, the gradient of each of `params` that got one)."""
+    for t in params.values():
+        t.grad = None
+    cuda = sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda})
+    with torch.random.fork_rng(devices=cuda):  # the caller's RNG states are left as they were
+        torch.random.default_generator.manual_seed(0)
+        for d in cuda:
+            torch.cuda.default_generators[d].manual_seed(0)
+        out = fn(*inputs)
+    leaves = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+    diff = [v for v in leaves if v.requires_grad and v.is_floating_point()]
+    if diff:
+        g = torch.Generator().manual_seed(0)
+        sum((v.float() * torch.rand(v.shape, generator=g).to(v.device)).sum() for v in diff).backward()
+    grads = {k: t.grad.detach().clone() for k, t in params.items() if t.grad is not None}
+    for t in params.values():
+        t.grad = None
+    return [v.detach() for v in leaves], grads
+
+
+def _worst(a: list[torch.Tensor], b: list[torch.Tensor], names: list[str]) -> tuple[float, str]:
+    """The largest difference of b from a, relative to a's size, and where."""
+    worst, where = 0.0, ""
+    for x, y, name in zip(a, b, names, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return float("inf"), name
+        if not x.is_floating_point():
+            d = 0.0 if torch.equal(x, y) else float("inf")
+        else:
+            d = float((x.double() - y.double()).abs().max()) / max(float(x.double().abs().max()), 1e-30) \
+                if x.numel() else 0.0
+        if d > worst:
+            worst, where = d, name
+    return worst, where
+
+
+def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Refuse an exported graph that does not compute what `model` computes on `inputs`:
+    outputs and parameter gradients (from one RNG seed, so dropout draws alike) against the
+    model's own, where the model gives the same twice; the model's buffers and gradients are
+    left as they were."""
+    own = dict(model.named_parameters())
+    theirs = {k: t for k, t in gm.named_parameters() if k in own}
+    buffers = [(b, b.detach().clone()) for b in (*model.buffers(), *gm.buffers())]
+    grads = {id(t): (t, t.grad) for t in (*own.values(), *theirs.values())}
+    name = type(model).__name__
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref_out, ref_grads = _run_with_grads(model, inputs, own)
+            for b, old in buffers:
+                b.data.copy_(old)
+            again_out, again_grads = _run_with_grads(model, inputs, own)
+            for b, old in buffers:
+                b.data.copy_(old)
+            try:
+                out, got = _run_with_grads(gm, inputs, theirs)
+            except Exception as exc:  # noqa: BLE001 - any failure of the graph is the model's to fix
+                raise PipeplanError(
+                    f"torch.export's graph of {name} fails where the model runs "
+                    f"({first_line(f'{type(exc).__name__}: {exc}')}): {_EXPORT_ADVICE}") from None
+    finally:
+        with torch.no_grad():
+            for b, old in buffers:
+                b.copy_(old)
+        for t, g in grads.values():
+            t.grad = g
+    keys = sorted(set(ref_grads) & set(got) & set(again_grads))
+    names = [f"output {i}" for i in range(len(ref_out))] + [f"the gradient of {k}" for k in keys]
+    ref = ref_out + [ref_grads[k] for k in keys]
+    if len(out) != len(ref_out) or _worst(ref, again_out + [again_grads[k] for k in keys], names)[0] > 0:
+        if len(out) != len(ref_out):
+            raise PipeplanError(f"torch.export's graph of {name} returns {len(out)} tensors where "
+                                f"the model returns {len(ref_out)}: {_EXPORT_ADVICE}")
+        return  # the model itself differs from run to run (nondeterministic kernels): no reference
+    d, where = _worst(ref, out + [got[k] for k in keys], names)
+    if d > EXPORT_RTOL:
+        raise PipeplanError(
+            f"torch.export's graph of {name} does not compute what the model computes ({where} "
+            f"differs by {d:.3g} of its size): {_EXPORT_ADVICE}")
+
+
+_EXPORT_ADVICE = (
+    "the model's top-level forward could not be traced by torch.fx, and torch.export records "
+    "only the tensor operations of it, not what it does besides (a hook registered on a tensor "
+    "with register_hook, a Python number or other non-tensor argument passed to a block, a "
+    "side effect). Make the top-level forward traceable by torch.fx (no data-dependent Python "
+    "control flow such as `if h.requires_grad:`), or move that code inside one of the blocks "
+    "(a submodule runs as written), then profile again.")
+
+
 def _paths(gm: fx.GraphModule) -> dict[str, str]:
     return {n.name: (str(n.target) if n.op == "call_module" else _innermost(n)) for n in gm.graph.nodes}
 
@@ -323,6 +426,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
         egm, export_error = _try_export(model, example_inputs, list(keep))
         if egm is not None:
             _clean_export_graph(egm)
+            _check_export(model, egm, example_inputs)
             return Traced(gm=egm, method="export", paths=_paths(egm), out_spec=None, leaves=list(keep))
     egm, error2 = _try_export(model, example_inputs)
     if egm is not None and keep:
@@ -343,6 +447,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
             "cannot be traced is then called as a whole and becomes part of one layer."
         )
     _clean_export_graph(egm)
+    _check_export(model, egm, example_inputs)
     codegen = egm.graph._codegen
     out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
     paths = {n.name: _innermost(n) for n in egm.graph.nodes}

@@ -474,3 +474,70 @@ def test_blocks_that_pass_non_tensors_on_are_one_layer_with_a_warning() -> None:
     assert lg.layer_names()[0] == "blocks.0+blocks.1+blocks.2", lg.layer_names()
     text = [str(w.message) for w in said if issubclass(w.category, TracingWarning)]
     assert any("not tensors cross between layers" in t and "blocks.0 -> blocks.1" in t for t in text), text
+
+
+class _GainBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
+        return x + gain * torch.tanh(self.bn(self.fc(x)))
+
+
+class _ExportOnly(torch.nn.Module):
+    """A top-level forward torch.fx cannot trace (`if h.requires_grad`), so torch.export
+    captures it; `glue` says what else it does there."""
+
+    def __init__(self, glue: str) -> None:
+        super().__init__()
+        self.glue = glue
+        self.inp = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList([_GainBlock() for _ in range(3)])
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h, 0.5) if self.glue == "number" else b(h)
+            if i == 0 and h.requires_grad:
+                if self.glue == "hook":
+                    h.register_hook(lambda g: 4.0 * g)
+                else:
+                    h = torch.nn.functional.dropout(h, 0.3) * 2.0  # tensor glue: export keeps it
+        return self.out(h)
+
+
+@pytest.mark.parametrize("glue", ["hook", "number"])
+def test_an_exported_graph_that_is_not_the_model_is_refused(glue: str) -> None:
+    """A hook registered on a tensor in the top-level forward, or a number passed to a block,
+    is lost by torch.export: profiling refuses it with what to do (before, the hook was
+    dropped silently and training differed; the number became None and a traceback)."""
+    from planner.errors import PipeplanError
+
+    torch.manual_seed(0)
+    model = _ExportOnly(glue)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PipeplanError, match="torch.export's graph of _ExportOnly .*register_hook"):
+        trace(model, (torch.randn(6, 4),), granularity="blocks")
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in state.items())  # statistics left as they were
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_exported_graph_with_dropout_and_batchnorm_is_kept_and_reproduces_the_model() -> None:
+    torch.manual_seed(0)
+    model = _ExportOnly("dropout")
+    x = torch.randn(6, 4)
+    lg = trace(model, (x,), granularity="blocks")
+    assert lg.layer_names()[1:4] == ["blocks.0", "blocks.1", "blocks.2"]
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        want = model(x)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        names = lg.layer_names()
+        got, _, _ = run_pipeline(lg, [[n] for n in names], (x,), torch.zeros(6, 2),
+                                 torch.nn.functional.mse_loss)
+    assert torch.allclose(got, want, atol=1e-6)
