@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     model_validator,
 )
@@ -519,23 +520,33 @@ class Plan(_Open):
 
 
 class RankReport(_Open):
-    rank: int
-    stage: int
-    replica: int
-    fwd_ms_per_microbatch: float
-    bwd_ms_per_microbatch: float
-    comm_ms: float  # per iteration
-    idle_ms: float  # per iteration
-    peak_memory_bytes: int
-    peak_inflight_microbatches: int
+    # times and bytes a run measured: never negative, never Infinity / NaN (`refine` fits
+    # corrections to them, so a hand-edited report is checked before anything is written)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    rank: NonNegativeInt
+    stage: NonNegativeInt
+    replica: NonNegativeInt
+    fwd_ms_per_microbatch: NonNegativeFloat
+    bwd_ms_per_microbatch: NonNegativeFloat
+    comm_ms: NonNegativeFloat  # per iteration
+    idle_ms: NonNegativeFloat  # per iteration
+    peak_memory_bytes: NonNegativeInt
+    peak_inflight_microbatches: NonNegativeInt
+    schedule_peak_inflight: NonNegativeInt | None = None
+    memory_measure: str | None = None
+    peak_activation_bytes: NonNegativeInt | None = None
+    predicted_memory_bytes: NonNegativeInt | None = None
+    optimizer_ms: NonNegativeFloat | None = None  # one optimizer step, per iteration
+    predicted_optimizer_ms: NonNegativeFloat | None = None
 
 
 class Report(_Open):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     schema_version: SchemaVersion = SCHEMA_VERSION
     plan_profile_sha256: str
-    steps: int
-    iteration_ms: float  # median over measured steps
-    samples_per_s: float
-    predicted_iteration_ms: float
+    steps: PositiveInt
+    iteration_ms: PositiveFloat  # median over measured steps
+    samples_per_s: NonNegativeFloat
+    predicted_iteration_ms: NonNegativeFloat
     losses: list[float | None]  # None: that step's loss was not finite (a run that diverged)
     ranks: list[RankReport]

@@ -121,14 +121,33 @@ def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] 
                                 "give another file name")
 
 
-def save_model(model: BaseModel, path: str | Path) -> None:
-    """Write atomically (a temporary file of its own, then rename) so a crash never leaves half
-    a file, and two writers of one path never share a temporary file. A model holding a
-    number pipeplan would refuse to read back (`load_model`) is not written."""
+def check_distinct(outputs: list[tuple[str, str | Path | None]]) -> None:
+    """Before any work: no two of a command's outputs (option, path) are one file (the one
+    written last would replace the other)."""
+    seen: dict[Path, str] = {}
+    for what, path in outputs:
+        if path is None:
+            continue
+        key = Path(os.path.realpath(path))
+        if key in seen:
+            raise PipeplanError(f"{seen[key]} and {what} are the same file ({path}); give each "
+                                "output a path of its own")
+        seen[key] = what
+
+
+def check_in_range(model: BaseModel, path: str | Path) -> None:
+    """`model` holds no number pipeplan would refuse to read back (`load_model`)."""
     bad = out_of_range(model.model_dump())
     if bad is not None:
         raise PipeplanError(f"{path}: not written: {field_path(bad[0])}: {bad[1]} (the inputs' "
                             "numbers are too large to compute with; check them)")
+
+
+def save_model(model: BaseModel, path: str | Path) -> None:
+    """Write atomically (a temporary file of its own, then rename) so a crash never leaves half
+    a file, and two writers of one path never share a temporary file. A model holding a
+    number pipeplan would refuse to read back (`load_model`) is not written."""
+    check_in_range(model, path)
     write_text_atomic(path, model.model_dump_json(indent=2) + "\n")
 
 

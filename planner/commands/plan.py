@@ -64,13 +64,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from planner.commands.simulate import show_simulation
     from planner.formats import Cluster, PlanOptions, Profile
-    from planner.io import check_output, load_model, parse_model, save_model
+    from planner.io import check_distinct, check_output, load_model, parse_model, save_model
     from planner.report_table import format_plan
     from planner.simulator import simulate
     from planner.solve import default_method, make_plan
 
     check_output(args.output, (args.profile, args.cluster))
-    check_output(args.trace, (args.profile, args.cluster, args.output), "--trace")
+    check_output(args.trace, (args.profile, args.cluster), "--trace")
+    check_distinct([("-o", args.output), ("--trace", args.trace)])
     profile = load_model(args.profile, Profile, f"profile {args.profile}")
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
     if args.replicas and not args.split:

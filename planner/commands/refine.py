@@ -34,8 +34,17 @@ def _beside(output: str, suffix: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from pydantic import BaseModel
+
     from planner.formats import Plan, Profile, Report, digest
-    from planner.io import check_output, load_model, save_model, write_text_atomic
+    from planner.io import (
+        check_distinct,
+        check_in_range,
+        check_output,
+        load_model,
+        save_model,
+        write_text_atomic,
+    )
     from planner.refine import (
         corrected_cluster,
         corrected_plan,
@@ -53,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("-o", args.output), ("--corrections", corr_path), ("--cluster-out", cluster_path),
                        ("--profile-out", profile_path if args.profile else None)):
         check_output(path, inputs, what)
+    check_distinct([("-o", args.output), ("--corrections", corr_path), ("--cluster-out", cluster_path),
+                    ("--profile-out", profile_path if args.profile else None)])
     plan = load_model(args.plan, Plan, f"plan {args.plan}")
     report = load_model(args.report, Report, f"report {args.report}")
     profile = None
@@ -66,15 +77,25 @@ def run(args: argparse.Namespace) -> int:
     corrections = fit(plan, report)
     cluster = corrected_cluster(plan.cluster, corrections)
     print(format_corrections(corrections))
-    write_text_atomic(corr_path, corrections.model_dump_json(indent=2) + "\n")
-    write_text_atomic(cluster_path, json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
+    # everything is made and checked before anything is written: a run that fails writes nothing
+    new_profile = None
     if profile is not None:
         new_profile = corrected_profile(profile, corrections, plan.options.optimizer)
-        save_model(new_profile, profile_path)
         new_plan = make_plan(new_profile, cluster, plan.options)
-        print(f"wrote {corr_path}, {cluster_path}, {profile_path}")
     else:
         new_plan = corrected_plan(plan, corrections, cluster)
+    outputs: list[tuple[BaseModel, str]] = [(corrections, corr_path), (cluster, cluster_path),
+                                            (new_plan, args.output)]
+    if new_profile is not None:
+        outputs.append((new_profile, profile_path))
+    for model, path in outputs:
+        check_in_range(model, path)
+    write_text_atomic(corr_path, corrections.model_dump_json(indent=2) + "\n")
+    write_text_atomic(cluster_path, json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
+    if new_profile is not None:
+        save_model(new_profile, profile_path)
+        print(f"wrote {corr_path}, {cluster_path}, {profile_path}")
+    else:
         print(f"wrote {corr_path}, {cluster_path} (no --profile: the stages stay as they are)")
     save_model(new_plan, args.output)
     print(format_plan(new_plan))

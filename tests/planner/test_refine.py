@@ -188,3 +188,48 @@ def test_without_a_profile_the_old_bound_is_not_claimed(tmp_path, capsys):
     new = Plan.model_validate_json((tmp_path / "new.json").read_text())
     assert new.solver.bound is None and new.solver.gap is None
     assert new.solver.objective == new.predicted.iteration_ms
+
+
+@pytest.mark.parametrize("field,value", [("optimizer_ms", "abc"), ("optimizer_ms", -50.0),
+                                         ("fwd_ms_per_microbatch", -100.0),
+                                         ("peak_memory_bytes", -10**12), ("idle_ms", float("nan"))])
+def test_a_report_with_a_bad_measurement_is_refused_and_nothing_is_written(tmp_path, capsys,
+                                                                           field, value):
+    profile, plan = _plan()
+    report = json.loads(_run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=0.0).model_dump_json())
+    report["ranks"][0][field] = value
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    (tmp_path / "profile.json").write_text(profile.model_dump_json())
+    (tmp_path / "report.json").write_text(json.dumps(report))  # NaN written as the literal
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "new.json"), "--profile", str(tmp_path / "profile.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"ranks.0.{field}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "profile.json", "report.json"]
+
+
+def test_a_report_whose_corrections_are_out_of_range_writes_nothing(tmp_path, capsys):
+    _, plan = _plan()
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=0.0).model_copy(update={"iteration_ms": 1e14})
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    (tmp_path / "report.json").write_text(report.model_dump_json())
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "new.json")])
+    assert rc == 2 and "not written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "report.json"]
+
+
+def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
+    profile, plan = _plan()
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=0.0)
+    for name, obj in (("profile.json", profile), ("plan.json", plan), ("report.json", report)):
+        (tmp_path / name).write_text(obj.model_dump_json())
+    x = str(tmp_path / "x.json")
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"), "-o", x,
+               "--corrections", x])
+    assert rc == 2 and "-o and --corrections are the same file" in capsys.readouterr().err
+    (tmp_path / "cluster.json").write_text(plan.cluster.model_dump_json())
+    rc = main(["plan", str(tmp_path / "profile.json"), "--cluster", str(tmp_path / "cluster.json"),
+               "--global-batch", "32", "-o", x, "--trace", x])
+    assert rc == 2 and "-o and --trace are the same file" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
