@@ -9,6 +9,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from planner.limits import DEFAULT_MAX_LAYERS
+
 DAY_S = 86_400.0
 
 
@@ -39,7 +41,7 @@ class Settings(BaseSettings):
     render_timeout_s: float = Field(default=60.0, gt=0)
 
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # larger bodies get 413
-    max_layers: int = Field(default=5_000, ge=1)
+    max_layers: int = Field(default=DEFAULT_MAX_LAYERS, ge=1)
     max_edges: int = Field(default=100_000, ge=1)
     max_extra_bytes: int = Field(default=64 * 1024, ge=0)  # fields the format does not define, per profile
     max_devices: int = Field(default=4_096, ge=1)

@@ -10,6 +10,18 @@ from typing import Any
 
 MAX_INT = 2**53  # 9 PB, 104 days in ms: beyond any real profile, and exact in a float
 MAX_FLOAT = 1e15
+# layers a plan command takes (PIPEPLAN_MAX_LAYERS, as the service): the search's tables grow
+# with the square of the layers (20,000 layers took 11 GB and growing after 40 s)
+DEFAULT_MAX_LAYERS = 5_000
+
+
+def max_layers() -> int:
+    import os
+
+    try:
+        return max(1, int(os.environ.get("PIPEPLAN_MAX_LAYERS", DEFAULT_MAX_LAYERS)))
+    except ValueError:
+        return DEFAULT_MAX_LAYERS
 
 
 def out_of_range(obj: Any, path: tuple[str | int, ...] = (), min_positive: float = 0.0

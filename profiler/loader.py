@@ -71,6 +71,11 @@ def call_user(model_file_path: str | Path, name: str, fn: Callable[..., Any], *a
         return fn(*args)
     except PipeplanError:
         raise
+    except SystemExit as exc:  # sys.exit() in a model function: not the end of the command
+        raise PipeplanError(
+            f"{path}: {name}({', '.join(map(_describe, args))}) called sys.exit({exc.code!r})"
+            f"{_where(exc, path)}. {name} must return, not exit; fix it in {path.name}."
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any failure in user code is reported, not raised
         raise PipeplanError(
             f"{path}: {name}({', '.join(map(_describe, args))}) raised {type(exc).__name__}: "

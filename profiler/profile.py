@@ -4,6 +4,7 @@ and return a `planner.formats.Profile` (what `python -m planner profile` writes)
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -67,6 +68,21 @@ def _dtype(model: torch.nn.Module) -> str:
     return "float32"
 
 
+MAX_ROUNDS = 10_000  # of warm-up or timed runs per layer
+
+
+def max_threads() -> int:
+    """The most torch threads a process may ask for: four per core (at 10,000, torch hung or
+    crashed)."""
+    return max(64, 4 * (os.cpu_count() or 1))
+
+
+def check_threads(threads: int) -> None:
+    if not 1 <= threads <= max_threads():
+        raise PipeplanError(f"--threads {threads}: give 1..{max_threads()} (this machine has "
+                            f"{os.cpu_count()} cores)")
+
+
 def profile_model_file(
     path: str | Path,
     batch_size: int,
@@ -86,14 +102,14 @@ def profile_model_file(
     `on_round(done, total)` after each measuring round (every layer and the whole model once)."""
     if batch_size < 1:
         raise PipeplanError(f"--batch-size {batch_size}: must be at least 1")
-    if warmup < 0 or repeats < 1:
-        raise PipeplanError("--warmup must be >= 0 and --repeats >= 1")
+    if warmup < 0 or repeats < 1 or warmup > MAX_ROUNDS or repeats > MAX_ROUNDS:
+        raise PipeplanError(f"--warmup {warmup} --repeats {repeats}: give --warmup 0..{MAX_ROUNDS} and "
+                            f"--repeats 1..{MAX_ROUNDS} (each round runs every layer once)")
     started = time.perf_counter()
     dev = resolve_device(device)
     keep_large_blocks()  # as every runtime rank does: the profile prices what the run pays
     if threads is not None:
-        if threads < 1:
-            raise PipeplanError(f"--threads {threads}: must be at least 1")
+        check_threads(threads)
         torch.set_num_threads(threads)
     if clock not in ("wall", "thread"):
         raise PipeplanError(f"--clock {clock!r}: use 'wall' or 'thread'")

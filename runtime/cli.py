@@ -83,8 +83,10 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         raise PipeplanError("--steps must be at least 1")
     if args.timeout <= 0:
         raise PipeplanError("--timeout must be positive (seconds)")
-    if args.threads is not None and args.threads < 1:
-        raise PipeplanError("--threads must be at least 1")
+    if args.threads is not None:
+        from profiler.profile import check_threads
+
+        check_threads(args.threads)
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
         raise PipeplanError(f"--lr {args.lr}: give a learning rate >= 0")
     inputs = (args.plan, args.model)

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.commands.simulate import show_simulation
     from planner.formats import Cluster, PlanOptions, Profile
     from planner.io import check_distinct, check_output, load_model, parse_model, save_model
+    from planner.limits import max_layers
     from planner.report_table import format_plan
     from planner.simulator import simulate
     from planner.solve import default_method, make_plan
@@ -74,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
     check_distinct([("-o", args.output), ("--trace", args.trace)])
     profile = load_model(args.profile, Profile, f"profile {args.profile}")
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
+    if len(profile.layers) > max_layers():
+        raise PipeplanError(
+            f"profile {args.profile} has {len(profile.layers)} layers; the planner plans at most "
+            f"{max_layers()} (PIPEPLAN_MAX_LAYERS): profile the model at a coarser granularity "
+            "(--granularity blocks, or depth:N)")
     if args.replicas and not args.split:
         raise PipeplanError("--replicas needs --split (the layers per stage)")
     if args.tp and not args.split:

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise PipeplanError(f"bad server settings:\n{describe_validation_error(exc)}") from None
     _check_database(str(settings.db))
+    _check_address(settings.host, settings.port)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.keyed:
         print(f"warning: serving on {settings.host} without an API key; set PIPEPLAN_API_KEY(S)")
     print(f"pipeplan API on http://{settings.host}:{settings.port}  (docs: /docs, database: {settings.db})")
@@ -50,6 +51,29 @@ def run(args: argparse.Namespace) -> int:
                 log_config=log_config(args.log_level, settings.log_json), access_log=False,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def _check_address(host: str, port: int) -> None:
+    """The address can be listened on, checked before the server starts (else uvicorn logs the
+    failure over several lines and exits 3): a port in use, an address that is not this
+    machine's or not an address at all."""
+    import socket
+
+    from planner.errors import PipeplanError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise PipeplanError(f"--host {host}: not an address this machine can listen on ({exc}); "
+                            "give an address such as 127.0.0.1 or 0.0.0.0") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise PipeplanError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                                "choose another --port (or stop what listens there) or --host") from None
 
 
 def _check_database(db: str) -> None:

@@ -176,6 +176,31 @@ def test_serve_refuses_a_database_it_cannot_open(tmp_path: Path, capsys: pytest.
         assert message in err and "Traceback" not in err, err
 
 
+def test_serve_refuses_an_address_it_cannot_listen_on(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the server starts (uvicorn logged 7-8 lines and exited 3)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--db", str(tmp_path / "a.db")]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["serve", "--host", "999.1.1.1", "--db", str(tmp_path / "a.db")]) == 2
+    assert "--host 999.1.1.1: not an address" in capsys.readouterr().err
+
+
+def test_plan_refuses_more_layers_than_it_plans(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """(20,000 layers took 11 GB and growing before any error.)"""
+    monkeypatch.setenv("PIPEPLAN_MAX_LAYERS", "5")
+    rc = main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--global-batch", "16",
+               "-o", str(files["dir"] / "plan.json")])
+    assert rc == 2 and "has 6 layers; the planner plans at most 5" in capsys.readouterr().err
+    assert not (files["dir"] / "plan.json").exists()
+
+
 def test_error_excerpts_end_on_a_whole_word() -> None:
     """A long exception message in a one-line error is cut after a whole word with an
     ellipsis (it was cut mid-word: "a second time o while it was timed")."""

@@ -73,6 +73,8 @@ def loss_fn(out, y):
                                      "            if M.calls == 5:\n                raise RuntimeError('fifth call')\n"
                                      "            return super().forward(x)\n    return M(4, 2)"),
          ["the model ran once, then raised RuntimeError: fifth call", "the same way each time"]),
+        ("exits", GOOD.replace("return torch.nn.Linear(4, 2)", "import sys\n    sys.exit(0)"),
+         ["build_model() called sys.exit(0)", "must return, not exit"]),
         ("flat_target", GOOD.replace("torch.randn(n, 2)", "torch.randn(n * 2)")
          .replace("return ((out - y) ** 2).mean()", "return ((out.reshape(-1) - y) ** 2).mean()"),
          ["the target has shape (8,)", "first dimension must be the batch (4)"]),
@@ -88,6 +90,16 @@ def test_bad_model_files_are_clear_errors(tmp_path, case, source, expected) -> N
     for text in expected:
         assert text in r.stderr, r.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("args,expected", [(["--threads", "100000"], "--threads 100000: give 1.."),
+                                           (["--repeats", "10000000000"], "--repeats 1..10000")])
+def test_absurd_threads_and_repeats_are_refused(tmp_path, args, expected) -> None:
+    """(--threads 100000 crashed torch with a segmentation fault; 10**10 repeats ran on.)"""
+    path = tmp_path / "good.py"
+    path.write_text(GOOD)
+    r = _profile([str(path), "--batch-size", "4", "-o", str(tmp_path / "p.json"), *args])
+    assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_missing_file_is_a_clear_error(tmp_path) -> None:
