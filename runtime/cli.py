@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan.microbatch_size}, schedule {plan.schedule})", flush=True)
     try:
         extra = [] if args.granularity else ["--granularity", granularity]
-        failures = launch(argv + extra + ["--trace-info", info], plan.world_size, opts.threads)
+        failures = launch(argv + extra + ["--trace-info", info], plan.world_size, opts.threads,
+                          peer_wait_s=opts.timeout + 5.0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

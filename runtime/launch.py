@@ -6,8 +6,13 @@ MASTER_PORT) — exactly what torchrun sets, including torchrun's way of hosting
 store in the launcher (TORCHELASTIC_USE_AGENT_STORE; the launcher's store binds its port
 itself, so no other process can take the port between choosing and using it) — plus
 PIPEPLAN_ERROR_FILE, where a failing rank writes its error, and PIPEPLAN_LAUNCHER_PID: a rank
-ends when the launcher dies (`die_with_launcher`). When any rank fails, the others are stopped at once and the error of the
-rank that failed first on its own (not because a peer went away) is returned.
+ends when the launcher dies (`die_with_launcher`). When any rank fails, the others are stopped
+at once and the error of the rank that failed first on its own (not because a peer went away)
+is returned. Where every failure so far is a peer's (a rank timed out or lost its connection
+waiting for another), the others get up to `peer_wait_s` (the run's --timeout) to report too
+before they are stopped: a rank that waits for a rank that hangs names the wrong one, the rank
+it waited for, which itself only waited for the one that hangs. A rank that neither finished
+nor reported an error by then is reported first, as the rank that hangs.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ _GRACE_S = 1.0  # after a failure, how long the other ranks get to write their o
 class Failure:
     rank: int
     exit_code: int
-    kind: str  # "user" | "error" | "peer" | "crash"
+    kind: str  # "user" | "error" | "peer" | "crash" | "hang"
     message: str
+    peer: int | None = None  # kind "peer": the rank it waited for
 
 
 def _read_error(path: Path, rank: int, code: int) -> Failure:
     try:
         data = json.loads(path.read_text())
-        return Failure(rank, code, data["kind"], data["message"])
+        peer = data.get("peer")
+        return Failure(rank, code, data["kind"], data["message"], peer if isinstance(peer, int) else None)
     except (OSError, ValueError, KeyError):
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return Failure(rank, code, "crash", f"rank {rank} {how} without reporting an error")
@@ -91,10 +98,26 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def launch(argv: list[str], world_size: int, threads: int | None = None) -> list[Failure]:
+def _hung(failures: list[Failure], alive: list[int]) -> list[Failure]:
+    """Where every failure is a peer's and some ranks are still running: those ranks, as
+    hanging (the ones other ranks named first), each with the error that named it, if any."""
+    if not alive or any(f.kind != "peer" for f in failures):
+        return []
+    named = {f.peer: f for f in reversed(failures) if f.peer is not None}
+    out = []
+    for r in sorted(alive, key=lambda r: (r not in named, r)):
+        why = f" (first: {named[r].message})" if r in named else ""
+        out.append(Failure(r, 0, "hang", f"rank {r} hangs: it neither finished nor reported an "
+                                         f"error while the ranks waiting for it timed out{why}"))
+    return out
+
+
+def launch(argv: list[str], world_size: int, threads: int | None = None,
+           peer_wait_s: float = 0.0) -> list[Failure]:
     """Run `python -m runtime *argv` on `world_size` local ranks (`threads` torch threads each;
     None: the cores / the ranks); the failures, most telling first (empty when every rank
-    succeeded)."""
+    succeeded). `peer_wait_s`: how long the others may take to report where every failure so
+    far is a peer's (module doc)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -122,14 +145,26 @@ def launch(argv: list[str], world_size: int, threads: int | None = None) -> list
         previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
         try:
             failed_at = None
+            told = False
             while True:
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
                     return []
                 if any(c not in (None, 0) for c in codes):
                     failed_at = failed_at or time.time()
-                    if all(c is not None for c in codes) or time.time() - failed_at > _GRACE_S:
+                    if all(c is not None for c in codes):
                         break
+                    if time.time() - failed_at > _GRACE_S:
+                        so_far = [_read_error(Path(tmp) / f"rank{r}.json", r, c)
+                                  for r, c in enumerate(codes) if c not in (None, 0)]
+                        if time.time() - failed_at > _GRACE_S + peer_wait_s or \
+                                any(f.kind != "peer" for f in so_far):
+                            break
+                        if not told:
+                            told = True
+                            print(f"{so_far[0].message}; waiting up to {peer_wait_s:g} s for the other "
+                                  "ranks to report, to name the rank that hangs", file=sys.stderr,
+                                  flush=True)
                 time.sleep(0.02)
         except KeyboardInterrupt:
             _stop(procs)
@@ -138,6 +173,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None) -> list
             if main_thread:
                 signal.signal(signal.SIGTERM, previous)
         own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)}
+        alive = [r for r, p in enumerate(procs) if p.poll() is None]
         _stop(procs)  # the rest: stopped by us, their exit says nothing
         failures = [_read_error(Path(tmp) / f"rank{r}.json", r, code) for r, code in own.items()]
         files = {f.rank: Path(tmp) / f"rank{f.rank}.json" for f in failures}
@@ -150,4 +186,4 @@ def launch(argv: list[str], world_size: int, threads: int | None = None) -> list
                 return float("inf")
 
         failures.sort(key=lambda f: (order.get(f.kind, 3), when(f)))
-        return failures
+        return _hung(failures, alive) + failures if peer_wait_s > 0 else failures

@@ -578,6 +578,7 @@ def report_failure(env: DistEnv, exc: BaseException, error_file: str | None) -> 
     if error_file:
         Path(error_file).write_text(json.dumps({
             "rank": env.rank, "kind": kind, "message": f"rank {env.rank}: {text}", "time": time.time(),
+            **({"peer": exc.peer} if isinstance(exc, PeerError) else {}),
         }))
     else:
         print(f"error: rank {env.rank}: {text}", file=sys.stderr, flush=True)

@@ -40,6 +40,20 @@ def test_a_hung_rank_is_detected_by_the_timeout_and_named(run, fault):
     assert wall < 120  # never an endless wait
 
 
+def test_the_rank_that_hangs_is_named_not_the_one_that_waits_for_it(run, fault):
+    """Rank 2 hangs; rank 1 waits for it and rank 0 for rank 1, so rank 0's timeout names
+    rank 1. The launcher waits for the others to report: rank 1 names rank 2, which never
+    reports, and the error names rank 2 (before, it named rank 1)."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [1, 1, 4])  # Faulty is layer 2: on rank 2
+    fault("hang", 2)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 2, "--timeout", 3)
+    assert rc == 1
+    last = [x for x in err.splitlines() if x.startswith("error:")][-1]
+    assert last.startswith("error: rank 2 hangs"), err
+    assert wall < 120
+
+
 def test_a_dead_rank_is_reported(run, fault):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, [1, 3, 2])
