@@ -39,8 +39,8 @@ _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]
-_HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
-_MAX_DIMS = _HEADER_LEN - 2
+_MAX_DIMS = 8
+_HEADER_LEN = 2 + 2 * _MAX_DIMS  # dtype code, ndim, up to 8 dims, their order in memory
 
 
 class PeerError(RuntimeError):
@@ -60,7 +60,32 @@ def failure_reason(exc: BaseException, timeout_s: float) -> str:
     return f"the connection failed ({text.splitlines()[0][:200] if text else type(exc).__name__})"
 
 
-def _header(t: torch.Tensor) -> torch.Tensor:
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The order of `t`'s dimensions in memory, outermost first, where `t` is dense (a
+    permutation of a contiguous tensor: `y.t()`, channels-last); else the identity. A tensor is
+    sent as `t.permute(order)`, contiguous, and received as that buffer permuted back: the
+    receiver's tensor has the sender's strides, so a kernel that reads it (a matmul of a
+    transposed input) takes the path it took in the single-device run, with its rounding."""
+    ident = tuple(range(t.dim()))
+    if t.is_contiguous():
+        return ident
+    order = tuple(sorted(ident, key=lambda i: (-t.stride(i), i)))
+    expected = 1  # a permutation of a contiguous tensor: each stride the product of the sizes inside it
+    for i in reversed(order):
+        if t.shape[i] != 1 and t.stride(i) != expected:
+            return ident
+        expected *= t.shape[i]
+    return order
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for k, i in enumerate(order):
+        inv[i] = k
+    return tuple(inv)
+
+
+def _header(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     if t.dim() > _MAX_DIMS:
         raise ValueError(f"tensors with more than {_MAX_DIMS} dimensions cannot be sent")
     h = torch.zeros(_HEADER_LEN, dtype=torch.int64)
@@ -68,12 +93,14 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     h[1] = t.dim()
     for i, d in enumerate(t.shape):
         h[2 + i] = d
+        h[2 + _MAX_DIMS + i] = order[i]
     return h
 
 
-def _parse_header(h: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+def _parse_header(h: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]:
     ndim = int(h[1])
-    return _DTYPES[int(h[0])], tuple(int(d) for d in h[2 : 2 + ndim])
+    return (_DTYPES[int(h[0])], tuple(int(d) for d in h[2 : 2 + ndim]),
+            tuple(int(d) for d in h[2 + _MAX_DIMS : 2 + _MAX_DIMS + ndim]))
 
 
 @dataclass
@@ -108,7 +135,9 @@ class P2P:
     # (written there as rank<N>.json at each flush; the tests compare it with planner.p2p_order)
     log: list[list[tuple[bool, int, int]]] | None = None
     _queue: list[tuple[bool, torch.Tensor, int, int, _Pending]] = field(default_factory=list)
-    _shapes: dict[tuple[int, str, bool, bool], tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    # (peer, key, grad, sending) -> dtype, shape, memory order (`memory_order`)
+    _shapes: dict[tuple[int, str, bool, bool], tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]] = \
+        field(default_factory=dict)
     _sends: list[_Pending] = field(default_factory=list)
     _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
 
@@ -194,25 +223,27 @@ class P2P:
     # ------------------------------------------------------------------ sends
     def send(self, t: torch.Tensor, peer: int, mb: int, key: str, grad: bool) -> None:
         t0 = time.perf_counter()
-        t = t.detach().contiguous()
+        t = t.detach()
         if t.device != self.device:
             t = t.to(self.device)
         skey = (peer, key, grad, True)
         what = f"sending {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
-        if skey in self._shapes and self._shapes[skey] != (t.dtype, tuple(t.shape)):
+        if skey in self._shapes and self._shapes[skey][:2] != (t.dtype, tuple(t.shape)):
             raise PipeplanError(
                 f"{key!r} of microbatch {mb} has dtype/shape {t.dtype}/{tuple(t.shape)} but earlier "
-                f"microbatches had {self._shapes[skey]}: the tensors a stage sends must have the same "
+                f"microbatches had {self._shapes[skey][:2]}: the tensors a stage sends must have the same "
                 "shape in every microbatch and step (the receiver allocates them from the first); "
                 "pad variable-length batches to one length in make_batch"
             )
         if skey not in self._shapes:
-            self._shapes[skey] = (t.dtype, tuple(t.shape))
-            h = _header(t).to(self.device)
+            self._shapes[skey] = (t.dtype, tuple(t.shape), memory_order(t))
+            h = _header(t, self._shapes[skey][2]).to(self.device)
             # the header's tag names no microbatch: the receiver's first receive of this key
             # may be for another microbatch than the sender's first send (a hand-ordered
             # plan's actions), and it takes whichever header comes
             self._sends.append(self._submit(True, h, peer, self._tag(0, key, grad, True), what))
+        # in the first microbatch's memory order, whatever this one's (the receiver permutes back)
+        t = t.permute(self._shapes[skey][2]).contiguous()
         self._sends.append(self._submit(True, t, peer, self._tag(mb, key, grad, False), what))
         self.comm_ms += (time.perf_counter() - t0) * 1e3
 
@@ -240,7 +271,8 @@ class P2P:
         shape = self._shapes.get((peer, key, grad, False))
         if shape is None:
             return False
-        buf = torch.empty(shape[1], dtype=shape[0], device=self.device)
+        dtype, dims, order = shape
+        buf = torch.empty([dims[i] for i in order], dtype=dtype, device=self.device)
         what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
         self._recvs[rkey] = self._submit(False, buf, peer, self._tag(mb, key, grad, False), what)
         return True
@@ -254,7 +286,8 @@ class P2P:
             self.post_recv(peer, mb, key, grad)
         p = self._recvs.pop((peer, key, mb, grad))
         self._wait(p)
-        return p.buf
+        order = self._shapes[(peer, key, grad, False)][2]
+        return p.buf if order == tuple(range(len(order))) else p.buf.permute(_inverse(order))
 
 
 # ---------------------------------------------------------------- process groups
