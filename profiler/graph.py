@@ -304,7 +304,9 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
     mode, _ = seg.parse_granularity(granularity)  # a bad value fails before tracing
     leaves = seg.leaf_modules(model, granularity)
     keep = seg.natural_blocks(model)[0] if mode in ("blocks", "split") else None
-    traced = capture(model, inputs, leaves, keep)
+    # a rank tracing from its launcher's record (`tensor_kinds`) runs no user code: the
+    # launcher checked the graph
+    traced = capture(model, inputs, leaves, keep, check=tensor_kinds is None)
     gm = traced.gm
     root: torch.nn.Module = model if traced.method == "fx" else gm
     if traced.out_spec is not None:

@@ -413,10 +413,13 @@ def _paths(gm: fx.GraphModule) -> dict[str, str]:
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
-            leaves: set[str] | None = None, keep: list[str] | None = None) -> Traced:
+            leaves: set[str] | None = None, keep: list[str] | None = None,
+            check: bool = True) -> Traced:
     """Trace `model` called with `example_inputs` (its positional arguments), calling the
     modules in `leaves` rather than tracing into them; should fx fail, torch.export keeps the
-    modules in `keep` (the blocks) as calls to the user's objects."""
+    modules in `keep` (the blocks) as calls to the user's objects. `check`: an exported graph
+    is run beside the model (`_check_export`; off where that was done before, e.g. a rank
+    tracing from its launcher's record, which runs no user code)."""
     given = set(leaves or ())
     gm, auto, fx_error = _try_fx(model, len(example_inputs), given)
     if gm is not None:
@@ -426,7 +429,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
         egm, export_error = _try_export(model, example_inputs, list(keep))
         if egm is not None:
             _clean_export_graph(egm)
-            _check_export(model, egm, example_inputs)
+            if check:
+                _check_export(model, egm, example_inputs)
             return Traced(gm=egm, method="export", paths=_paths(egm), out_spec=None, leaves=list(keep))
     egm, error2 = _try_export(model, example_inputs)
     if egm is not None and keep:
@@ -447,7 +451,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
             "cannot be traced is then called as a whole and becomes part of one layer."
         )
     _clean_export_graph(egm)
-    _check_export(model, egm, example_inputs)
+    if check:
+        _check_export(model, egm, example_inputs)
     codegen = egm.graph._codegen
     out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
     paths = {n.name: _innermost(n) for n in egm.graph.nodes}
