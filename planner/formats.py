@@ -52,6 +52,12 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class _OpenFinite(_Open):
+    """Open, and Infinity / NaN refused: what a measurement holds."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
 class _Closed(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -73,10 +79,8 @@ class DeviceInfo(_Open):
     workspace_bytes: NonNegativeInt = 0
 
 
-class LayerTP(_Open):
+class LayerTP(_OpenFinite):
     """A layer as it runs on one of `degree` tensor-parallel devices (profile --tp)."""
-
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     degree: PositiveInt
     fwd_ms: NonNegativeFloat  # the shard's own work, measured
@@ -89,8 +93,7 @@ class LayerTP(_Open):
     allreduces_bwd: NonNegativeInt = 0
 
 
-class LayerProfile(_Open):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # Infinity / NaN: refused
+class LayerProfile(_OpenFinite):
 
     name: str
     fwd_ms: NonNegativeFloat
@@ -147,9 +150,7 @@ class Edge(_Open):
     tensor: str | None = None  # the value carried; None means "the output of src"
 
 
-class Measured(_Open):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
+class Measured(_OpenFinite):
     fwd_ms: NonNegativeFloat
     bwd_ms: NonNegativeFloat
     peak_memory_bytes: NonNegativeInt | None = None
@@ -519,10 +520,9 @@ class Plan(_Open):
 # ---------------------------------------------------------------- report.json (runtime)
 
 
-class RankReport(_Open):
+class RankReport(_OpenFinite):
     # times and bytes a run measured: never negative, never Infinity / NaN (`refine` fits
     # corrections to them, so a hand-edited report is checked before anything is written)
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     rank: NonNegativeInt
     stage: NonNegativeInt
     replica: NonNegativeInt
@@ -540,8 +540,7 @@ class RankReport(_Open):
     predicted_optimizer_ms: NonNegativeFloat | None = None
 
 
-class Report(_Open):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class Report(_OpenFinite):
     schema_version: SchemaVersion = SCHEMA_VERSION
     plan_profile_sha256: str
     steps: PositiveInt

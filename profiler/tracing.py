@@ -363,15 +363,19 @@ def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torc
     buffers = [(b, b.detach().clone()) for b in (*model.buffers(), *gm.buffers())]
     grads = {id(t): (t, t.grad) for t in (*own.values(), *theirs.values())}
     name = type(model).__name__
+
+    def restore_buffers() -> None:  # each run starts from the model's statistics
+        with torch.no_grad():
+            for b, old in buffers:
+                b.copy_(old)
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ref_out, ref_grads = _run_with_grads(model, inputs, own)
-            for b, old in buffers:
-                b.data.copy_(old)
+            restore_buffers()
             again_out, again_grads = _run_with_grads(model, inputs, own)
-            for b, old in buffers:
-                b.data.copy_(old)
+            restore_buffers()
             try:
                 out, got = _run_with_grads(gm, inputs, theirs)
             except Exception as exc:  # noqa: BLE001 - any failure of the graph is the model's to fix
@@ -379,9 +383,7 @@ def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torc
                     f"torch.export's graph of {name} fails where the model runs "
                     f"({first_line(f'{type(exc).__name__}: {exc}')}): {_EXPORT_ADVICE}") from None
     finally:
-        with torch.no_grad():
-            for b, old in buffers:
-                b.copy_(old)
+        restore_buffers()
         for t, g in grads.values():
             t.grad = g
     keys = sorted(set(ref_grads) & set(got) & set(again_grads))

@@ -146,6 +146,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
         try:
             failed_at = None
             told = False
+            seen: dict[int, Failure] = {}  # each exited rank's error, read once
             while True:
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
@@ -155,8 +156,10 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
                     if all(c is not None for c in codes):
                         break
                     if time.time() - failed_at > _GRACE_S:
-                        so_far = [_read_error(Path(tmp) / f"rank{r}.json", r, c)
-                                  for r, c in enumerate(codes) if c not in (None, 0)]
+                        for r, c in enumerate(codes):
+                            if c not in (None, 0) and r not in seen:
+                                seen[r] = _read_error(Path(tmp) / f"rank{r}.json", r, c)
+                        so_far = list(seen.values())
                         if time.time() - failed_at > _GRACE_S + peer_wait_s or \
                                 any(f.kind != "peer" for f in so_far):
                             break

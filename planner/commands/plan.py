@@ -75,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
     check_distinct([("-o", args.output), ("--trace", args.trace)])
     profile = load_model(args.profile, Profile, f"profile {args.profile}")
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
-    if len(profile.layers) > max_layers():
+    if len(profile.layers) > (most := max_layers()):
         raise PipeplanError(
             f"profile {args.profile} has {len(profile.layers)} layers; the planner plans at most "
-            f"{max_layers()} (PIPEPLAN_MAX_LAYERS): profile the model at a coarser granularity "
+            f"{most} (PIPEPLAN_MAX_LAYERS): profile the model at a coarser granularity "
             "(--granularity blocks, or depth:N)")
     if args.replicas and not args.split:
         raise PipeplanError("--replicas needs --split (the layers per stage)")

@@ -59,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
     cluster_path = args.cluster_out or _beside(args.output, ".cluster.json")
     profile_path = args.profile_out or _beside(args.output, ".profile.json")
     inputs = (args.plan, args.report, args.profile)
-    for what, path in (("-o", args.output), ("--corrections", corr_path), ("--cluster-out", cluster_path),
-                       ("--profile-out", profile_path if args.profile else None)):
+    outs = [("-o", args.output), ("--corrections", corr_path), ("--cluster-out", cluster_path),
+            ("--profile-out", profile_path if args.profile else None)]
+    for what, path in outs:
         check_output(path, inputs, what)
-    check_distinct([("-o", args.output), ("--corrections", corr_path), ("--cluster-out", cluster_path),
-                    ("--profile-out", profile_path if args.profile else None)])
+    check_distinct(outs)
     plan = load_model(args.plan, Plan, f"plan {args.plan}")
     report = load_model(args.report, Report, f"report {args.report}")
     profile = None
