@@ -62,8 +62,12 @@ def describe_validation_error(exc: ValidationError, most: int = 12) -> str:
     return "\n".join(lines)
 
 
-def parse_model(data: object, cls: type[M], what: str) -> M:
+def parse_model(data: object, cls: type[M], what: str, strict: bool = False) -> M:
+    """`data` as `cls`, else a PipeplanError listing what is wrong. `strict`: read as JSON is read
+    strictly (the service's rule): `true` or `"4"` is not a number, `1.5` is not an integer."""
     try:
+        if strict:
+            return cls.model_validate_json(json.dumps(data), strict=True)
         return cls.model_validate(data)
     except ValidationError as exc:
         raise PipeplanError(f"{what} is not a valid {cls.__name__}:\n{describe_validation_error(exc)}") from None
@@ -89,7 +93,7 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
         raise PipeplanError(f"{what}: JSON nested too deeply to read; give the JSON file pipeplan "
                             "wrote") from None
     check_numbers(data, what)
-    return parse_model(data, cls, what)
+    return parse_model(data, cls, what, strict=True)
 
 
 def check_numbers(data: object, what: str) -> None:

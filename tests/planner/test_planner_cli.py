@@ -82,6 +82,31 @@ def test_bad_files(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -
     assert "not a valid Plan" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("nodes", True), ("nodes", "2"), ("inter_node_gb_per_s", "10"), ("device_memory_gb", True),
+    ("devices_per_node", 2.5),
+])
+def test_files_are_read_as_strictly_as_the_service_reads_bodies(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str], field: str, value: object) -> None:
+    """`true` or `"2"` is a mistake in a file as in a request body (api/body.py): refused with the
+    field named, not read as 1 or 2."""
+    doc = json.loads(files["cluster"].read_text())
+    doc[field] = value
+    bad = files["dir"] / "lax.json"
+    bad.write_text(json.dumps(doc))
+    assert main(["plan", str(files["profile"]), "--cluster", str(bad), "-o",
+                 str(files["dir"] / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not a valid Cluster" in err and field in err
+    assert not (files["dir"] / "p.json").exists()
+    prof = json.loads(files["profile"].read_text())
+    prof["layers"][0]["fwd_ms"] = "1.0"
+    files["profile"].write_text(json.dumps(prof))
+    assert main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "-o",
+                 str(files["dir"] / "p.json")]) == 2
+    assert "fwd_ms" in capsys.readouterr().err
+
+
 def test_tight_memory_says_what_it_needs(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     prof = files["dir"] / "big.json"
     prof.write_text(chain_profile([1.0] * 4, params=[5 * 10**9] * 4, batch_size=8).model_dump_json())
