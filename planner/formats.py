@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from planner.errors import PipeplanError
+from planner.limits import MAX_INT
 
 SCHEMA_VERSION = 1
 GB = 1e9
@@ -382,7 +383,7 @@ class PlanOptions(_Closed):
     optimizer: OptimizerName = "adam"
     time_limit_s: float = Field(default=10.0, gt=0, le=MAX_TIME_LIMIT_S)
     powers_of_two: bool = False
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_INT)  # --seed's range (planner.limits.seed_arg)
     split: list[PositiveInt] | None = None  # method "manual": layers per stage
     replicas: list[PositiveInt] | None = None  # method "manual": replicas per stage
     recompute: list[bool] | None = None  # method "manual": activation recomputation per stage
@@ -390,7 +391,7 @@ class PlanOptions(_Closed):
     tp: list[PositiveInt] | None = None  # method "manual": tensor-parallel degree per stage
     # the largest tensor-parallel degree the search may give a stage (None: the largest
     # profiled degree that fits in a node; 1: no tensor parallelism)
-    max_tp: PositiveInt | None = None
+    max_tp: PositiveInt | None = Field(default=None, le=MAX_CLUSTER_DEVICES)
 
     @model_validator(mode="after")
     def _check(self) -> PlanOptions:

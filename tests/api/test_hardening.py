@@ -175,3 +175,14 @@ def test_a_client_that_hangs_up_mid_body_is_a_499_not_a_500(tmp_path: Path) -> N
         assert not any('status="500"' in x for x in lines), lines
         assert http.get("/healthz").status_code == 200
         assert "Traceback" not in server.log.read_text()
+
+
+@pytest.mark.parametrize(("option", "value"), [("seed", -1), ("seed", 2**53 + 1), ("max_tp", 10**20)])
+def test_options_out_of_range_are_422_naming_the_field(client: TestClient, option: str, value: int) -> None:
+    """A seed below 0 or a TP degree no cluster has is a mistake, refused before planning (as the
+    CLI refuses `--seed -1`), not planned and stored."""
+    body = plan_body()
+    body["options"][option] = value
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 422, r.text
+    assert any(option in d["loc"] for d in r.json()["detail"])
