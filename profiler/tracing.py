@@ -78,6 +78,14 @@ def _has_hooks(m: torch.nn.Module) -> bool:
                 or getattr(m, "_backward_pre_hooks", None))
 
 
+def _split_hooked(model: torch.nn.Module, given: set[str]) -> list[str]:
+    """The modules with hooks that hold modules split between stages (the model itself, or a
+    module above a given leaf): no stage calls them, so their hooks do not run in a pipeline."""
+    return [path for path, m in model.named_modules()
+            if _has_hooks(m) and not any(path == p or path.startswith(p + ".") for p in given)
+            and (not path or any(p.startswith(path + ".") for p in given))]
+
+
 @contextlib.contextmanager
 def _functions_are_opaque() -> Any:
     """While tracing, a custom `autograd.Function` applied to traced values stops the trace
@@ -220,10 +228,11 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
             ) -> tuple[fx.GraphModule | None, list[str], str]:
     original = _state(model)
     leaves: set[str] = set(given)
+    split = set(_split_hooked(model, given))
     for path, m in model.named_modules():
         if path in leaves or any(path.startswith(p + ".") for p in leaves) or not _has_hooks(m):
             continue
-        if not path or any(p.startswith(path + ".") for p in given):
+        if path in split:
             warnings.warn(
                 f"{path or 'the model'} ({type(m).__name__}) has hooks, but it holds modules that "
                 "are split between pipeline stages, so no stage calls it and its hooks do not run "
@@ -353,11 +362,13 @@ def _worst(a: list[torch.Tensor], b: list[torch.Tensor], names: list[str]) -> tu
     return worst, where
 
 
-def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> None:
-    """Refuse an exported graph that does not compute what `model` computes on `inputs`:
-    outputs and parameter gradients (from one RNG seed, so dropout draws alike) against the
-    model's own, where the model gives the same twice; the model's buffers and gradients are
-    left as they were."""
+def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...],
+                  what: str = "torch.export's graph", advice: str = "") -> None:
+    """Refuse a graph (`what`, torch.export's by default) that does not compute what `model`
+    computes on `inputs`: outputs and parameter gradients (from one RNG seed, so dropout draws
+    alike) against the model's own, where the model gives the same twice; the model's buffers and
+    gradients are left as they were. `advice` ends the error (the export advice by default)."""
+    advice = advice or _EXPORT_ADVICE
     own = dict(model.named_parameters())
     theirs = {k: t for k, t in gm.named_parameters() if k in own}
     buffers = [(b, b.detach().clone()) for b in (*model.buffers(), *gm.buffers())]
@@ -380,8 +391,8 @@ def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torc
                 out, got = _run_with_grads(gm, inputs, theirs)
             except Exception as exc:  # noqa: BLE001 - any failure of the graph is the model's to fix
                 raise PipeplanError(
-                    f"torch.export's graph of {name} fails where the model runs "
-                    f"({first_line(f'{type(exc).__name__}: {exc}')}): {_EXPORT_ADVICE}") from None
+                    f"{what} of {name} fails where the model runs "
+                    f"({first_line(f'{type(exc).__name__}: {exc}')}): {advice}") from None
     finally:
         restore_buffers()
         for t, g in grads.values():
@@ -391,14 +402,14 @@ def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torc
     ref = ref_out + [ref_grads[k] for k in keys]
     if len(out) != len(ref_out) or _worst(ref, again_out + [again_grads[k] for k in keys], names)[0] > 0:
         if len(out) != len(ref_out):
-            raise PipeplanError(f"torch.export's graph of {name} returns {len(out)} tensors where "
-                                f"the model returns {len(ref_out)}: {_EXPORT_ADVICE}")
+            raise PipeplanError(f"{what} of {name} returns {len(out)} tensors where "
+                                f"the model returns {len(ref_out)}: {advice}")
         return  # the model itself differs from run to run (nondeterministic kernels): no reference
     d, where = _worst(ref, out + [got[k] for k in keys], names)
     if d > EXPORT_RTOL:
         raise PipeplanError(
-            f"torch.export's graph of {name} does not compute what the model computes ({where} "
-            f"differs by {d:.3g} of its size): {_EXPORT_ADVICE}")
+            f"{what} of {name} does not compute what the model computes ({where} "
+            f"differs by {d:.3g} of its size): {advice}")
 
 
 _EXPORT_ADVICE = (
@@ -425,6 +436,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
     given = set(leaves or ())
     gm, auto, fx_error = _try_fx(model, len(example_inputs), given)
     if gm is not None:
+        hooked = _split_hooked(model, given)
+        if check and hooked:
+            where = ", ".join(p or "the model" for p in hooked)
+            _check_export(model, gm, example_inputs, "the pipeline's graph", (
+                f"hooks on {where} change what it computes, and no pipeline stage calls "
+                f"{'it' if len(hooked) == 1 else 'them'} whole, so they would not run. Move the "
+                "hooks onto the blocks (or modules inside them), or do their work in forward, "
+                "then profile again."))
         return Traced(gm=gm, method="fx", paths=_paths(gm), leaves=auto)
     export_error = ""
     if keep:

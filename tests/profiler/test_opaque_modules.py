@@ -140,6 +140,22 @@ def test_hooks_on_a_module_holding_blocks_are_reported():
     assert lg.layer_names() == ["0", "1", "2"]  # still split at its blocks
 
 
+@pytest.mark.parametrize("kind", ["forward", "pre"])
+def test_hooks_on_a_module_holding_blocks_that_change_values_are_refused(kind: str) -> None:
+    """No stage calls the model whole, so its hooks do not run in a pipeline: one that changes
+    the output or the input would train something else than the model, silently (one that only
+    looks, as in the test above, is still only warned about)."""
+    model = nn.Sequential(Plain(), Plain(), Plain())
+    if kind == "forward":
+        model.register_forward_hook(lambda m, a, out: 2 * out)
+    else:
+        model.register_forward_pre_hook(lambda m, a: (a[0] + 1,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PipeplanError, match="hooks on the model change what it computes"):
+            trace(model, (torch.randn(2, 8),))
+
+
 class RootSTE(nn.Module):
     """Applies a custom Function in its own forward, between two blocks."""
 
