@@ -201,13 +201,26 @@ def fit(plan: Plan, report: Report) -> Corrections:
         compute_scale = _bisect(lambda c: sim(overhead, c), 0.0, 1.0, target)
     elif not messages and sim(0.0) < target:  # nothing to put it on but the compute
         compute_scale = _bisect(lambda c: sim(0.0, c), 1.0, target / max(sim(0.0), 1e-9) + 1, target)
+    after = sim(overhead, compute_scale)
+    if abs(after - target) > 1e-3 * target:
+        # compute scaled towards 0 still leaves the links' latency: no costs explain the run
+        how = ("less than this plan takes even with its compute scaled to nothing "
+               f"({after:.6g} ms: the links' latency alone)" if after > target else
+               f"more than any per-message delay explains (at most {after:.6g} ms)")
+        raise PipeplanError(
+            f"the report's iteration_ms ({target:.6g} ms) is {how}, while its ranks report "
+            f"{max(s.measured_fwd_ms + s.measured_bwd_ms for s in stages):.6g} ms of forward and "
+            "backward per microbatch: no corrections of compute and per-message delay explain "
+            "it. Give the report the runtime wrote for this plan (--report); if it is that "
+            "report, the cluster's link latency is overstated: calibrate it again "
+            "(python -m runtime calibrate) and re-plan")
     for s in stages:
         s.fwd_scale *= compute_scale
         s.bwd_scale *= compute_scale
     return Corrections(
         plan_profile_sha256=plan.profile_sha256, measured_iteration_ms=target,
         predicted_iteration_ms_before=plan.predicted.iteration_ms,
-        predicted_iteration_ms_after=sim(overhead, compute_scale), stages=stages,
+        predicted_iteration_ms_after=after, stages=stages,
         p2p_overhead_us_before=plan.cluster.p2p_overhead_us, p2p_overhead_us_after=overhead,
         compute_scale=compute_scale,
     )

@@ -96,6 +96,18 @@ def test_a_run_faster_than_zero_overhead_scales_compute_down():
     assert c.predicted_iteration_ms_after == pytest.approx(report.iteration_ms, rel=1e-6)
 
 
+@pytest.mark.parametrize("factor", [1e-300, 1e-6, 0.01])
+def test_a_run_faster_than_its_links_allow_is_refused(factor):
+    # compute scaled towards 0 still leaves each message's latency: no costs explain such a
+    # run, and refine must say so rather than write a plan that predicts another time
+    _, plan = _plan()
+    report = _run(plan, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0), overhead_us=100.0)
+    report = report.model_copy(update={"iteration_ms": report.iteration_ms * factor})
+    with pytest.raises(PipeplanError, match="less than this plan takes even with its compute "
+                       "scaled to nothing"):
+        fit(plan, report)
+
+
 def test_report_of_another_plan_is_refused():
     _, plan = _plan()
     report = _run(plan, (1, 1, 1), (1, 1, 1), 0.0).model_copy(update={"plan_profile_sha256": "x"})
