@@ -190,7 +190,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            PlanRequest: service.precheck_plan_body,
                            CompareRequest: service.precheck_plan_body}
     # middleware: the last added runs first
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       timeout_s=settings.body_timeout_s)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "ETag",

@@ -1,10 +1,18 @@
-"""Request body size limit as plain ASGI middleware: a declared Content-Length over the limit is
-refused before any byte is read, and a body streamed without one (chunked) is counted as it
-arrives and refused as soon as it crosses the limit. Both answer 413."""
+"""Request body limits as plain ASGI middleware.
+
+- Size: a declared Content-Length over the limit is refused before any byte is read, and a body
+  streamed without one (chunked) is counted as it arrives and refused as soon as it crosses the
+  limit. Both answer 413.
+- Time: a body that has not fully arrived `timeout_s` after its first read (a client that sends
+  the headers and then stalls, or trickles bytes) is answered 408 and its connection closed,
+  instead of holding a connection and a request task for as long as the client likes.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 from fastapi import HTTPException
@@ -20,15 +28,22 @@ class BodyTooLarge(HTTPException):
                          "POST /v1/profiles and then refer to it by profile_id")
 
 
+class BodyTimeout(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, detail=f"the request body did not arrive within {timeout_s:g} s "
+                         "(the server's PIPEPLAN_BODY_TIMEOUT_S); send the whole body at once")
+
+
 class BodySizeLimit:
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
-    async def _refuse(self, scope: Scope, send: Any) -> None:
+    async def _refuse(self, scope: Scope, send: Any, error: HTTPException) -> None:
         rid = scope.get("state", {}).get("request_id", "")
-        body = json.dumps({"detail": BodyTooLarge(self.max_bytes).detail, "request_id": rid}).encode()
-        await send({"type": "http.response.start", "status": 413,
+        body = json.dumps({"detail": error.detail, "request_id": rid}).encode()
+        await send({"type": "http.response.start", "status": error.status_code,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
@@ -45,16 +60,27 @@ class BodySizeLimit:
                 except ValueError:
                     declared = 0  # the server itself rejects a malformed length
                 if declared > self.max_bytes:
-                    await self._refuse(scope, send)
+                    await self._refuse(scope, send, BodyTooLarge(self.max_bytes))
                     return
         received = 0
         started = False
+        complete = False  # the body's last chunk has arrived: later reads wait for a disconnect
+        deadline: float | None = None
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete, deadline
+            if complete or self.timeout_s is None:
+                message = await receive()
+            else:
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout_s
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+                except TimeoutError:
+                    raise BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
             return message
@@ -67,7 +93,7 @@ class BodySizeLimit:
 
         try:
             await self.app(scope, limited_receive, watched_send)
-        except BodyTooLarge:
+        except (BodyTooLarge, BodyTimeout) as error:
             if started:
                 raise
-            await self._refuse(scope, send)
+            await self._refuse(scope, send, error)

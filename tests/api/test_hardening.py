@@ -186,3 +186,46 @@ def test_options_out_of_range_are_422_naming_the_field(client: TestClient, optio
     r = client.post("/v1/plans", json=body)
     assert r.status_code == 422, r.text
     assert any(option in d["loc"] for d in r.json()["detail"])
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+def test_a_body_that_never_arrives_is_a_408_within_the_timeout(tmp_path: Path, trickle: bool) -> None:
+    """A client that sends the headers and then stalls (or trickles a byte at a time) holds a
+    connection and a request task: the server answers 408 once PIPEPLAN_BODY_TIMEOUT_S has
+    passed since the body's first read, closes the connection, and goes on serving."""
+    import socket
+
+    with Server(tmp_path / "pipeplan.db", body_timeout_s="1.5") as server, \
+            httpx.Client(base_url=server.url, timeout=30) as http:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+            t0 = time.monotonic()
+            s.sendall(b"POST /v1/profiles HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            reply = b""
+            closed = False
+            s.settimeout(0.25)
+            while not closed and time.monotonic() - t0 < 20:
+                if trickle and not reply:
+                    try:
+                        s.sendall(b" ")
+                    except OSError:
+                        pass
+                try:
+                    chunk = s.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:  # reset: closed too
+                    chunk = b""
+                closed = not chunk
+                reply += chunk
+            elapsed = time.monotonic() - t0
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+        assert closed, "the connection of a body that never arrived must be closed"
+        assert "PIPEPLAN_BODY_TIMEOUT_S" in json.loads(body)["detail"]
+        assert 1.4 < elapsed < 10, elapsed
+        # a body that arrives in pieces within the limit is served as usual
+        r = http.post("/v1/profiles", content=(json.dumps(profile_doc()).encode() for _ in range(1)),
+                      headers={"content-type": "application/json"})
+        assert r.status_code in (200, 201), r.text[:300]
+        assert "Traceback" not in server.log.read_text()
