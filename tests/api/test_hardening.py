@@ -229,3 +229,51 @@ def test_a_body_that_never_arrives_is_a_408_within_the_timeout(tmp_path: Path, t
                       headers={"content-type": "application/json"})
         assert r.status_code in (200, 201), r.text[:300]
         assert "Traceback" not in server.log.read_text()
+
+
+def _read_until_closed(s: object, limit_s: float = 20.0) -> tuple[bytes, bool, float]:
+    """What the server sends on socket `s` until it closes it (or `limit_s` passes)."""
+    t0 = time.monotonic()
+    reply, closed = b"", False
+    s.settimeout(0.25)  # type: ignore[attr-defined]
+    while not closed and time.monotonic() - t0 < limit_s:
+        try:
+            chunk = s.recv(65536)  # type: ignore[attr-defined]
+        except TimeoutError:
+            continue
+        except OSError:
+            chunk = b""
+        closed = not chunk
+        reply += chunk
+    return reply, closed, time.monotonic() - t0
+
+
+def test_headers_that_never_end_are_a_408_and_bad_http_a_json_400(tmp_path: Path) -> None:
+    """uvicorn holds a connection whose request line or headers never end for as long as the
+    client likes, and answers a request that is not HTTP with text/plain: the service answers
+    both as JSON errors and closes the connection, and keep-alive requests still work."""
+    import socket
+
+    with Server(tmp_path / "pipeplan.db", header_timeout_s="1.5") as server:
+        for partial in (b"", b"POST /v1/prof", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+                if partial:
+                    s.sendall(partial)
+                reply, closed, elapsed = _read_until_closed(s)
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408"), (partial, reply[:300])
+            assert closed and 1.4 < elapsed < 10, (partial, closed, elapsed)
+            assert "PIPEPLAN_HEADER_TIMEOUT_S" in json.loads(body)["detail"]
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+            reply, closed, _ = _read_until_closed(s)
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, reply[:300]
+        err = json.loads(body)
+        assert "not valid HTTP" in err["detail"] and err["request_id"] and closed
+        # a keep-alive connection: requests one after another, slower in all than the timeout
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for _ in range(4):
+                assert http.get("/healthz").status_code == 200
+                time.sleep(0.5)
+        assert "Traceback" not in server.log.read_text()
