@@ -142,7 +142,8 @@ def test_refine_shares_a_measured_step_out_by_parameters_where_the_profile_had_n
     opts = PlanOptions(global_batch=16, microbatch_size=2, optimizer="adam", split=[2], method="manual")
     plan = make_plan(prof, cluster(nodes=1, per_node=1, memory_gb=80), opts)
     st = plan.stages[0].predicted
-    c = fit(plan, _report(plan, st.fwd_ms, st.bwd_ms, [2.0]))
+    # the run took its 2 ms step on top of what the plan predicted (the profile had no step)
+    c = fit(plan, _report(plan, st.fwd_ms, st.bwd_ms, [2.0], plan.predicted.iteration_ms + 2.0))
     new = corrected_profile(prof, c, "adam")
     assert [x.optimizer_ms for x in new.layers] == [{"adam": 1.5}, {"adam": 0.5}]
 
