@@ -60,6 +60,7 @@ class Evaluation:
     costs: PipelineCosts
     simulation: Simulation
     stage_memory_bytes: tuple[float, ...]  # peak per device, busiest replica
+    deferred: tuple[int, ...] | None = None  # ZB-H1: the W's each stage defers (the schedule's shape)
 
     @property
     def iteration_ms(self) -> float:
@@ -93,7 +94,7 @@ def evaluate(table: LayerTable, cluster: Cluster, candidate: Candidate, options:
     else:
         sim = simulate_generated(costs, options.schedule, deferred)
     memory = tuple(max(sim.peak_memory_bytes[d] for d in devs) for devs in costs.stage_devices)
-    return Evaluation(candidate, costs, sim, memory)
+    return Evaluation(candidate, costs, sim, memory, tuple(deferred) if deferred is not None else None)
 
 
 def schedule_deferrals(costs: PipelineCosts, schedule: str) -> list[int] | None:

@@ -33,7 +33,8 @@ from the best plan with every tier of moves, the heaviest stages split at once a
 and where several stages tie for the slowest no single move improves (a 200-layer chain on
 16 x 1 devices at 1 GB/s, tight, 4 devices idle: 299.1 -> 294.7 ms), and last a stage's
 replicas to another count paid by one other stage (`transfer_moves`: GNMT on 16 x 1, tight,
-two replicas moved at once, 378.3 -> 371.4 ms, where one alone is slower). Where a
+two replicas moved at once, 378.3 -> 371.4 ms, where one alone is slower), and from where it
+stops, on CLIMB_SHARE of its work more, first-improvement moves (`local.climb`). Where a
 bound is still below the plan, every plan that bound's DP allows at the plan's time (else at
 1 % below it) is simulated at every placement, if they are few enough for EXHAUST_SHARE more
 work (`exhaust.py`): that gives the optimum and proves it (or proves the 1 %), and a plan
@@ -45,10 +46,10 @@ Same input, same plan: every step is deterministic and budgeted by work, not tim
 bound's bisections count their DP cells, `bound.dp_work`, and take at most a third of the budget;
 the search gets what they leave). `time_limit_s` sets that budget (WORK_PER_SECOND of work per
 second, fitted on a 2-core machine where a 10 s plan took a median 5.8 s). The phases after
-the search take shares of it on top, so a plan may spend up to MAX_WORK (4.6) x that budget:
+the search take shares of it on top, so a plan may spend up to MAX_WORK (5.0) x that budget:
 ResNet-18 on 128 devices with tight memory spends 2.4x, 26.5 s for a 10 s plan on our 2-core
 machine. The wall clock stops the search only at WALL_NET x the time the most work takes
-(`wall_net_s`: 139 s for a 10 s plan), a safety net that a machine up to three times slower,
+(`wall_net_s`: 151 s for a 10 s plan), a safety net that a machine up to three times slower,
 or one whose cores other work keeps busy, does not reach. (At 1 x `time_limit_s`, on a machine
 1.5-1.7x slower than that one, 71 of the 160 plan-quality rows reached it and 21 gave another
 plan or bound on a rerun. At 3 x `time_limit_s`, as the net was until 2026-11-27, that
@@ -104,7 +105,7 @@ from planner.search.bound import (
 from planner.search.diagnose import check_transfers, infeasible_error
 from planner.search.exhaust import exhaust
 from planner.search.large import dp_lower_bound
-from planner.search.local import SPLIT_ONE_SHARE, Budget, descend, iterated_search
+from planner.search.local import SPLIT_ONE_SHARE, Budget, climb, descend, iterated_search
 from planner.search.space import (
     Evaluator,
     Score,
@@ -138,13 +139,14 @@ HOPELESS_GAP = 0.1
 PACK_SHARE = 0.4  # more work there, for the search from `_packed_seeds`
 SPREAD_SHARE = 0.2  # and this much more from the same splits with the free devices as replicas
 POLISH_SHARE = 0.3  # more work after every search, for one last descent with every tier of moves (`_polish`)
+CLIMB_SHARE = 1.0  # of POLISH_SHARE, more, for first-improvement moves after that descent (`local.climb`)
 CLASS_STEPS = 12  # tightening steps the hop classes must afford, else `tighten` runs without them
 # the most work a plan may spend, x the base budget (`WORK_PER_SECOND` x --time-limit): the
 # search with its compound moves (the placement passes may overrun by 30 %), the cut seeds,
 # tightening and the proof or, where that is out of reach, the packed and spread seeds, the
 # tightened seeds and the enumeration (the memory rescue moves the net on its own)
 MAX_WORK = (1.3 * (1 + WIDE_SHARE * (1 + SPLIT_ONE_SHARE)) + CUT_SEED_SHARE + TIGHTEN_SHARE
-            + max(PROOF_SHARE, PROOF_SHARE + PACK_SHARE + SPREAD_SHARE) + TIGHTENED_SHARE + 1.3 * POLISH_SHARE
+            + max(PROOF_SHARE, PROOF_SHARE + PACK_SHARE + SPREAD_SHARE) + TIGHTENED_SHARE + 1.3 * POLISH_SHARE * (1 + CLIMB_SHARE)
             + EXHAUST_SHARE)
 
 
@@ -686,6 +688,10 @@ def _polish(cand: Candidate, best_s: Score, ev: Evaluator, cluster: Cluster, wor
     got, got_s = descend(structure_of(cand), ev, ev.table, cluster.num_devices,
                          Budget(ev.work + int(work), deadline), wide=True, split_one=True, split_many=True,
                          transfer=True)
+    # then, on CLIMB_SHARE of that work more, first-improvement moves from where it stopped
+    # (`local.climb`): where the descent's work ran out, they go on for a fraction of its price
+    ev.work_limit = max(ev.work_limit, ev.work + int(1.3 * CLIMB_SHARE * work))
+    got, got_s = climb(got, ev, ev.table, Budget(ev.work + int(CLIMB_SHARE * work), deadline))
     return _placed_if_better(got, got_s, best_s, cand, ev, cluster)
 
 

@@ -18,16 +18,28 @@ from planner.cost import LayerTable, PipelineCosts
 from planner.formats import Cluster, Device, PlanOptions
 from planner.partition import Candidate, StageChoice
 from planner.schedules import zb_h1_own_peaks
+from planner.simulator import SHAPE_ACTIONS
 
 STYLES = ("packed", "aligned")
 EVERY_PLACEMENT = 12  # devices up to which every node placement of a structure is scored
 PLACEMENTS_PER_STRUCTURE = 64
-# the work of one evaluation against the units of the whole budget (about one simulated action
-# each, `planner.search.WORK_PER_SECOND`): since the search's simulations keep no events and
-# share the schedules and per-stage table scans (`evaluate(record=False)`), an evaluation takes
-# 0.53x the time it did when the units were fitted (300 candidates x 18 instance-schedules,
-# timed side by side, identical results)
-EVAL_WORK = 0.6
+# The work of one evaluation, in the budget's units (`planner.search.WORK_PER_SECOND`; the
+# bound's DP spends about one per cell). Fitted on 2026-12-05 to 139k evaluations of 12
+# plan-quality instances, each timed against the DP's units of the same plan (200k per second
+# on that machine): 13 us per evaluation, 2.7 us per device and per pair of stages that
+# exchange tensors, and per simulated action 1.9 us where this search sees the schedule's
+# shape for the first time (`simulator.simulate_generated` simulates it as it comes), 2.9 us
+# the second time (the shape is made) and 0.2 us after (the kept shape). Until then every
+# evaluation was charged 0.6 x (its actions + ...) units, as a first sighting of 4.3 us per
+# action: 2.2-8.5x its time on those instances, so the search got a fraction of the
+# evaluations its share of the wall clock affords (a 200-layer chain on 4 x 4 devices, 64
+# microbatches: 122.1 ms, where a climb from that plan reaches 104.5 ms in 1,800 evaluations).
+EVAL_FIXED = 2.6
+EVAL_PER_SLOT = 0.54
+EVAL_PER_ACTION = (0.37, 0.57, 0.04)  # the shape's first sighting in this search, its second, later
+# evaluations are charged EVAL_PRICE x their time: the search's share of the wall clock
+# against the bound's (1: as their time)
+EVAL_PRICE = 2.0
 TIME_TOL = 1e-9  # relative: two times this close are equal (prefer fewer devices, stages)
 
 
@@ -236,6 +248,7 @@ class Evaluator:
         self.work = 0  # actions simulated
         self.work_limit = 2**62  # set by the search: placement passes stop here
         self.evaluations = 0
+        self._sightings: dict[tuple, int] = {}  # schedule shape -> evaluations of it (`_count`)
         self.sizes = sizes or []  # the microbatch sizes the search may move between
         self.cache_extra: dict[object, object] = {}  # what move generators derive from the table
         self.stage_costs: dict = {}  # `pipeline_costs`' per-stage numbers, for this table and cluster
@@ -304,7 +317,7 @@ class Evaluator:
     def _evaluate(self, cand: Candidate) -> Evaluation:
         ev = evaluate(self.table, self.cluster, cand, self.options, self.devices, record=False,
                       stage_cache=self.stage_costs)
-        self._count(cand)
+        self._count(ev)
         return ev
 
     @staticmethod
@@ -341,15 +354,30 @@ class Evaluator:
         return (got_s, rc) if got_s.better_than(score) else (score, cand)
 
     def simulation_work(self, num_microbatches: int, stages: int, devices: int) -> int:
-        """The work of one evaluation: simulated actions (F and B per microbatch and stage;
-        ZB-H1: F, B and W, and the search for each stage's W deferral, about as much again),
-        plus per-stage and per-device costing (about 1.6 actions' time per device, measured)."""
-        per_mb = 5 if self.options.schedule == "zb-h1" else 2
-        return int(EVAL_WORK * (per_mb * num_microbatches * stages + 4 * stages + 100 + 2 * devices))
+        """The most work of one evaluation (its schedule's shape not seen before): simulated
+        actions (F and B per microbatch and stage; ZB-H1: F, B and W, and the search for each
+        stage's W deferral, about as much again), and a part per device and pair of stages."""
+        return self._price(num_microbatches, stages, devices, stages, 0)
 
-    def _count(self, cand: Candidate) -> None:
-        self.work += self.simulation_work(cand.num_microbatches, len(cand.stages),
-                                          sum(len(s.devices) for s in cand.stages))
+    def _price(self, num_microbatches: int, stages: int, devices: int, pairs: int, seen: int) -> int:
+        per_mb = 5 if self.options.schedule == "zb-h1" else 2
+        actions = per_mb * num_microbatches * stages
+        return int(EVAL_PRICE * (EVAL_FIXED + EVAL_PER_SLOT * (devices + pairs)
+                                 + EVAL_PER_ACTION[min(seen, 2)] * actions))
+
+    def _count(self, ev: Evaluation) -> None:
+        """Charge one evaluation (`EVAL_FIXED` ...): its schedule's shape as this search has
+        seen it (`simulator.simulate_generated` keeps shapes process-wide, but the charge must
+        not depend on what the process planned before)."""
+        c = ev.costs
+        key = (tuple(len(d) for d in c.stage_devices), c.num_microbatches, tuple(c.sends), ev.deferred)
+        seen = self._sightings.get(key, 0)
+        self._sightings[key] = seen + 1
+        devices = sum(len(d) for d in c.stage_devices)
+        kinds = 3 if self.options.schedule == "zb-h1" else 2  # F, B (and W) per microbatch and stage
+        if kinds * c.num_microbatches * len(c.stage_devices) > SHAPE_ACTIONS:
+            seen = 0  # too large to keep: simulated as it comes every time
+        self.work += self._price(c.num_microbatches, len(c.stage_devices), devices, len(c.sends), seen)
         self.evaluations += 1
 
     def _score(self, ev: Evaluation, devices: int, stages: int) -> Score:
