@@ -315,6 +315,8 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
         if best is None:
             break
         cur, cur_s = best, best_s
+    if cur_s.fits:  # where it ended: a start of the last descents (`planner.search._polish`)
+        ev.optima[cur] = cur_s
     return cur, cur_s
 
 

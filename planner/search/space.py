@@ -249,6 +249,7 @@ class Evaluator:
         self.work_limit = 2**62  # set by the search: placement passes stop here
         self.evaluations = 0
         self._sightings: dict[tuple, int] = {}  # schedule shape -> evaluations of it (`_count`)
+        self.optima: dict[Structure, Score] = {}  # where descents ended, fitting (`local.descend`)
         self.sizes = sizes or []  # the microbatch sizes the search may move between
         self.cache_extra: dict[object, object] = {}  # what move generators derive from the table
         self.stage_costs: dict = {}  # `pipeline_costs`' per-stage numbers, for this table and cluster
