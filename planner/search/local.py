@@ -274,6 +274,9 @@ def transfer_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
                 yield st.with_stages(st.bounds, nr)
 
 
+# after a kick, first-improvement moves (`climb`) instead of a steepest descent: more kicks for
+# the same work
+KICK_CLIMB = False
 SPLIT_ONE_SHARE = 0.25  # of the compound moves' work, more, for the last descent (`split_one_moves`)
 
 
@@ -455,7 +458,11 @@ def _kicks(bests: dict[int, tuple[Structure, Score]], best: Structure | None,
             break
         b = sizes[turn % len(sizes)]
         turn += 1
-        got, s = descend(kick(bests[b][0], rng, table, ev), ev, table, num_devices, budget, wide)
+        kicked = kick(bests[b][0], rng, table, ev)
+        if KICK_CLIMB and not wide:
+            got, s = climb(kicked, ev, table, budget)
+        else:
+            got, s = descend(kicked, ev, table, num_devices, budget, wide)
         if visit is not None:
             visit(got)
         improved = keep(got, s)
