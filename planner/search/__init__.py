@@ -147,7 +147,8 @@ CLASS_STEPS = 12  # tightening steps the hop classes must afford, else `tighten`
 # tightening and the proof or, where that is out of reach, the packed and spread seeds, the
 # tightened seeds and the enumeration (the memory rescue moves the net on its own)
 MAX_WORK = (1.3 * (1 + WIDE_SHARE * (1 + SPLIT_ONE_SHARE)) + CUT_SEED_SHARE + TIGHTEN_SHARE
-            + max(PROOF_SHARE, PROOF_SHARE + PACK_SHARE + SPREAD_SHARE) + TIGHTENED_SHARE + 1.3 * 2 * POLISH_SHARE * (1 + CLIMB_SHARE)
+            + max(PROOF_SHARE, PROOF_SHARE + PACK_SHARE + SPREAD_SHARE) + TIGHTENED_SHARE
+            + 1.3 * (2 if ELITE else 1) * POLISH_SHARE * (1 + CLIMB_SHARE)
             + EXHAUST_SHARE)
 
 

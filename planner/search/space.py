@@ -245,7 +245,7 @@ class Evaluator:
         # small clusters of several nodes: a structure is scored at its best placement of all
         self.every_placement = len(self.policies) > 1 and cluster.num_devices <= EVERY_PLACEMENT
         self.cache: dict[Structure, tuple[Score, Candidate | None]] = {}
-        self.work = 0  # actions simulated
+        self.work = 0  # charged for the evaluations (`_count`)
         self.work_limit = 2**62  # set by the search: placement passes stop here
         self.evaluations = 0
         self._sightings: dict[tuple, int] = {}  # schedule shape -> evaluations of it (`_count`)
