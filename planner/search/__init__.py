@@ -46,10 +46,10 @@ Same input, same plan: every step is deterministic and budgeted by work, not tim
 bound's bisections count their DP cells, `bound.dp_work`, and take at most a third of the budget;
 the search gets what they leave). `time_limit_s` sets that budget (WORK_PER_SECOND of work per
 second, fitted on a 2-core machine where a 10 s plan took a median 5.8 s). The phases after
-the search take shares of it on top, so a plan may spend up to MAX_WORK (5.0) x that budget:
+the search take shares of it on top, so a plan may spend up to MAX_WORK (5.8) x that budget:
 ResNet-18 on 128 devices with tight memory spends 2.4x, 26.5 s for a 10 s plan on our 2-core
 machine. The wall clock stops the search only at WALL_NET x the time the most work takes
-(`wall_net_s`: 151 s for a 10 s plan), a safety net that a machine up to three times slower,
+(`wall_net_s`: 174 s for a 10 s plan), a safety net that a machine up to three times slower,
 or one whose cores other work keeps busy, does not reach. (At 1 x `time_limit_s`, on a machine
 1.5-1.7x slower than that one, 71 of the 160 plan-quality rows reached it and 21 gave another
 plan or bound on a rerun. At 3 x `time_limit_s`, as the net was until 2026-11-27, that
