@@ -274,9 +274,6 @@ def transfer_moves(st: Structure, ev: Evaluator) -> Iterator[Structure]:
                 yield st.with_stages(st.bounds, nr)
 
 
-# after a kick, first-improvement moves (`climb`) instead of a steepest descent: more kicks for
-# the same work
-KICK_CLIMB = False
 SPLIT_ONE_SHARE = 0.25  # of the compound moves' work, more, for the last descent (`split_one_moves`)
 
 
@@ -323,33 +320,45 @@ def descend(start: Structure, ev: Evaluator, table: LayerTable, num_devices: int
     return cur, cur_s
 
 
+def every_tier(table: LayerTable, ev: Evaluator) -> list[Callable[[Structure], Iterator[Structure]]]:
+    """The move generators of `descend` with every tier on, in its order."""
+    return [lambda st: neighbours(st, table, ev), lambda st: split_many_moves(st, ev),
+            lambda st: wide_moves(st, ev), lambda st: split_one_moves(st, ev),
+            lambda st: transfer_moves(st, ev)]
+
+
 def climb(start: Structure, ev: Evaluator, table: LayerTable, budget: Budget) -> tuple[Structure, Score]:
     """First-improvement descent from `start`: the first move that improves is taken (the
-    tiers of `descend` with every one of them, in its order), until none improves or the budget
-    is spent. Where a steepest descent spends its work scanning every neighbour of each step
-    (hundreds on 16 stages), this moves after a few: from the plan the search ended on, a
-    200-layer chain on 4 x 4 devices with 64 microbatches went from 122.1 to 104.5 ms in 1,800
-    evaluations, where the steepest descent's budget had stopped it. From a local optimum of
-    every tier it evaluates nothing new (the evaluator keeps every score)."""
-    tiers: list[Callable[[Structure], Iterator[Structure]]] = [
-        lambda st: neighbours(st, table, ev), lambda st: split_many_moves(st, ev),
-        lambda st: wide_moves(st, ev), lambda st: split_one_moves(st, ev),
-        lambda st: transfer_moves(st, ev)]
+    tiers of `descend` with every one of them, in its order, `every_tier`), until none improves
+    or the budget is spent. Where a steepest descent spends its work scanning every neighbour of
+    each step (hundreds on 16 stages), this moves after a few: from the plan the search ended
+    on, a 200-layer chain on 4 x 4 devices with 64 microbatches went from 122.1 to 104.5 ms in
+    1,800 evaluations, where the steepest descent's budget had stopped it. From a local optimum
+    of every tier it evaluates nothing new (the evaluator keeps every score)."""
+    tiers = every_tier(table, ev)
     cur, cur_s = start, ev(start)
-    moved = True
-    while moved and not budget.spent(ev):
-        moved = False
+    while not budget.spent(ev):
         for tier in tiers:
-            for nb in tier(cur):
-                s = ev(nb)
-                if s.better_than(cur_s):
-                    cur, cur_s, moved = nb, s, True
-                    break
-                if budget.spent(ev):
-                    break
-            if moved or budget.spent(ev):
+            nb, nb_s = _first_move(tier(cur), cur_s, ev, budget)
+            if nb is not None or budget.spent(ev):
                 break
+        if nb is None:
+            break
+        cur, cur_s = nb, nb_s
     return cur, cur_s
+
+
+def _first_move(moves: Iterator[Structure], score: Score, ev: Evaluator, budget: Budget
+                ) -> tuple[Structure | None, Score]:
+    """The first of `moves` better than `score` (None if none is), scanned until the budget
+    is spent."""
+    for nb in moves:
+        s = ev(nb)
+        if s.better_than(score):
+            return nb, s
+        if budget.spent(ev):
+            break
+    return None, score
 
 
 def _best_move(moves: Iterator[Structure], score: Score, ev: Evaluator, budget: Budget
@@ -458,11 +467,7 @@ def _kicks(bests: dict[int, tuple[Structure, Score]], best: Structure | None,
             break
         b = sizes[turn % len(sizes)]
         turn += 1
-        kicked = kick(bests[b][0], rng, table, ev)
-        if KICK_CLIMB and not wide:
-            got, s = climb(kicked, ev, table, budget)
-        else:
-            got, s = descend(kicked, ev, table, num_devices, budget, wide)
+        got, s = descend(kick(bests[b][0], rng, table, ev), ev, table, num_devices, budget, wide)
         if visit is not None:
             visit(got)
         improved = keep(got, s)

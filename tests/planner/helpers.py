@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from planner.cost import PipelineCosts, Send
 from planner.formats import INPUT_NODE, Cluster, Profile
 
@@ -44,3 +46,14 @@ def cluster(nodes: int = 1, per_node: int = 4, memory_gb: float = 16.0, intra: f
             inter: float = 10.0, latency_us: float = 0.0) -> Cluster:
     return Cluster(nodes=nodes, devices_per_node=per_node, device_memory_gb=memory_gb,
                    intra_node_gb_per_s=intra, inter_node_gb_per_s=inter, latency_us=latency_us)
+
+
+def synthetic_chain(num_layers: int, seed: int) -> Profile:
+    """benchmarks/plan_quality.py's synthetic chains (uneven layers: 0.05-0.35 ms, 2-20 MB of
+    parameters), built here so no test imports a benchmark script."""
+    rng = random.Random(seed)
+    layers = [dict(name=f"layer{i}", fwd_ms=rng.uniform(0.05, 0.15), bwd_ms=rng.uniform(0.1, 0.2),
+                   param_bytes=int(rng.uniform(2e6, 2e7)), activation_bytes=int(rng.uniform(1e7, 4e7)),
+                   output_bytes=int(4e6)) for i in range(num_layers)]
+    return Profile(model={"path": f"synthetic-chain-{num_layers}", "sha256": "0"},
+                   device={"type": "gpu", "name": "synthetic"}, batch_size=4, layers=layers)

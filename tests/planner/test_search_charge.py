@@ -15,28 +15,11 @@ from planner.cost import layer_table
 from planner.formats import Cluster, PlanOptions, Profile
 from planner.importers.pipedream import import_pipedream_file
 from planner.search import solve_detailed
-from planner.search.local import (
-    Budget,
-    climb,
-    neighbours,
-    split_many_moves,
-    split_one_moves,
-    transfer_moves,
-    wide_moves,
-)
+from planner.search.local import Budget, climb, every_tier
 from planner.search.space import EVAL_PER_ACTION, Evaluator, Structure
+from tests.planner.helpers import synthetic_chain
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "pipedream-profiles"
-
-
-def _chain(num_layers: int, seed: int) -> Profile:
-    """benchmarks/plan_quality.py's synthetic chains, built here."""
-    rng = random.Random(seed)
-    layers = [dict(name=f"layer{i}", fwd_ms=rng.uniform(0.05, 0.15), bwd_ms=rng.uniform(0.1, 0.2),
-                   param_bytes=int(rng.uniform(2e6, 2e7)), activation_bytes=int(rng.uniform(1e7, 4e7)),
-                   output_bytes=int(4e6)) for i in range(num_layers)]
-    return Profile(model={"path": f"synthetic-chain-{num_layers}", "sha256": "0"},
-                   device={"type": "gpu", "name": "synthetic"}, batch_size=4, layers=layers)
 
 
 def _charges(ev: Evaluator, structures: list[Structure]) -> list[int]:
@@ -53,7 +36,7 @@ def test_an_evaluation_is_charged_less_once_its_schedule_shape_is_kept() -> None
     simulated as it comes, the second makes the shape, the others use it; the charge follows,
     and a fresh search charges the same again although the process keeps the shapes (a plan
     must not depend on what the process planned before)."""
-    profile = _chain(40, 0)
+    profile = synthetic_chain(40, 0)
     cluster = Cluster(nodes=4, devices_per_node=4, intra_node_gb_per_s=10, inter_node_gb_per_s=1,
                       device_memory_gb=80)
     options = PlanOptions(global_batch=64, microbatch_size=1, optimizer="sgd", schedule="1f1b")
@@ -68,21 +51,13 @@ def test_an_evaluation_is_charged_less_once_its_schedule_shape_is_kept() -> None
     assert _charges(Evaluator(table, cluster, options), [other])[0] > first[2]
 
 
-def _tiers(st: Structure, table, ev: Evaluator):  # type: ignore[no-untyped-def]
-    yield from neighbours(st, table, ev)
-    yield from split_many_moves(st, ev)
-    yield from wide_moves(st, ev)
-    yield from split_one_moves(st, ev)
-    yield from transfer_moves(st, ev)
-
-
 def test_a_climb_ends_where_no_move_of_any_tier_improves() -> None:
     """On random chains and clusters, from random splits: the climb never ends worse than it
     started, and where its budget does not run out, no move of any tier from where it ended
     scores better (each scored here afresh)."""
     for seed in range(6):
         rng = random.Random(seed)
-        profile = _chain(rng.randint(6, 24), seed)
+        profile = synthetic_chain(rng.randint(6, 24), seed)
         cluster = Cluster(nodes=rng.choice([2, 4]), devices_per_node=rng.choice([1, 2]),
                           intra_node_gb_per_s=10, inter_node_gb_per_s=rng.choice([0.5, 1, 10]),
                           device_memory_gb=80)
@@ -95,7 +70,7 @@ def test_a_climb_ends_where_no_move_of_any_tier_improves() -> None:
         got, got_s = climb(start, ev, table, Budget(10**9, time.perf_counter() + 120))
         assert not ev(start).better_than(got_s)
         fresh = Evaluator(table, cluster, options)
-        assert all(not fresh(nb).better_than(got_s) for nb in _tiers(got, table, fresh)), seed
+        assert all(not fresh(nb).better_than(got_s) for tier in every_tier(table, fresh) for nb in tier(got)), seed
 
 
 def _chain200_4x4(time_limit_s: float) -> tuple[Profile, Cluster, PlanOptions]:
@@ -103,7 +78,7 @@ def _chain200_4x4(time_limit_s: float) -> tuple[Profile, Cluster, PlanOptions]:
                       device_memory_gb=80)
     options = PlanOptions(global_batch=64, microbatch_sizes=[1, 2, 4, 8], optimizer="sgd",
                           time_limit_s=time_limit_s, schedule="1f1b")
-    return _chain(200, 0), cluster, options
+    return synthetic_chain(200, 0), cluster, options
 
 
 def test_the_chain_a_random_search_won_is_planned_as_fast() -> None:
@@ -123,7 +98,7 @@ def test_the_last_descents_from_other_places_never_make_the_plan_worse(monkeypat
 
     for seed in range(3):
         rng = random.Random(seed)
-        profile = _chain(rng.randint(20, 40), seed)
+        profile = synthetic_chain(rng.randint(20, 40), seed)
         cluster = Cluster(nodes=rng.choice([4, 8]), devices_per_node=rng.choice([1, 2]),
                           intra_node_gb_per_s=10, inter_node_gb_per_s=rng.choice([0.5, 1]),
                           device_memory_gb=rng.choice([2, 3, 80]))

@@ -13,10 +13,11 @@ import random
 import time
 
 from planner.cost import layer_table
-from planner.formats import Cluster, PlanOptions, Profile
+from planner.formats import Cluster, PlanOptions
 from planner.search import solve_detailed
 from planner.search.local import Budget, descend, split_many_moves, transfer_moves
 from planner.search.space import Evaluator, Structure
+from tests.planner.helpers import synthetic_chain
 
 
 def _stages(st: Structure) -> list[tuple[int, int, int, int]]:
@@ -39,7 +40,7 @@ def test_split_many_moves_split_the_heaviest_stages_on_the_free_devices() -> Non
     seen = 0
     for seed in range(40):
         rng = random.Random(seed)
-        profile = _chain(rng.randint(4, 40), seed)
+        profile = synthetic_chain(rng.randint(4, 40), seed)
         cluster = Cluster(nodes=rng.choice([1, 2, 4]), devices_per_node=4, intra_node_gb_per_s=10,
                           inter_node_gb_per_s=1, device_memory_gb=80)
         options = PlanOptions(global_batch=64, microbatch_size=4, optimizer="sgd", schedule="1f1b")
@@ -74,16 +75,6 @@ def test_split_many_moves_split_the_heaviest_stages_on_the_free_devices() -> Non
     assert seen > 10
 
 
-def _chain(num_layers: int, seed: int) -> Profile:
-    """benchmarks/plan_quality.py's synthetic chains, built here."""
-    rng = random.Random(seed)
-    layers = [dict(name=f"layer{i}", fwd_ms=rng.uniform(0.05, 0.15), bwd_ms=rng.uniform(0.1, 0.2),
-                   param_bytes=int(rng.uniform(2e6, 2e7)), activation_bytes=int(rng.uniform(1e7, 4e7)),
-                   output_bytes=int(4e6)) for i in range(num_layers)]
-    return Profile(model={"path": f"synthetic-chain-{num_layers}", "sha256": "0"},
-                   device={"type": "gpu", "name": "synthetic"}, batch_size=4, layers=layers)
-
-
 def test_a_chain_whose_slowest_stages_tie_gets_them_split_at_once() -> None:
     """The plan-quality suite's 200-layer chain on 16 x 1 devices at 1 GB/s, tight memory (1.2 x
     the least that fits): the planner stopped at 299.07 ms with 4 devices idle and five stages
@@ -95,7 +86,7 @@ def test_a_chain_whose_slowest_stages_tie_gets_them_split_at_once() -> None:
                       device_memory_gb=1.2 * 2.081710870955881)
     options = PlanOptions(global_batch=64, microbatch_size=4, optimizer="sgd", time_limit_s=10,
                           schedule="1f1b")
-    cand, info = solve_detailed(_chain(200, 0), cluster, options)
+    cand, info = solve_detailed(synthetic_chain(200, 0), cluster, options)
     assert info["objective"] < 299.07 * 0.99, info["objective"]
     assert sum(len(s.devices) for s in cand.stages) == 16
 
@@ -113,7 +104,7 @@ def test_transfer_moves_are_every_count_change_paid_by_one_other_stage() -> None
     seen = 0
     for seed in range(40):
         rng = random.Random(seed)
-        profile = _chain(rng.randint(4, 30), seed)
+        profile = synthetic_chain(rng.randint(4, 30), seed)
         cluster = Cluster(nodes=rng.choice([1, 2, 4]), devices_per_node=4, intra_node_gb_per_s=10,
                           inter_node_gb_per_s=1, device_memory_gb=80)
         options = PlanOptions(global_batch=rng.choice([32, 64]), microbatch_size=4, optimizer="sgd",
@@ -143,7 +134,7 @@ def test_the_last_tier_gives_a_split_its_best_replicas() -> None:
     vector of that split, found here by trying every one."""
     for seed, want_split in ((3, (0, 5, 8, 13)), (162, (0, 2, 5, 7))):
         rng = random.Random(seed)
-        profile = _chain(rng.randint(6, 30), seed)
+        profile = synthetic_chain(rng.randint(6, 30), seed)
         cluster = Cluster(nodes=rng.choice([4, 8, 16]), devices_per_node=1, intra_node_gb_per_s=1,
                           inter_node_gb_per_s=rng.choice([0.3, 1, 10]), device_memory_gb=80)
         options = PlanOptions(global_batch=64, microbatch_size=4, optimizer="sgd", schedule="1f1b")
