@@ -76,9 +76,10 @@ def depth_and_nul(doc: Any, max_depth: int = MAX_DEPTH) -> tuple[Loc, str] | Non
 
 
 def parse(raw: bytes) -> Any:
-    """JSON from `raw`, or a RequestValidationError (422) that says what is wrong with it."""
+    """JSON from `raw`, or a RequestValidationError (422) that says what is wrong with it. A
+    UTF-8 byte-order mark is ignored (RFC 8259 allows a parser to)."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise invalid(("body",), f"the body is not UTF-8 text (byte {exc.start}); send JSON "
                       "encoded as UTF-8") from None
@@ -87,7 +88,10 @@ def parse(raw: bytes) -> Any:
     except json.JSONDecodeError as exc:
         raise invalid(("body", exc.pos), f"JSON decode error: {exc.msg} (line {exc.lineno}, "
                       f"column {exc.colno})") from None
-    except ValueError as exc:  # NaN, Infinity, -Infinity
+    except ValueError as exc:  # NaN, Infinity, -Infinity; an integer of over 4300 digits
+        if "integer string conversion" in str(exc):
+            raise invalid(("body",), "the body holds an integer of thousands of digits, more than "
+                          "any field takes") from None
         raise invalid(("body",), str(exc)) from None
     except RecursionError:
         raise invalid(("body",), f"JSON nested deeper than {MAX_DEPTH} levels") from None
@@ -126,6 +130,11 @@ class StrictJSONRoute(APIRoute):
 
         async def strict_handler(request: Request) -> Response:
             raw = await request.body()
+            coding = request.headers.get("content-encoding", "identity").strip().lower()
+            if raw and coding != "identity":
+                raise invalid(("body",), f"the body is sent with Content-Encoding {coding!r}; this "
+                              "server reads uncompressed JSON only: send it without that header",
+                              "content_encoding")
             if raw and not _is_json(request):
                 ctype = request.headers.get("content-type")
                 sent = f"sent as {ctype!r}" if ctype else "sent without a Content-Type header"

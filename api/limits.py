@@ -21,17 +21,25 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 
 
+# The rest of the body is never read, so the connection cannot carry another request: the
+# answer closes it. Raised where a route reads the body, the error becomes a response through
+# the app's exception handler, not `_refuse`; without the header the server kept reading (and
+# discarding) what a trickling client sent, for as long as it went on sending.
+CLOSE = {"connection": "close"}
+
+
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, detail=f"request body over this server's limit of {limit} bytes "
                          "(the server's PIPEPLAN_MAX_BODY_BYTES); send a profile once with "
-                         "POST /v1/profiles and then refer to it by profile_id")
+                         "POST /v1/profiles and then refer to it by profile_id", headers=CLOSE)
 
 
 class BodyTimeout(HTTPException):
     def __init__(self, timeout_s: float) -> None:
         super().__init__(408, detail=f"the request body did not arrive within {timeout_s:g} s "
-                         "(the server's PIPEPLAN_BODY_TIMEOUT_S); send the whole body at once")
+                         "(the server's PIPEPLAN_BODY_TIMEOUT_S); send the whole body at once",
+                         headers=CLOSE)
 
 
 class BodySizeLimit:

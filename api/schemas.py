@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from planner.formats import Cluster, Plan, PlanOptions, Profile
+from planner.formats import Cluster, Plan, PlanOptions, Profile, option_conflicts
 from planner.solve import METHODS
 
 MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type]
@@ -57,6 +57,14 @@ class PlanRequest(_Request):
     def _one_profile(self) -> PlanRequest:
         if (self.profile is None) == (self.profile_id is None):
             raise ValueError("give exactly one of profile (inline) or profile_id (stored)")
+        if self.options.split and "method" not in self.options.model_fields_set:
+            # as on the command line: a split asks for the manual plan
+            self.options = self.options.model_copy(update={"method": "manual"})
+        # the command line's refusals (`planner plan`): an option the method would ignore
+        conflict = option_conflicts(self.options, lambda f: f"options.{f}",
+                                    method_matters=not isinstance(self, CompareRequest))
+        if conflict:
+            raise ValueError(conflict)
         return self
 
 

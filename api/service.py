@@ -29,6 +29,7 @@ from api.jobs import Outcome, ResultHandler
 from api.schemas import CompareOut, CompareRow, JobOut, PlanOut, PlanRequest
 from api.settings import Settings
 from api.storage import JobRow, PlanRow, ProfileRow, Storage
+from api.wording import shown_id
 from planner.formats import Cluster, PlanOptions, Profile, digest_data
 from planner.limits import out_of_range
 
@@ -137,9 +138,31 @@ MIN_POSITIVE = 1e-6  # smallest bandwidth (GB/s), memory (GB) or speed a cluster
 
 
 def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> None:
-    bad = out_of_range(doc, min_positive=min_positive)
+    """Every number of `doc` in range; with `min_positive`, the divisors among them (bandwidths,
+    memory, speeds, efficiencies: fields named `*gb_per_s`, `*memory_gb`, `*efficiency`, `speed`) no smaller where positive.
+    (Applied to every number, it refused a latency of 1e-7 us or a calibration's residual of
+    1e-9 that the command line reads.)"""
+    bad = out_of_range(doc)
+    if bad is None and min_positive > 0:
+        bad = _small_divisor(doc, (), min_positive)
     if bad is not None:
         raise limit_error([*loc, *bad[0]], bad[1])
+
+
+def _small_divisor(doc: Any, path: tuple[str | int, ...], least: float
+                   ) -> tuple[tuple[str | int, ...], str] | None:
+    items: Any = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in items:
+        if key == "calibration":
+            continue  # for people: the planner computes with none of it
+        divisor = isinstance(key, str) and (key.endswith(("gb_per_s", "memory_gb", "efficiency")) or key == "speed")
+        if divisor and isinstance(value, int | float) and not isinstance(value, bool):
+            bad = out_of_range(value, (*path, key), min_positive=least)
+        else:
+            bad = _small_divisor(value, (*path, key), least)
+        if bad is not None:
+            return bad
+    return None
 
 
 # ---------------------------------------------------------------- profiles
@@ -182,7 +205,7 @@ def resolve_profile(storage: Storage, settings: Settings, req: PlanRequest,
     assert req.profile_id is not None
     row = storage.get_profile(req.profile_id)
     if row is None:
-        raise HTTPException(404, detail=f"no profile with id {req.profile_id!r}; "
+        raise HTTPException(404, detail=f"no profile with id {shown_id(req.profile_id)}; "
                             "POST it to /v1/profiles or send it inline as 'profile'")
     assert row.body is not None
     return row, Profile.model_validate(row.body)

@@ -26,3 +26,14 @@ def in_api_words(message: str) -> str:
         return f"options.{name}" if name else m.group(0)
 
     return _FLAG.sub(field, message)
+
+
+SHOWN_ID = 64  # characters of an id a message repeats
+
+
+def shown_id(value: str) -> str:
+    """An id as a message repeats it: quoted, cut at SHOWN_ID characters (a 100 kB id in the
+    URL was echoed whole in the 404)."""
+    if len(value) <= SHOWN_ID:
+        return repr(value)
+    return f"{value[:SHOWN_ID]!r}... ({len(value)} characters)"

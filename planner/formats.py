@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -27,6 +27,7 @@ from pydantic import (
     PositiveInt,
     model_validator,
 )
+from typing_extensions import TypedDict
 
 from planner.errors import PipeplanError
 from planner.limits import MAX_INT
@@ -130,10 +131,22 @@ class LayerProfile(_OpenFinite):
     buffer_bytes: NonNegativeInt | None = None
 
     @model_validator(mode="after")
-    def _frozen_within(self) -> LayerProfile:
-        if self.frozen_param_bytes is not None and self.frozen_param_bytes > self.param_bytes:
-            raise ValueError(f"layer {self.name!r}: frozen_param_bytes {self.frozen_param_bytes} > "
-                             f"param_bytes {self.param_bytes}")
+    def _parts_within(self) -> LayerProfile:
+        """A part is no larger than its whole (a profile edited by hand: a larger part lowered
+        the predicted memory of a recomputed stage)."""
+        if self.name == INPUT_NODE:
+            raise ValueError(f"layer name {INPUT_NODE!r} is the marker of the model's inputs in "
+                             "edges; rename the layer")
+        for part, whole in (("frozen_param_bytes", "param_bytes"), ("saved_input_bytes", "activation_bytes"),
+                            ("weight_grad_output_bytes", "weight_grad_bytes")):
+            got, total = getattr(self, part), getattr(self, whole)
+            if got is not None and got > (total or 0):
+                raise ValueError(f"layer {self.name!r}: {part} {got} > {whole} {total or 0} (a part "
+                                 "of it); give the profile pipeplan wrote")
+        degrees = [x.degree for x in self.tp or []]
+        if any(d < 2 for d in degrees) or len(set(degrees)) != len(degrees):
+            raise ValueError(f"layer {self.name!r}: tp degrees {degrees}: each at least 2 (degree 1 "
+                             "is the layer itself), none twice")
         return self
 
     def at_degree(self, degree: int) -> LayerTP | None:
@@ -188,6 +201,14 @@ class Profile(_Open):
                 raise ValueError(
                     f"edge {e.src!r} -> {e.dst!r} goes backwards: layers must be in topological order"
                 )
+        degrees = {x.degree for layer in self.layers for x in layer.tp or []}
+        for t in sorted(degrees):  # `profile --tp` measures every layer at each degree
+            lacking = [layer.name for layer in self.layers if layer.at_degree(t) is None]
+            if lacking:
+                raise ValueError(f"tensor-parallel degree {t} is profiled for some layers but not for "
+                                 f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''} "
+                                 f"({len(lacking)} of {len(self.layers)}); profile the model again "
+                                 f"with --tp {t}")
         return self
 
     def layer_index(self) -> dict[str, int]:
@@ -418,19 +439,64 @@ class PlanOptions(_Closed):
         return self
 
 
+def option_conflicts(o: PlanOptions, name: Callable[[str], str] = lambda f: f,
+                     method_matters: bool = True) -> str | None:
+    """What a request's options (the command line's, the service's) ask that contradicts itself
+    or that its method would ignore; `name` spells a field as the user gave it (`--split` on
+    the command line); without `method_matters` (one request solved by several methods) the
+    method is not checked. None: nothing. Not a validator of PlanOptions: a plan.json's options
+    hold the chosen microbatch size beside the sizes it was chosen from."""
+    for field, what in (("replicas", "count"), ("tp", "degree"), ("recompute", "flag (0 or 1)")):
+        if getattr(o, field) and not o.split:
+            return f"{name(field)} needs {name('split')} (the layers per stage): one {what} per stage"
+    if o.microbatch_size and o.microbatch_sizes:
+        return (f"{name('microbatch_size')} fixes the size, {name('microbatch_sizes')} lets the planner "
+                "choose: give one of them")
+    if not method_matters:
+        return None
+    if o.split and o.method != "manual":
+        return f"{name('split')} is for {name('method')} manual, not {o.method}"
+    for field in ("microbatch_sizes", "powers_of_two"):
+        if getattr(o, field) and o.method != "cpsat":
+            return f"{name(field)} is for {name('method')} cpsat (the search), not {o.method}"
+    return None
+
+
+# one stage's tensors to a later stage per microbatch (`StagePredicted.sends`): kept a dict
+# (`snd["to"]`) as the plans written before it was typed are read
+class StageSend(TypedDict):
+    to: NonNegativeInt
+    bytes: NonNegativeFloat
+    ms: NonNegativeFloat
+
+
 class StagePredicted(_Open):
-    fwd_ms: float  # per microbatch, on this stage's devices
-    bwd_ms: float
-    compute_ms: float  # fwd_ms + bwd_ms
-    memory_bytes: int  # peak per device
-    memory_limit_bytes: int
-    allreduce_ms: float = 0.0
+    """What the planner predicts of one stage; the simulator (`planner simulate`, `refine`)
+    computes from it, so every figure is typed and none is negative."""
+
+    fwd_ms: NonNegativeFloat  # per microbatch, on this stage's devices
+    bwd_ms: NonNegativeFloat
+    compute_ms: NonNegativeFloat  # fwd_ms + bwd_ms
+    memory_bytes: NonNegativeInt  # peak per device
+    memory_limit_bytes: NonNegativeInt
+    allreduce_ms: NonNegativeFloat = 0.0
     optimizer_ms: NonNegativeFloat = 0.0  # one optimizer step, per iteration, after the all-reduce
-    bwd_input_ms: float | None = None  # zb-h1: B (recomputation included) and W of bwd_ms
-    bwd_weight_ms: float | None = None
+    bwd_input_ms: NonNegativeFloat | None = None  # zb-h1: B (recomputation included) and W of bwd_ms
+    bwd_weight_ms: NonNegativeFloat | None = None
     # TP all-reduces of one microbatch's forward / backward (a TP stage; inside fwd_ms / bwd_ms)
-    tp_comm_fwd_ms: float = 0.0
-    tp_comm_bwd_ms: float = 0.0
+    tp_comm_fwd_ms: NonNegativeFloat = 0.0
+    tp_comm_bwd_ms: NonNegativeFloat = 0.0
+    # per device: parameters, gradients and optimizer state; what the framework reserves
+    static_memory_bytes: NonNegativeFloat | None = None
+    reserved_memory_bytes: NonNegativeFloat | None = None
+    # per microbatch: kept from its forward to its backward; from B to W (zb-h1); while a
+    # (recomputed) backward runs; the loss's backward working memory (last stage)
+    activation_bytes_per_microbatch: NonNegativeFloat | None = None
+    weight_hold_bytes_per_microbatch: NonNegativeFloat | None = None
+    transient_bytes: NonNegativeFloat | None = None
+    loss_transient_bytes: NonNegativeFloat | None = None
+    peak_inflight: NonNegativeInt | None = None
+    sends: list[StageSend] | None = None  # to later stages (`Plan` checks each `to`)
 
 
 class PlanStage(_Open):
@@ -507,6 +573,17 @@ class Plan(_Open):
         ranks = [d for s in self.stages for d in s.devices]
         if len(set(ranks)) != len(ranks):
             raise ValueError("a device appears in two stages")
+        S = len(self.stages)
+        for k, st in enumerate(self.stages):
+            if st.index != k:
+                raise ValueError(f"stages[{k}] has index {st.index}: stages are listed in order, "
+                                 "indexed 0, 1, 2, ...")
+            for snd in st.predicted.sends or ():
+                if not k < snd["to"] < S:
+                    later = f"stages {k + 1} to {S - 1}" if k + 1 < S - 1 else \
+                        f"stage {k + 1}" if k + 1 == S - 1 else "none: it is the last stage"
+                    raise ValueError(f"stage {k} sends to stage {snd['to']}: a stage sends only to "
+                                     f"later ones ({later})")
         if self.microbatch_size * self.num_microbatches != self.global_batch:
             raise ValueError("microbatch_size x num_microbatches must equal global_batch")
         if self.rank_actions is None and self.generator is None:

@@ -73,14 +73,24 @@ def parse_model(data: object, cls: type[M], what: str, strict: bool = False) -> 
         raise PipeplanError(f"{what} is not a valid {cls.__name__}:\n{describe_validation_error(exc)}") from None
 
 
+def not_a_file(path: str | Path) -> str:
+    """Why `path` cannot be read as a file (it is not a regular file): what to tell the user."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a directory, not a file"
+    if path.exists():
+        return f"{path} is not a regular file (a device, pipe or socket)"
+    return f"no such file {path}"
+
+
 def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     """Load a JSON file into `cls`; missing file, bad JSON and schema errors become PipeplanError."""
     path = Path(path)
     what = what or f"{path}"
     if not path.is_file():
-        raise PipeplanError(f"{what}: no such file {path}")
+        raise PipeplanError(f"{what}: {not_a_file(path)}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark ignored
     except json.JSONDecodeError as exc:
         raise PipeplanError(f"{what}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except UnicodeDecodeError as exc:
@@ -114,11 +124,21 @@ def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] 
     out = Path(path)
     if out.is_dir():
         raise PipeplanError(f"{what} {path}: is a directory; give a file name")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise PipeplanError(f"{what} {path}: {parent} is a file, not a directory")
-            break
+    if out.exists() and not out.is_file():
+        # a device, FIFO or socket: the atomic write would replace it with a regular file
+        # (run as root, `-o /dev/null` replaced the system's /dev/null)
+        raise PipeplanError(f"{what} {path}: is not a regular file (a device, pipe or socket); "
+                            "give a file name")
+    folder = next((p for p in out.parents if p.exists()), Path("."))
+    if not folder.is_dir():
+        raise PipeplanError(f"{what} {path}: {folder} is a file, not a directory")
+    try:  # the folder the file (or its missing folders) will be made in takes a file
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".pipeplan-probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PipeplanError(f"{what} {path}: cannot write in {folder} ({exc.strerror or exc}); "
+                            "choose another path") from None
     for x in inputs:
         if x is not None and Path(x).exists() and os.path.realpath(x) == os.path.realpath(out):
             raise PipeplanError(f"{what} {path}: is the input {x}; writing it would destroy it: "
@@ -147,6 +167,17 @@ def check_in_range(model: BaseModel, path: str | Path) -> None:
                             "numbers are too large to compute with; check them)")
 
 
+def check_readable(model: BaseModel, path: str | Path, cause: str, exclude_none: bool = False) -> None:
+    """`model` is one pipeplan reads back (`load_model`: every field within its bounds, not
+    only the numbers' range), else a PipeplanError saying it was not written and `cause`."""
+    check_in_range(model, path)
+    try:
+        type(model).model_validate_json(model.model_dump_json(exclude_none=exclude_none), strict=True)
+    except ValidationError as exc:
+        raise PipeplanError(f"{path}: not written, pipeplan would refuse to read it:\n"
+                            f"{describe_validation_error(exc, most=4)}\n{cause}") from None
+
+
 def save_model(model: BaseModel, path: str | Path) -> None:
     """Write atomically (a temporary file of its own, then rename) so a crash never leaves half
     a file, and two writers of one path never share a temporary file. A model holding a
@@ -158,13 +189,20 @@ def save_model(model: BaseModel, path: str | Path) -> None:
 def write_text_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     check_output(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    except OSError as exc:
+        raise PipeplanError(f"{path}: cannot write ({exc.strerror or exc}); choose another path") from None
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as exc:  # the disk full, a quota, the folder gone meanwhile
+        Path(tmp).unlink(missing_ok=True)
+        raise PipeplanError(f"{path}: not written ({exc.strerror or exc}); free space or choose "
+                            "another path, and run the command again") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

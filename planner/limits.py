@@ -24,6 +24,14 @@ def max_layers() -> int:
         return DEFAULT_MAX_LAYERS
 
 
+def _number(x: int | float) -> str:
+    """`x` with every digit that tells it from a limit (`1e15` was printed for 1000000000000000.1)."""
+    if isinstance(x, float):
+        return repr(x)
+    text = str(x)
+    return text if len(text) <= 24 else f"a {len(text)}-digit integer"
+
+
 def out_of_range(obj: Any, path: tuple[str | int, ...] = (), min_positive: float = 0.0
                  ) -> tuple[tuple[str | int, ...], str] | None:
     """The first number in a JSON document outside what the planner can compute with (an
@@ -36,9 +44,9 @@ def out_of_range(obj: Any, path: tuple[str | int, ...] = (), min_positive: float
             return path, "numbers must be finite"
         limit = MAX_INT if isinstance(obj, int) else MAX_FLOAT
         if abs(obj) > limit:
-            return path, f"{obj:g} is out of range (at most {limit:g} in magnitude)"
+            return path, f"{_number(obj)} is out of range (at most {limit:g} in magnitude)"
         if 0 < obj < min_positive:
-            return path, f"{obj:g} is too small (at least {min_positive:g} when positive)"
+            return path, f"{_number(obj)} is too small (at least {min_positive:g} when positive)"
         return None
     if isinstance(obj, dict):
         items: Any = obj.items()

@@ -25,6 +25,7 @@ Pure functions over the pydantic formats; `planner.commands.refine` does the I/O
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 from pydantic import BaseModel
@@ -123,6 +124,28 @@ def _optimizer_ms(stages: list[StageCorrection]) -> tuple[float, ...] | None:
     return opt if any(opt) else None
 
 
+# a rank's own work in one iteration (its microbatches' forward and backward, its optimizer
+# step) measured above the iteration by more than this factor: the report contradicts itself
+# (medians and means of a noisy run stay well inside it)
+WORK_OVER_ITERATION = 2.0
+
+
+def _check_work_within_iteration(plan: Plan, report: Report, stages: list[StageCorrection]) -> None:
+    """A rank cannot compute longer than the iteration it is part of: where the report says so,
+    say that, instead of fitting a per-message delay or a link latency to it (the message then
+    blamed the links for a report whose compute times were 1e14 ms)."""
+    for st, c in zip(plan.stages, stages, strict=True):
+        n = math.ceil(plan.num_microbatches / st.replicas)
+        work = n * (c.measured_fwd_ms + c.measured_bwd_ms) + (c.measured_optimizer_ms or 0.0)
+        if work > WORK_OVER_ITERATION * report.iteration_ms:
+            raise PipeplanError(
+                f"the report contradicts itself: stage {st.index}'s ranks report {c.measured_fwd_ms:.6g} + "
+                f"{c.measured_bwd_ms:.6g} ms of forward and backward per microbatch x {n} microbatches"
+                + (f" + an optimizer step of {c.measured_optimizer_ms:.6g} ms" if c.measured_optimizer_ms else "")
+                + f" = {work:.6g} ms, more than the whole iteration ({report.iteration_ms:.6g} ms). "
+                "Give the report the runtime wrote for this plan (--report)")
+
+
 def fit(plan: Plan, report: Report) -> Corrections:
     """The corrections of the module docstring from one run of `plan`."""
     if report.plan_profile_sha256 != plan.profile_sha256:
@@ -177,6 +200,7 @@ def fit(plan: Plan, report: Report) -> Corrections:
             measured_optimizer_ms=max(opt) if opt else None,  # the stage's slowest replica
             step_to_profile=min(devices[d].speed for d in st.devices) * getattr(st, "tp", 1),
         ))
+    _check_work_within_iteration(plan, report, stages)
     base = costs_from_plan(plan)
     schedule = plan_actions(plan)
     measured = dataclasses.replace(

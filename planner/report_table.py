@@ -55,7 +55,7 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
         f"(global batch {plan.global_batch}) · {plan.world_size} of {plan.cluster.num_devices} devices"
         + (f" ({unused} unused)" if unused else "")
         + f"\npredicted iteration {pr.iteration_ms:.2f} ms · throughput "
-        f"{pr.throughput_samples_per_s:.1f} samples/s · bubble {pr.bubble_fraction:.1%}"
+        f"{pr.throughput_samples_per_s:.1f} samples/s · bubble {max(pr.bubble_fraction, 0.0):.1%}"
         + (f"\nlower bound {sv.bound:.2f} ms (the search's: no plan is faster) · work bound "
            if sv.bound is not None and bounded else
            "\nlower bound of the throughput objective: none (the search bounds iteration time) · "
@@ -80,4 +80,4 @@ def format_simulation(sim: Simulation, max_ranks: int = 32) -> str:
                          "peak memory"], rows)
     if len(ranks) > max_ranks:
         text += f"\n... {len(ranks) - max_ranks} more ranks"
-    return text + (f"\n\niteration {sim.iteration_ms:.2f} ms · bubble {sim.bubble_fraction:.1%}")
+    return text + (f"\n\niteration {sim.iteration_ms:.2f} ms · bubble {max(sim.bubble_fraction, 0.0):.1%}")

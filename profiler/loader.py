@@ -102,8 +102,11 @@ def load_model_file(path: str | Path) -> ModelFile:
     """Import `path` as a module and return its three contract functions."""
     path = Path(path)
     if not path.is_file():
+        from planner.io import not_a_file
+
         raise PipeplanError(
-            f"{path}: no such model file. Give the path of a Python file defining "
+            f"{path}: {not_a_file(path) if path.exists() else 'no such model file'}. Give the path "
+            "of a Python model file defining "
             "build_model(), make_batch(batch_size) and loss_fn(output, target)."
         )
     path = path.resolve()
@@ -117,8 +120,9 @@ def load_model_file(path: str | Path) -> ModelFile:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)
+        where = f" at line {exc.lineno}" if exc.lineno else ""  # none for a file holding NUL bytes
         raise PipeplanError(
-            f"{path}: syntax error at line {exc.lineno}: {exc.msg}. Fix the file and try again."
+            f"{path}: syntax error{where}: {exc.msg}. Fix the file and try again."
         ) from None
     except SystemExit as exc:  # sys.exit() / exit() at module level: not the end of the command
         sys.modules.pop(module_name, None)

@@ -206,6 +206,19 @@ def profile_model_file(
     )
 
 
+def check_tp_plan(path: str | Path, batch_size: int, seed: int = 0) -> None:
+    """Before any measuring (`profile --tp`): the model file has a tensor-parallel plan, else
+    a PipeplanError saying how to give one."""
+    from runtime.tensor_parallel import model_tp_plan
+
+    mf = load_model_file(path)
+    torch.manual_seed(seed)
+    if not model_tp_plan(build_checked(mf, batch_size), mf.tp_plan):
+        raise PipeplanError(f"--tp: {mf.path} has no tensor-parallel plan; define "
+                            "tp_plan(model) -> {module-name pattern: 'colwise' | 'rowwise' | ...} "
+                            "in the model file (see examples/gpt.py)")
+
+
 def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch_size: int,
                    seed: int = 0, warmup: int = 2, repeats: int = 5, clock: str = "wall") -> Profile:
     """`profile` with every layer also measured on one of t tensor-parallel devices, for each t
@@ -221,10 +234,7 @@ def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch
         torch.manual_seed(seed)
         return build_checked(mf, batch_size)
 
-    if not model_tp_plan(build(), mf.tp_plan):
-        raise PipeplanError(f"--tp: {mf.path} has no tensor-parallel plan; define "
-                            "tp_plan(model) -> {module-name pattern: 'colwise' | 'rowwise' | ...} "
-                            "in the model file (see examples/gpt.py)")
+    check_tp_plan(path, batch_size, seed)
     granularity = getattr(profile, "granularity", None) or "blocks"
     per_layer: list[list[Any]] = [list(layer.tp or []) for layer in profile.layers]
     for t in degrees:

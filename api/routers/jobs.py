@@ -13,6 +13,7 @@ from api.deps import JobsDep, SettingsDep, StorageDep
 from api.routers.common import Limit, Offset, errors
 from api.schemas import JobOut, JobPage
 from api.storage import UNFINISHED
+from api.wording import shown_id
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -33,7 +34,7 @@ def get_job(job_id: str, storage: StorageDep, settings: SettingsDep) -> JSONResp
     """A job; while it is unfinished the answer carries Retry-After (when to poll again)."""
     job = storage.get_job(job_id)
     if job is None:
-        raise HTTPException(404, detail=f"no job with id {job_id!r}")
+        raise HTTPException(404, detail=f"no job with id {shown_id(job_id)}")
     headers = {"Retry-After": str(settings.poll_after_s)} if job.status in UNFINISHED else {}
     return JSONResponse(service.job_out(job).model_dump(mode="json"), headers=headers)
 
@@ -45,11 +46,11 @@ def delete_job(job_id: str, storage: StorageDep, jobs: JobsDep) -> Response:
     or delete the record of a finished one (204; its plan stays)."""
     job = storage.get_job(job_id)
     if job is None:
-        raise HTTPException(404, detail=f"no job with id {job_id!r}")
+        raise HTTPException(404, detail=f"no job with id {shown_id(job_id)}")
     if job.status in UNFINISHED:
         cancelled = jobs.cancel(job_id)  # (if it finished meanwhile: its final state)
         assert cancelled is not None
         return JSONResponse(service.job_out(cancelled).model_dump(mode="json"))
     if not storage.delete_job(job_id):
-        raise HTTPException(404, detail=f"no job with id {job_id!r}")
+        raise HTTPException(404, detail=f"no job with id {shown_id(job_id)}")
     return Response(status_code=204)

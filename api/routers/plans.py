@@ -35,6 +35,7 @@ from api.schemas import (
 )
 from api.settings import Settings
 from api.storage import PlanRow, Storage
+from api.wording import shown_id
 from planner.solve import METHODS
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], route_class=StrictJSONRoute)
@@ -80,7 +81,7 @@ async def _accepted(storage: Storage, settings: Settings, task: Task) -> JSONRes
 def _plan_row(storage: Storage, plan_id: str) -> PlanRow:
     row = storage.get_plan(plan_id)
     if row is None:
-        raise HTTPException(404, detail=f"no plan with id {plan_id!r}")
+        raise HTTPException(404, detail=f"no plan with id {shown_id(plan_id)}")
     return row
 
 
@@ -210,7 +211,7 @@ def get_plan(plan_id: str, storage: StorageDep, request: Request) -> Response:
 @router.delete("/{plan_id}", status_code=204, response_class=Response, responses=errors(404))
 def delete_plan(plan_id: str, storage: StorageDep) -> Response:
     if not storage.delete_plan(plan_id):
-        raise HTTPException(404, detail=f"no plan with id {plan_id!r}")
+        raise HTTPException(404, detail=f"no plan with id {shown_id(plan_id)}")
     return Response(status_code=204)
 
 

@@ -9,6 +9,7 @@ from api.body import StrictJSONRoute
 from api.deps import ClientDep, SettingsDep, StorageDep
 from api.routers.common import Limit, Offset, errors
 from api.schemas import ProfileCreated, ProfileOut, ProfilePage, ProfileSummary
+from api.wording import shown_id
 from planner.formats import Profile
 
 router = APIRouter(prefix="/v1/profiles", tags=["profiles"], route_class=StrictJSONRoute)
@@ -40,7 +41,7 @@ def list_profiles(storage: StorageDep, limit: Limit = 20, offset: Offset = 0) ->
 def get_profile(profile_id: str, storage: StorageDep) -> ProfileOut:
     row = storage.get_profile(profile_id)
     if row is None:
-        raise HTTPException(404, detail=f"no profile with id {profile_id!r}")
+        raise HTTPException(404, detail=f"no profile with id {shown_id(profile_id)}")
     return ProfileOut(id=row.id, sha256=row.sha256, model_path=row.model_path,
                       num_layers=row.num_layers, created_at=row.created_at,
                       profile=Profile.model_validate(row.body))
@@ -55,5 +56,5 @@ def delete_profile(profile_id: str, storage: StorageDep) -> Response:
         raise HTTPException(409, detail=f"profile {profile_id} is used by a job still queued or "
                             "running; cancel it (DELETE /v1/jobs/{id}) or wait for it")
     if not deleted:
-        raise HTTPException(404, detail=f"no profile with id {profile_id!r}")
+        raise HTTPException(404, detail=f"no profile with id {shown_id(profile_id)}")
     return Response(status_code=204)

@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from planner.commands.simulate import show_simulation
-    from planner.formats import Cluster, PlanOptions, Profile
+    from planner.formats import Cluster, PlanOptions, Profile, option_conflicts
     from planner.io import check_distinct, check_output, load_model, parse_model, save_model
     from planner.limits import max_layers
     from planner.report_table import format_plan
@@ -80,23 +80,9 @@ def run(args: argparse.Namespace) -> int:
             f"profile {args.profile} has {len(profile.layers)} layers; the planner plans at most "
             f"{most} (PIPEPLAN_MAX_LAYERS): profile the model at a coarser granularity "
             "(--granularity blocks, or depth:N)")
-    if args.replicas and not args.split:
-        raise PipeplanError("--replicas needs --split (the layers per stage)")
-    if args.tp and not args.split:
-        raise PipeplanError("--tp needs --split (the layers per stage)")
     method = args.method or ("manual" if args.split else default_method())
-    if args.recompute and not args.split:
-        raise PipeplanError("--recompute needs --split (one 0 or 1 per stage of the manual plan)")
     if args.recompute and any(args.recompute) and args.no_recompute:
         raise PipeplanError("--recompute and --no-recompute contradict each other")
-    if args.split and method != "manual":
-        raise PipeplanError(f"--split is for --method manual, not {method}")
-    if args.microbatch_size and args.microbatch_sizes:
-        raise PipeplanError("--microbatch-size fixes the size, --microbatch-sizes lets the planner "
-                            "choose: give one of them")
-    for flag, given in (("--microbatch-sizes", args.microbatch_sizes), ("--powers-of-two", args.powers_of_two)):
-        if given and method != "cpsat":
-            raise PipeplanError(f"{flag} is for --method cpsat (the search), not {method}")
     options = parse_model({
         "global_batch": args.global_batch, "microbatch_size": args.microbatch_size,
         "microbatch_sizes": args.microbatch_sizes, "schedule": args.schedule, "method": method,
@@ -106,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         "allow_recompute": not args.no_recompute, **({"tp": args.tp} if args.tp else {}),
         **({"max_tp": args.max_tp} if args.max_tp is not None else {}),
     }, PlanOptions, "options")
+    conflict = option_conflicts(options, lambda f: "--" + f.replace("_", "-"))
+    if conflict:
+        raise PipeplanError(conflict)
     plan = make_plan(profile, cluster, options)
     save_model(plan, args.output)
     print(format_plan(plan))

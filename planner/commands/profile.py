@@ -137,6 +137,17 @@ def run(args: argparse.Namespace) -> int:
     from profiler.profile import profile_model_file
 
     check_output(args.output, (args.model,))
+    degrees: list[int] = []
+    if args.tp:  # checked before the layers are measured, not after
+        from profiler.profile import check_tp_plan
+
+        try:
+            degrees = sorted({int(x) for x in args.tp.split(",") if x.strip()})
+        except ValueError:
+            raise PipeplanError(f"--tp {args.tp!r}: give degrees separated by commas, e.g. 2,4") from None
+        if not degrees or min(degrees) < 2:
+            raise PipeplanError(f"--tp {args.tp!r}: degrees must be at least 2")
+        check_tp_plan(args.model, args.batch_size, seed=args.seed)
     bar: list[Any] = []
 
     def on_traced(lg: Any) -> None:
@@ -166,15 +177,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar[0].close()
-    if args.tp:
+    if degrees:
         from profiler.profile import add_tp_degrees
 
-        try:
-            degrees = sorted({int(x) for x in args.tp.split(",") if x.strip()})
-        except ValueError:
-            raise PipeplanError(f"--tp {args.tp!r}: give degrees separated by commas, e.g. 2,4") from None
-        if not degrees or min(degrees) < 2:
-            raise PipeplanError(f"--tp {args.tp!r}: degrees must be at least 2")
         profile = add_tp_degrees(profile, args.model, degrees, args.batch_size, seed=args.seed,
                                  warmup=args.warmup, repeats=args.repeats, clock=args.clock)
     save_model(profile, args.output)

@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from planner.formats import Plan, Profile, Report, digest
     from planner.io import (
         check_distinct,
-        check_in_range,
         check_output,
+        check_readable,
         load_model,
         save_model,
         write_text_atomic,
@@ -88,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
                                             (new_plan, args.output)]
     if new_profile is not None:
         outputs.append((new_profile, profile_path))
+    cause = (f"The corrections come from the report {args.report} (iteration {report.iteration_ms:g} ms "
+             f"against {report.predicted_iteration_ms:g} predicted): is it this plan's run, on this "
+             "cluster? Run the plan again and refine from that report.")
     for model, path in outputs:
-        check_in_range(model, path)
+        check_readable(model, path, cause, exclude_none=model is cluster)
     write_text_atomic(corr_path, corrections.model_dump_json(indent=2) + "\n")
     write_text_atomic(cluster_path, json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
     if new_profile is not None:

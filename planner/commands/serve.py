@@ -91,6 +91,9 @@ def _check_database(db: str) -> None:
     path = Path(db)
     if path.is_dir():
         raise PipeplanError(f"--db {db}: is a directory; give the SQLite file's name")
+    if path.exists() and not path.is_file():  # /dev/zero: SQLite made /dev/zero-journal
+        raise PipeplanError(f"--db {db}: is not a regular file (a device, pipe or socket); give "
+                            "the SQLite file's name")
     if not path.parent.is_dir():
         raise PipeplanError(f"--db {db}: the folder {path.parent} does not exist; create it first")
     existed = path.exists()

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 import re
 from pathlib import Path
 
 from planner.errors import PipeplanError
 from planner.formats import INPUT_NODE, Profile
-from planner.io import parse_model
+from planner.io import not_a_file, parse_model
 
 _NODE = re.compile(
     r"^(?P<id>\S+) -- (?P<desc>.*) -- forward_compute_time=(?P<f>[^,]+), "
@@ -56,6 +57,9 @@ def parse_graph(text: str, where: str = "graph") -> tuple[dict[str, dict], list[
                               "output_bytes": _size(m["a"]), "param_bytes": float(m["p"])}
         except ValueError:
             raise PipeplanError(f"{where}:{lineno}: a number does not parse: {line[:80]!r}") from None
+        if not all(math.isfinite(nodes[m["id"]][k]) for k in ("output_bytes", "param_bytes")):
+            raise PipeplanError(f"{where}:{lineno}: activation_size or parameter_size is not a finite "
+                                f"number (nan, inf, or too large): {line[:80]!r}")
     for src, dst in edges:
         for x in (src, dst):
             if x not in nodes:
@@ -124,7 +128,7 @@ def import_pipedream(text: str, batch_size: int, source: str = "graph.txt") -> P
 def import_pipedream_file(path: str | Path, batch_size: int) -> Profile:
     path = Path(path)
     if not path.is_file():
-        raise PipeplanError(f"{path}: no such file")
+        raise PipeplanError(f"{path}: {not_a_file(path)}; give a PipeDream graph.txt")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

@@ -100,9 +100,30 @@ def test_400s_are_documented_422s_and_errors_have_one_shape(client: TestClient) 
     r = client.get("/v1/plans/nope", headers={"X-Request-ID": "my-id-1"})
     assert r.status_code == 404 and r.json() == {"detail": "no plan with id 'nope'", "request_id": "my-id-1"}
     assert r.headers["x-request-id"] == "my-id-1"
+    long = "a" * 20_000  # echoed whole in the 404's detail
+    r = client.get(f"/v1/plans/{long}")
+    assert r.status_code == 404 and r.json()["detail"] == f"no plan with id {'a' * 64!r}... (20000 characters)"
     generated = client.get("/v1/plans/nope", headers={"X-Request-ID": "bad id with spaces"})
     assert generated.headers["x-request-id"] != "bad id with spaces"
     assert len(generated.json()["request_id"]) == 32
+
+
+def test_bodies_a_json_client_may_send_get_json_answers(client: TestClient) -> None:
+    """A UTF-8 byte-order mark is ignored (RFC 8259 allows it; it was "Unexpected UTF-8 BOM
+    (decode using utf-8-sig)", Python's advice); a compressed body is named as such (it was
+    "not UTF-8 text"); an integer of 5000 digits does not tell the client to call
+    sys.set_int_max_str_digits()."""
+    import gzip
+
+    body = json.dumps(profile_doc()).encode()
+    r = client.post("/v1/profiles", content=b"\xef\xbb\xbf" + body, headers={"content-type": "application/json"})
+    assert r.status_code == 201, r.text
+    r = client.post("/v1/profiles", content=gzip.compress(body),
+                    headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 422 and "Content-Encoding 'gzip'" in r.text, r.text
+    r = client.post("/v1/profiles", content=b'{"batch_size": ' + b"9" * 5000 + b"}",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "thousands of digits" in r.text and "sys." not in r.text, r.text
 
 
 @pytest.mark.parametrize(("method", "path", "allow"), [
@@ -188,6 +209,34 @@ def test_options_out_of_range_are_422_naming_the_field(client: TestClient, optio
     assert any(option in d["loc"] for d in r.json()["detail"])
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"method": "cpsat", "split": [4, 4]}, "options.split is for options.method manual, not cpsat"),
+    ({"replicas": [1, 1]}, "options.replicas needs options.split"),
+    ({"recompute": [True]}, "options.recompute needs options.split"),
+    ({"tp": [2]}, "options.tp needs options.split"),
+    ({"microbatch_size": 4, "microbatch_sizes": [2, 4]}, "give one of them"),
+    ({"microbatch_size": None, "microbatch_sizes": [2, 4]}, "options.microbatch_sizes is for options.method cpsat"),
+    ({"method": "uniform", "powers_of_two": True}, "options.powers_of_two is for options.method cpsat"),
+])
+def test_options_the_method_would_ignore_are_422_as_on_the_command_line(
+        client: TestClient, options: dict, message: str) -> None:
+    """The service answered 201 with a plan that dropped the option, where `planner plan`
+    refuses it (the same request should give the command line's plan)."""
+    body = plan_body()
+    body["options"].update(options)
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 422 and message in r.text, r.text
+
+
+def test_a_split_without_a_method_is_the_manual_plan(client: TestClient) -> None:
+    """As `planner plan --split` without --method."""
+    body = plan_body()
+    del body["options"]["method"]
+    body["options"]["split"] = [4, 4]
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == 201 and r.json()["method"] == "manual", r.text
+
+
 @pytest.mark.parametrize("trickle", [False, True])
 def test_a_body_that_never_arrives_is_a_408_within_the_timeout(tmp_path: Path, trickle: bool) -> None:
     """A client that sends the headers and then stalls (or trickles a byte at a time) holds a
@@ -205,7 +254,7 @@ def test_a_body_that_never_arrives_is_a_408_within_the_timeout(tmp_path: Path, t
             closed = False
             s.settimeout(0.25)
             while not closed and time.monotonic() - t0 < 20:
-                if trickle and not reply:
+                if trickle:  # also after the 408: the server kept reading (discarding) it
                     try:
                         s.sendall(b" ")
                     except OSError:
@@ -221,6 +270,7 @@ def test_a_body_that_never_arrives_is_a_408_within_the_timeout(tmp_path: Path, t
             elapsed = time.monotonic() - t0
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+        assert b"connection: close" in head.lower(), head
         assert closed, "the connection of a body that never arrived must be closed"
         assert "PIPEPLAN_BODY_TIMEOUT_S" in json.loads(body)["detail"]
         assert 1.4 < elapsed < 10, elapsed
@@ -277,3 +327,21 @@ def test_headers_that_never_end_are_a_408_and_bad_http_a_json_400(tmp_path: Path
                 assert http.get("/healthz").status_code == 200
                 time.sleep(0.5)
         assert "Traceback" not in server.log.read_text()
+
+
+@pytest.mark.parametrize(("cluster", "status", "where"), [
+    ({"latency_us": 1e-7}, 201, None),
+    ({"calibration": {"residual": 1e-9, "speed": 1e-12}}, 201, None),
+    ({"intra_node_gb_per_s": 1e-9}, 422, "intra_node_gb_per_s"),
+    ({"allreduce_efficiency": 1e-9}, 422, "allreduce_efficiency"),
+])
+def test_only_divisors_must_not_be_tiny(client: TestClient, cluster: dict, status: int, where: str | None) -> None:
+    """A bandwidth, memory, speed or efficiency of 1e-9 makes times overflow and is refused; a
+    latency of 1e-7 us or a calibration note of 1e-9 is a number the command line plans with
+    (the service refused them as "too small")."""
+    body = plan_body()
+    body["cluster"].update(cluster)
+    r = client.post("/v1/plans", json=body)
+    assert r.status_code == status, r.text
+    if where:
+        assert where in r.text and "too small" in r.text

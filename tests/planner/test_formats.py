@@ -39,6 +39,25 @@ def test_cut_bytes_counts_each_crossing_tensor_once() -> None:
     assert p.cut_bytes() == [4 + 10, 4 + 10 + 7, 4 + 10 + 5, 10 + 3]
 
 
+@pytest.mark.parametrize("fields,message", [
+    ({"activation_bytes": 10, "saved_input_bytes": 10**15}, "saved_input_bytes 1000000000000000 > activation_bytes 10"),
+    ({"param_bytes": 4, "frozen_param_bytes": 8}, "frozen_param_bytes 8 > param_bytes 4"),
+    ({"weight_grad_bytes": 4, "weight_grad_output_bytes": 8}, "weight_grad_output_bytes 8 > weight_grad_bytes 4"),
+    ({"name": INPUT_NODE}, "marker of the model's inputs"),
+    ({"tp": [{"degree": 2, "fwd_ms": 1, "bwd_ms": 1, "param_bytes": 0, "activation_bytes": 0}] * 2}, "none twice"),
+    ({"tp": [{"degree": 1, "fwd_ms": 1, "bwd_ms": 1, "param_bytes": 0, "activation_bytes": 0}]}, "at least 2"),
+])
+def test_a_layer_that_contradicts_itself_is_refused(fields: dict, message: str) -> None:
+    """A part larger than its whole (a hand-edited `saved_input_bytes` of 1 PB lowered the
+    predicted memory of a recomputed stage), a layer named like the inputs' marker (its edges
+    were read as the model's inputs), a TP degree twice or of 1."""
+    layer = {"name": "l0", "fwd_ms": 1, "bwd_ms": 2, "param_bytes": 0, "activation_bytes": 0,
+             "output_bytes": 10, **fields}
+    with pytest.raises(ValidationError, match=message):
+        Profile.model_validate({"model": {"path": "m.py", "sha256": "x"}, "device": {"type": "cpu", "name": "cpu"},
+                                "batch_size": 1, "layers": [layer]})
+
+
 def test_profile_rejects_backward_edge() -> None:
     with pytest.raises(ValidationError, match="backwards"):
         _profile([{"src": "l3", "dst": "l1", "bytes": 1}])
@@ -118,3 +137,13 @@ def test_finite_losses_keep_a_diverged_run_reportable() -> None:
     report = Report(plan_profile_sha256="x", steps=5, iteration_ms=1.0, samples_per_s=1.0,
                     predicted_iteration_ms=1.0, losses=losses, ranks=[])
     assert Report.model_validate_json(report.model_dump_json()).losses == losses
+
+
+def test_a_tp_degree_profiled_for_some_layers_only_names_them() -> None:
+    """It said "degree 2 was not profiled (profiled: none)" when planning."""
+    shard = {"degree": 2, "fwd_ms": 1, "bwd_ms": 1, "param_bytes": 0, "activation_bytes": 0}
+    layers = [{"name": f"l{i}", "fwd_ms": 1, "bwd_ms": 2, "param_bytes": 0, "activation_bytes": 0,
+               "output_bytes": 10, **({"tp": [shard]} if i < 2 else {})} for i in range(4)]
+    with pytest.raises(ValidationError, match=r"degree 2 is profiled for some layers but not for l2, l3 \(2 of 4\)"):
+        Profile.model_validate({"model": {"path": "m.py", "sha256": "x"}, "device": {"type": "cpu", "name": "cpu"},
+                                "batch_size": 1, "layers": layers})

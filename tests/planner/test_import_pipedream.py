@@ -55,6 +55,11 @@ def test_bad_files_say_what_is_wrong() -> None:
             "parameter_size=1\n")
     with pytest.raises(PipeplanError, match=r":2: node node1 appears twice"):
         import_pipedream(line + line.replace("forward_compute_time=1", "forward_compute_time=9"), 1)
+    for size in ("activation_size=nan", "parameter_size=inf", "activation_size=[1e400; 1]"):
+        key = size.split("=")[0]
+        bad = line.replace(f"{key}=1", size)
+        with pytest.raises(PipeplanError, match=r":1: activation_size or parameter_size is not a finite"):
+            import_pipedream(bad, 1)
 
 
 def test_a_file_that_is_not_text_is_a_clear_error(tmp_path: Path) -> None:

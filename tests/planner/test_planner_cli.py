@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -132,8 +133,8 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
     """Each a one-line error (exit 2), nothing written: a non-UTF-8 cluster, Infinity, a memory
     whose bytes overflow, two nodes of one name, a device count given as a string, a number of
     5000 digits, JSON nested 100000 deep, an output that
-    is a directory or lies under a file or is the input itself, a million microbatches, an
-    infinite time limit."""
+    is a directory or lies under a file or is the input itself, a FIFO, or in a folder no file
+    can be made in, a million microbatches, an infinite time limit."""
     d, prof = files["dir"], str(files["profile"])
     base = {"intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}
     node = {"name": "a", "devices": 2, "device_memory_gb": 16}
@@ -162,6 +163,16 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
                      "-o", str(out)]) == 2
         assert message in capsys.readouterr().err
     assert files["profile"].read_bytes() == before
+    fifo = d / "fifo"  # run as root, `-o /dev/null` replaced the system's /dev/null with a file
+    os.mkfifo(fifo)
+    outs = [(fifo, "not a regular file")]
+    if Path("/proc/self").is_dir():  # a folder no file can be made in, even as root
+        outs += [(Path("/proc/p.json"), "cannot write in /proc"),
+                 (Path("/proc/none/p.json"), "cannot write in /proc")]
+    for out, message in outs:
+        assert main(["plan", prof, "--cluster", str(files["cluster"]), "-o", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert fifo.is_fifo()
     for args, message in ((["--global-batch", "4000000", "--microbatch-size", "4"], "at most 100000"),
                           (["--time-limit", "inf"], "finite")):
         assert main(["plan", prof, "--cluster", str(files["cluster"]), "-o", str(d / "p.json"), *args]) == 2
@@ -172,7 +183,8 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
 def test_simulate_refuses_an_incomplete_or_negative_plan(files: dict[str, Path],
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """A plan edited by hand: a rank's last backward gone (it simulated faster than the whole
-    plan), a negative predicted time."""
+    plan), a negative predicted time, sends to a stage that is not later (an IndexError, or
+    Python's negative index read as the last stage), sends that are not a list."""
     out = files["dir"] / "plan.json"
     assert main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--global-batch",
                  "32", "--microbatch-size", "4", "--method", "uniform", "-o", str(out)]) == 0
@@ -182,7 +194,17 @@ def test_simulate_refuses_an_incomplete_or_negative_plan(files: dict[str, Path],
     cut["rank_actions"][rank] = cut["rank_actions"][rank][:-1]
     neg = json.loads(json.dumps(plan))
     neg["stages"][0]["predicted"]["fwd_ms"] = -1.0
-    for name, edited, message in (("cut", cut, "invalid schedule"), ("neg", neg, "negative predicted")):
+    far = json.loads(json.dumps(plan))  # a send to a stage the plan does not have
+    far["stages"][0]["predicted"]["sends"] = [{"to": 99, "bytes": 1.0, "ms": 1.0}]
+    back = json.loads(json.dumps(plan))  # the simulator read `to: -1` as the last stage
+    back["stages"][-1]["predicted"]["sends"] = [{"to": 0, "bytes": 1.0, "ms": 1.0}]
+    text = json.loads(json.dumps(plan))  # a type the simulator indexed into
+    text["stages"][0]["predicted"]["sends"] = "x"
+    for name, edited, message in (("cut", cut, "invalid schedule"),
+                                  ("neg", neg, "predicted.fwd_ms: Input should be greater than or equal to 0"),
+                                  ("far", far, "stage 0 sends to stage 99"),
+                                  ("back", back, "sends only to later ones (none: it is the last stage)"),
+                                  ("text", text, "predicted.sends: Input should be a valid array")):
         path = files["dir"] / f"{name}.json"
         path.write_text(json.dumps(edited))
         capsys.readouterr()
@@ -194,8 +216,10 @@ def test_simulate_refuses_an_incomplete_or_negative_plan(files: dict[str, Path],
 def test_serve_refuses_a_database_it_cannot_open(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Before the server starts (it printed its address, then logged a traceback and exit 3)."""
     (tmp_path / "notes.txt").write_text("not a database")
+    os.mkfifo(tmp_path / "fifo")  # (`--db /dev/zero` left a /dev/zero-journal behind)
     for db, message in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.db", "does not exist"),
-                        (tmp_path / "notes.txt", "cannot be opened as an SQLite database")):
+                        (tmp_path / "notes.txt", "cannot be opened as an SQLite database"),
+                        (tmp_path / "fifo", "is not a regular file")):
         assert main(["serve", "--port", "1", "--db", str(db)]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err

@@ -102,7 +102,12 @@ def test_a_run_faster_than_its_links_allow_is_refused(factor):
     # run, and refine must say so rather than write a plan that predicts another time
     _, plan = _plan()
     report = _run(plan, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0), overhead_us=100.0)
-    report = report.model_copy(update={"iteration_ms": report.iteration_ms * factor})
+    # the ranks' compute as fast (else the report contradicts itself: ranks computing longer
+    # than the iteration, refused as such)
+    ranks = [r.model_copy(update={"fwd_ms_per_microbatch": r.fwd_ms_per_microbatch * factor,
+                                  "bwd_ms_per_microbatch": r.bwd_ms_per_microbatch * factor})
+             for r in report.ranks]
+    report = report.model_copy(update={"iteration_ms": report.iteration_ms * factor, "ranks": ranks})
     with pytest.raises(PipeplanError, match="less than this plan takes even with its compute "
                        "scaled to nothing"):
         fit(plan, report)
@@ -245,3 +250,29 @@ def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
                "--global-batch", "32", "-o", x, "--trace", x])
     assert rc == 2 and "-o and --trace are the same file" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_corrections_pipeplan_would_not_read_back_write_nothing(tmp_path, capsys):
+    """A report 1e6 ms long (not out of the numbers' range, but a per-message overhead far
+    over the cluster format's bound): refine wrote a cluster.json and plan.json that `plan` and
+    `simulate` then refused to read."""
+    _, plan = _plan()
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=0.0).model_copy(update={"iteration_ms": 1e6})
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    (tmp_path / "report.json").write_text(report.model_dump_json())
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "new.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not written" in err and "p2p_overhead_us" in err and "report" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "report.json"]
+
+
+@pytest.mark.parametrize("field", ["fwd_ms_per_microbatch", "optimizer_ms"])
+def test_a_rank_that_computes_longer_than_the_iteration_is_a_contradiction(field):
+    """Named as such: the message blamed the links' latency for ranks reporting 1e14 ms."""
+    _, plan = _plan()
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=0.0)
+    ranks = [r.model_copy(update={field: 1e14}) if r.stage == 1 else r for r in report.ranks]
+    with pytest.raises(PipeplanError, match="contradicts itself: stage 1's ranks report") as got:
+        fit(plan, report.model_copy(update={"ranks": ranks}))
+    assert "latency" not in str(got.value)

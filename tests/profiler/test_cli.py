@@ -105,6 +105,8 @@ def test_absurd_threads_and_repeats_are_refused(tmp_path, args, expected) -> Non
 def test_missing_file_is_a_clear_error(tmp_path) -> None:
     r = _profile([str(tmp_path / "nope.py")])
     assert r.returncode == 2 and "no such model file" in r.stderr and "Traceback" not in r.stderr
+    r = _profile([str(tmp_path)])  # it said "no such model file" of a directory that exists
+    assert r.returncode == 2 and "is a directory, not a file" in r.stderr, r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

@@ -47,9 +47,17 @@ def test_profile_tp_degrees(tmp_path, capsys, small_gpt):
     assert block.at_degree(1).param_bytes == block.param_bytes  # type: ignore[union-attr]
 
 
-def test_profile_tp_without_a_plan_is_a_clear_error(tmp_path, capsys):
+@pytest.mark.parametrize(("tp", "message"), [("2", "no tensor-parallel plan"), ("0", "at least 2"),
+                                             ("x", "separated by commas")])
+def test_profile_tp_without_a_plan_is_a_clear_error_before_measuring(tmp_path, capsys, monkeypatch, tp, message):
+    """Refused before any layer is measured (it was refused after measuring all of them)."""
+    import profiler.profile
+
+    def measured(*a, **k):
+        raise AssertionError("the layers were measured before --tp was checked")
+    monkeypatch.setattr(profiler.profile, "profile_model_file", measured)
     mlp = Path(__file__).resolve().parents[2] / "examples" / "mlp.py"
-    rc = main(["profile", str(mlp), "--batch-size", "2", "--tp", "2", "--warmup", "0",
+    rc = main(["profile", str(mlp), "--batch-size", "2", "--tp", tp, "--warmup", "0",
                "--repeats", "1", "-q", "-o", str(tmp_path / "p.json")])
-    assert rc != 0
-    assert "no tensor-parallel plan" in capsys.readouterr().err
+    assert rc == 2
+    assert message in capsys.readouterr().err
