@@ -245,7 +245,8 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     me, world = env.rank, env.world_size
     hosts: list[object] = [None] * world
     # a node: torchrun's GROUP_RANK where set (containers may share a host name), and the host
-    dist.all_gather_object(hosts, (node_key(), env.local_world_size))
+    with comm.collective("calibrate, gathering every rank's node", args.timeout):
+        dist.all_gather_object(hosts, (node_key(), env.local_world_size))
     names = [h[0] for h in hosts]  # type: ignore[index]
     node_names = list(dict.fromkeys(names))
     node_of = [node_names.index(n) for n in names]
@@ -292,7 +293,8 @@ def rank_main(args: argparse.Namespace) -> dict | None:
             links[kind] = {"ranks": [a, b], "latency_us": alpha, "gb_per_s": gbps,
                            "points_us": [[int(x), t] for x, t in points]}
     box: list[object] = [links]
-    dist.broadcast_object_list(box, src=0)  # rank 0 is `a` of every pair
+    with comm.collective("calibrate, sharing the links measured", args.timeout):
+        dist.broadcast_object_list(box, src=0)  # rank 0 is `a` of every pair
     links = box[0]  # type: ignore[assignment]
 
     # all-reduce over one group of replicas: the whole node, or one rank per node
@@ -309,7 +311,8 @@ def rank_main(args: argparse.Namespace) -> dict | None:
                 if me in group_ranks:
                     _sync(torch, device)
                     t0 = time.perf_counter()
-                    dist.all_reduce(t, group=group)
+                    with comm.collective("calibrate, measuring the all-reduce", args.timeout):
+                        dist.all_reduce(t, group=group)
                     _sync(torch, device)
                     ms.append((time.perf_counter() - t0) * 1e6)
             if me in group_ranks:
@@ -329,7 +332,8 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     together = _time_ms(step, torch, device, 7, window_s=1.5)
     mem = _memory_bytes(torch, device, env.local_world_size)
     rows: list[object] = [None] * world
-    dist.all_gather_object(rows, (together, mem, device.type, device_name(device)))
+    with comm.collective("calibrate, gathering every rank's speed and memory", args.timeout):
+        dist.all_gather_object(rows, (together, mem, device.type, device_name(device)))
     comm.barrier(device)
 
     # what a message costs inside a running pipeline (runtime.pipeline_probe)

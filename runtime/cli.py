@@ -17,7 +17,7 @@ from pathlib import Path
 
 from planner.errors import PipeplanError
 from planner.formats import Plan
-from planner.io import check_output, load_model
+from planner.io import check_output, load_model, not_a_file
 from planner.limits import seed_arg
 from planner.runnable import runnable_plan
 from runtime.options import RunOptions
@@ -78,11 +78,17 @@ def _resume_meta(directory: str) -> dict[str, object]:
     return meta
 
 
+MIN_TIMEOUT_S = 1.0  # --timeout below this fails the rendezvous itself
+
+
 def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     if args.steps < 1:
         raise PipeplanError("--steps must be at least 1")
-    if args.timeout <= 0:
-        raise PipeplanError("--timeout must be positive (seconds)")
+    if not (math.isfinite(args.timeout) and args.timeout >= MIN_TIMEOUT_S):
+        # nan and inf passed `<= 0` and crashed every rank in init_process_group; under a
+        # second, gloo's own connect timed out before the ranks had started
+        raise PipeplanError(f"--timeout {args.timeout:g}: give a finite number of seconds, at least "
+                            f"{MIN_TIMEOUT_S:g} (the time a rank waits for a peer)")
     if args.threads is not None:
         from profiler.profile import check_threads
 
@@ -120,7 +126,7 @@ def check_model_hash(plan: Plan, model_path: str, allow_mismatch: bool, quiet: b
     from profiler.loader import file_sha256
 
     if not os.path.isfile(model_path):
-        raise PipeplanError(f"--model {model_path}: no such file")
+        raise PipeplanError(f"--model {model_path}: {not_a_file(model_path)}")
     actual = file_sha256(model_path)
     if actual == plan.model.sha256:
         return

@@ -28,6 +28,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +60,22 @@ def failure_reason(exc: BaseException, timeout_s: float) -> str:
     if "imed out" in text or "timeout" in text.lower():
         return f"no answer within {timeout_s:g} s (--timeout)"
     return f"the connection failed ({text.splitlines()[0][:200] if text else type(exc).__name__})"
+
+
+@contextmanager
+def collective(what: str, timeout_s: float) -> Iterator[None]:
+    """A step every rank takes together (joining the process group, making a group, a barrier,
+    gathering objects): a backend error in it (a timeout, a closed connection) is a PeerError
+    whose peer is not known (-1), so the launcher waits for the others and names the rank that
+    hangs or died, instead of printing this rank's backend traceback as its own fault. Only
+    around the runtime's own calls: a user's RuntimeError stays the user's."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as exc:  # gloo / NCCL / the store: DistError and its kinds are RuntimeErrors
+        raise PeerError(-1, f"{what}: {failure_reason(exc, timeout_s)}; another rank has died, "
+                            "raised an error or hangs") from None
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
@@ -302,23 +320,41 @@ def init_process_group(backend: str, device: torch.device, rank: int, world_size
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    global _GROUP_TIMEOUT
     kwargs: dict[str, object] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    _GROUP_TIMEOUT = datetime.timedelta(seconds=timeout_s)
+    with collective("joining the process group (every rank must start: a model file slow to import "
+                    "or a rank that hangs before it holds the others here)", timeout_s):
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=_GROUP_TIMEOUT, **kwargs)
+
+
+# the default group's timeout, for every group made after it: `dist.new_group` without one
+# takes the backend's default (30 minutes), so a replica that hung held the others in their
+# gradient all-reduce for half an hour whatever --timeout said
+_GROUP_TIMEOUT: datetime.timedelta | None = None
 
 
 def new_group(ranks: list[int], device: torch.device) -> object:
-    """A process group over `ranks` (every rank must call this, in the same order)."""
+    """A process group over `ranks` (every rank must call this, in the same order), with the
+    default group's timeout."""
     kwargs: dict[str, object] = {"device_id": device} if device.type == "cuda" else {}
-    return dist.new_group(ranks, **kwargs)
+    if _GROUP_TIMEOUT is None:
+        return dist.new_group(ranks, **kwargs)
+    kwargs["timeout"] = _GROUP_TIMEOUT
+    with collective(f"making the process group of ranks {ranks}", _GROUP_TIMEOUT.total_seconds()):
+        return dist.new_group(ranks, **kwargs)
 
 
-def barrier(device: torch.device) -> None:
-    """A barrier on `device` (NCCL needs to be told which GPU a barrier runs on)."""
-    if device.type == "cuda":
-        dist.barrier(device_ids=[device.index or 0])
-    else:
-        dist.barrier()
+def barrier(device: torch.device, what: str = "waiting for every rank (a barrier)") -> None:
+    """A barrier on `device` (NCCL needs to be told which GPU a barrier runs on); a failure is
+    a PeerError (`collective`)."""
+    timeout_s = _GROUP_TIMEOUT.total_seconds() if _GROUP_TIMEOUT is not None else 0.0
+    with collective(what, timeout_s):
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index or 0])
+        else:
+            dist.barrier()
 
 
 def batched_protocol(backend: str) -> bool:

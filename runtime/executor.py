@@ -77,6 +77,19 @@ def drive(actions: Sequence[Action], p2p: P2P, lookahead: int, post: Callable[[A
     return total
 
 
+def checked_loss(loss: object) -> torch.Tensor:
+    """`loss_fn`'s value, checked to be what backward starts from: one tensor of one element
+    (a float or a vector failed deep inside the executor)."""
+    if not isinstance(loss, torch.Tensor):
+        raise PipeplanError(f"loss_fn returned a {type(loss).__name__}; it must return the loss as a "
+                            "tensor of one element (the mean over the microbatch), computed from the "
+                            "model's output so that it has a gradient")
+    if loss.numel() != 1:
+        raise PipeplanError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return "
+                            "one element (reduce it: .mean() or .sum())")
+    return loss
+
+
 @dataclass
 class TimedEvent:
     name: str
@@ -245,7 +258,7 @@ class StageExecutor:
             loss = None
             if self.is_last:
                 target = target.to(self.device)
-                loss = self.loss_fn(out[OUTPUT_KEY], target) / self.m
+                loss = checked_loss(self.loss_fn(out[OUTPUT_KEY], target)) / self.m
         self._sync()
         t1 = time.time()
         self.stats.fwd_ms.append((t1 - t0) * 1e3)

@@ -337,7 +337,11 @@ class Worker:
                     if r != 0:
                         self.p2p.post_recv(r, 0, "<loss>", grad=False)
             torch.manual_seed(opts.seed + s)
-            inputs, targets = split_batch(self.mf.make_batch(plan.global_batch), self.b, self.m)
+            # checked as the profiler checks it (a tuple of tensors and one target): a bare
+            # tensor or a target of None failed inside split_batch
+            from profiler.loader import batch_checked
+
+            inputs, targets = split_batch(batch_checked(self.mf, plan.global_batch), self.b, self.m)
             counters = rng.int_buffers(self.module) if self.stage_group is not None else {}
             self.executor.step = s
             # the first step measures memory (PIPEPLAN_COUNT_MEMORY=every-step: all, for a model
@@ -416,7 +420,8 @@ class Worker:
     def finish(self, record: RankRecord) -> None:
         plan, opts = self.plan, self.opts
         records: list[RankRecord | None] = [None] * self.env.world_size
-        dist.gather_object(record, records if self.rank == 0 else None, dst=0)
+        with comm.collective("collecting every rank's measurements on rank 0", opts.timeout):
+            dist.gather_object(record, records if self.rank == 0 else None, dst=0)
         if opts.save:
             mine = None
             if self.replica == 0:  # whole tensors: sharded ones gathered over the TP group
@@ -426,7 +431,8 @@ class Worker:
                 if self.tp_rank == 0:
                     mine = (state, opt)
             parts: list[object] = [None] * self.env.world_size
-            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
+            with comm.collective("collecting the checkpoint's parts on rank 0 (--save)", opts.timeout):
+                dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
             if self.rank == 0:
                 model_state: dict = {}
                 opt_state: dict = {}
@@ -566,7 +572,7 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
     record = worker.train()
     worker.finish(record)
-    comm.barrier(worker.device)  # nobody tears down while a peer still talks to it
+    comm.barrier(worker.device, "waiting for every rank to finish")  # nobody tears down while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -54,6 +54,57 @@ def test_the_rank_that_hangs_is_named_not_the_one_that_waits_for_it(run, fault):
     assert wall < 120
 
 
+def test_a_replica_that_hangs_is_named_within_the_timeout(run, fault):
+    """One stage on two replicas; rank 1 hangs in its forward while rank 0 waits in their
+    gradient all-reduce. That group was made without a timeout: gloo's default, 30 minutes,
+    whatever --timeout said."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [6], [2])
+    fault("hang", 1)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 2, "--timeout", 3)
+    assert rc == 1
+    last = [x for x in err.splitlines() if x.startswith("error:")][-1]
+    assert last.startswith("error: rank 1 hangs"), err
+    assert wall < 120
+
+
+def test_a_rank_that_never_joins_is_named_not_the_one_that_waited(run, fault):
+    """Rank 1 hangs while it imports the model file, before the process group: rank 0's
+    rendezvous times out. That was rank 0's 25-line traceback, naming no rank."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [3, 3])
+    fault("import-hang", 1)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 2, "--timeout", 3)
+    assert rc == 1
+    last = [x for x in err.splitlines() if x.startswith("error:")][-1]
+    assert last.startswith("error: rank 1 hangs") and "rank 0: joining the process group" in err, err
+    assert "Traceback" not in err
+    assert wall < 120
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "1e-9"])
+def test_a_timeout_that_is_no_time_is_refused_before_any_rank(run, timeout):
+    """nan and inf passed the launcher's `<= 0` and crashed every rank in init_process_group."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [3, 3])
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--timeout", timeout)
+    assert rc == 2 and "--timeout" in err and "finite number of seconds" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_loss_that_is_not_one_element_is_named() -> None:
+    import torch
+
+    from planner.errors import PipeplanError
+    from runtime.executor import checked_loss
+
+    assert checked_loss(torch.tensor(2.0)) == 2.0
+    with pytest.raises(PipeplanError, match="loss_fn returned a float"):
+        checked_loss(1.0)
+    with pytest.raises(PipeplanError, match=r"loss_fn returned a tensor of shape \(3,\)"):
+        checked_loss(torch.ones(3))
+
+
 def test_a_dead_rank_is_reported(run, fault):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, [1, 3, 2])

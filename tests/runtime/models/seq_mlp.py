@@ -1,7 +1,8 @@
 """A tiny sequential MLP for the runtime tests.
 
 PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's second layer's
-forward: `raise` (an exception), `die` (the process vanishes) or `hang` (sleeps for ever).
+forward: `raise` (an exception), `die` (the process vanishes) or `hang` (sleeps for ever); or,
+`import-hang`, while that rank imports this file (before it joins the process group).
 """
 
 import os
@@ -9,6 +10,9 @@ import time
 
 import torch
 from torch import nn
+
+if os.environ.get("PIPEPLAN_TEST_FAULT", "").partition(":")[::2] == ("import-hang", os.environ.get("RANK")):
+    time.sleep(3600)
 
 
 class Faulty(nn.Module):
