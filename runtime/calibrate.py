@@ -443,7 +443,11 @@ def format_summary(cluster: dict, nominal: dict | None) -> str:
         f"{'device speed (x profiled device)':32s} {speed!s:>14s} {n('speed'):>10s}",
         f"{'memory per device (GB)':32s} {memory!s:>14s} {n('device_memory_gb'):>10s}",
     ]
-    if "inter" not in cal["links"]:
+    if not cal["links"]:  # one rank: no pair to measure; the file's link figures are placeholders
+        lines = [x for x in lines if "latency" not in x and "bandwidth" not in x]
+        lines.append("(one rank: no link measured; the file's link figures are placeholders that a "
+                     "plan on one device never uses)")
+    elif "inter" not in cal["links"]:
         lines.append("(one node: cross-node figures are the same-node ones)")
     lines.append("per-rank speed: " + ", ".join(f"{s:.2f}" for s in cal["speeds"]))
     probe = cal.get("pipeline")

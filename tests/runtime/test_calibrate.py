@@ -64,6 +64,11 @@ def test_cluster_forms():
     # one rank per node: the same-node class takes the cross-node figures
     c = Cluster.model_validate(cluster_from(_meas([[0], [1]], [1.0, 1.0], {"inter": inter})))
     assert c.intra_node_latency_us == 90.0
+    # one rank: no link measured, and the summary does not print the file's placeholders as
+    # measured (it printed 1000000 GB/s and 0 us)
+    one = Cluster.model_validate(cluster_from(_meas([[0]], [1.0], {})))
+    summary = format_summary(one.model_dump(exclude_none=True), None)
+    assert "bandwidth" not in summary and "latency" not in summary and "no link measured" in summary
 
 
 def test_calibrate_two_local_ranks(tmp_path):
