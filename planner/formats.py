@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -27,7 +28,6 @@ from pydantic import (
     PositiveInt,
     model_validator,
 )
-from typing_extensions import TypedDict
 
 from planner.errors import PipeplanError
 from planner.limits import MAX_INT
@@ -462,17 +462,9 @@ def option_conflicts(o: PlanOptions, name: Callable[[str], str] = lambda f: f,
     return None
 
 
-# one stage's tensors to a later stage per microbatch (`StagePredicted.sends`): kept a dict
-# (`snd["to"]`) as the plans written before it was typed are read
-class StageSend(TypedDict):
-    to: NonNegativeInt
-    bytes: NonNegativeFloat
-    ms: NonNegativeFloat
-
-
 class StagePredicted(_Open):
     """What the planner predicts of one stage; the simulator (`planner simulate`, `refine`)
-    computes from it, so every figure is typed and none is negative."""
+    computes from it, so every figure is checked and none is negative."""
 
     fwd_ms: NonNegativeFloat  # per microbatch, on this stage's devices
     bwd_ms: NonNegativeFloat
@@ -486,17 +478,46 @@ class StagePredicted(_Open):
     # TP all-reduces of one microbatch's forward / backward (a TP stage; inside fwd_ms / bwd_ms)
     tp_comm_fwd_ms: NonNegativeFloat = 0.0
     tp_comm_bwd_ms: NonNegativeFloat = 0.0
-    # per device: parameters, gradients and optimizer state; what the framework reserves
-    static_memory_bytes: NonNegativeFloat | None = None
-    reserved_memory_bytes: NonNegativeFloat | None = None
-    # per microbatch: kept from its forward to its backward; from B to W (zb-h1); while a
-    # (recomputed) backward runs; the loss's backward working memory (last stage)
-    activation_bytes_per_microbatch: NonNegativeFloat | None = None
-    weight_hold_bytes_per_microbatch: NonNegativeFloat | None = None
-    transient_bytes: NonNegativeFloat | None = None
-    loss_transient_bytes: NonNegativeFloat | None = None
-    peak_inflight: NonNegativeInt | None = None
-    sends: list[StageSend] | None = None  # to later stages (`Plan` checks each `to`)
+    # Beyond these, `build_plan` writes what the simulator needs (`planner.simulator.
+    # costs_from_plan`): per device `static_memory_bytes`, `reserved_memory_bytes`; per
+    # microbatch `activation_bytes_per_microbatch`, `weight_hold_bytes_per_microbatch`,
+    # `transient_bytes`, `loss_transient_bytes`; `peak_inflight`; and `sends`, a list of
+    # {to, bytes, ms} to later stages (`Plan` checks each `to`). Extra fields, so a plan
+    # without them reads as it did; checked here (`_simulated`), since a hand-edited plan
+    # crashed the simulator with IndexError / TypeError / KeyError or was read wrongly.
+
+    @model_validator(mode="after")
+    def _simulated(self) -> StagePredicted:
+        extra = self.model_extra or {}
+        for name in PREDICTED_AMOUNTS:
+            value = extra.get(name)
+            if value is not None and not _amount(value):
+                raise ValueError(f"{name}: {value!r} is not a number of 0 or more")
+        sends = extra.get("sends")
+        if sends is None:
+            return self
+        if not isinstance(sends, list):
+            raise ValueError(f"sends: {type(sends).__name__}, not a list of {{to, bytes, ms}}")
+        for k, snd in enumerate(sends):
+            if not (isinstance(snd, dict) and {"to", "bytes", "ms"} <= set(snd)):
+                raise ValueError(f"sends[{k}]: {snd!r} is not {{to, bytes, ms}}")
+            if not (_amount(snd["to"]) and isinstance(snd["to"], int)):
+                raise ValueError(f"sends[{k}].to: {snd['to']!r} is not a stage index")
+            for key in ("bytes", "ms"):
+                if not _amount(snd[key]):
+                    raise ValueError(f"sends[{k}].{key}: {snd[key]!r} is not a number of 0 or more")
+        return self
+
+
+PREDICTED_AMOUNTS = ("static_memory_bytes", "reserved_memory_bytes", "activation_bytes_per_microbatch",
+                     "weight_hold_bytes_per_microbatch", "transient_bytes", "loss_transient_bytes",
+                     "peak_inflight")
+
+
+def _amount(value: object) -> bool:
+    """A JSON number of 0 or more (not a bool, not NaN or infinite)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+        and value >= 0
 
 
 class PlanStage(_Open):
@@ -578,7 +599,7 @@ class Plan(_Open):
             if st.index != k:
                 raise ValueError(f"stages[{k}] has index {st.index}: stages are listed in order, "
                                  "indexed 0, 1, 2, ...")
-            for snd in st.predicted.sends or ():
+            for snd in getattr(st.predicted, "sends", None) or ():
                 if not k < snd["to"] < S:
                     later = f"stages {k + 1} to {S - 1}" if k + 1 < S - 1 else \
                         f"stage {k + 1}" if k + 1 == S - 1 else "none: it is the last stage"

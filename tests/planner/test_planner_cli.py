@@ -198,13 +198,19 @@ def test_simulate_refuses_an_incomplete_or_negative_plan(files: dict[str, Path],
     far["stages"][0]["predicted"]["sends"] = [{"to": 99, "bytes": 1.0, "ms": 1.0}]
     back = json.loads(json.dumps(plan))  # the simulator read `to: -1` as the last stage
     back["stages"][-1]["predicted"]["sends"] = [{"to": 0, "bytes": 1.0, "ms": 1.0}]
+    negms = json.loads(json.dumps(plan))  # accepted: 24 ms instead of 30
+    negms["stages"][0]["predicted"]["sends"] = [{"to": 1, "bytes": 1.0, "ms": -100.0}]
+    static = json.loads(json.dumps(plan))  # a ValueError inside the simulator
+    static["stages"][0]["predicted"]["static_memory_bytes"] = "abc"
     text = json.loads(json.dumps(plan))  # a type the simulator indexed into
     text["stages"][0]["predicted"]["sends"] = "x"
     for name, edited, message in (("cut", cut, "invalid schedule"),
                                   ("neg", neg, "predicted.fwd_ms: Input should be greater than or equal to 0"),
                                   ("far", far, "stage 0 sends to stage 99"),
                                   ("back", back, "sends only to later ones (none: it is the last stage)"),
-                                  ("text", text, "predicted.sends: Input should be a valid array")):
+                                  ("text", text, "sends: str, not a list of {to, bytes, ms}"),
+                                  ("negms", negms, "sends[0].ms: -100.0 is not a number of 0 or more"),
+                                  ("static", static, "static_memory_bytes: 'abc' is not a number of 0 or more")):
         path = files["dir"] / f"{name}.json"
         path.write_text(json.dumps(edited))
         capsys.readouterr()

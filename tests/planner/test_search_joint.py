@@ -49,6 +49,8 @@ def instance(seed: int, schedule: str, tp: bool) -> tuple[Profile, Cluster, Plan
             layer.update(saved_input_bytes=int(layer["activation_bytes"] * rng.uniform(0, 0.5)),
                          weight_grad_bytes=int(layer["param_bytes"] * rng.uniform(0, 1)),
                          weight_grad_output_bytes=int(layer["param_bytes"] * rng.uniform(0, 0.2)))
+            # a part of weight_grad_bytes, as the profiler measures it (`Profile` checks it)
+            layer["weight_grad_output_bytes"] = min(layer["weight_grad_output_bytes"], layer["weight_grad_bytes"])
         profile = Profile.model_validate(data)
     if tp:
         profile = with_tp(profile, rng, (2,))
