@@ -151,9 +151,19 @@ def check_layers(plan: Plan, names: list[str], model_path: str, granularity: str
         )
     planned = [n for s in plan.stages for n in s.layers]
     if planned != names:
+        k = next((i for i, (a, b) in enumerate(zip(planned, names, strict=False)) if a != b),
+                 min(len(planned), len(names)))
+        where = (f"its layer {k} is {planned[k]!r} where the model's is {names[k]!r}"
+                 if k < min(len(planned), len(names)) else
+                 f"it lacks the model's layer {names[k]!r}" if k < len(names) else
+                 f"it has {planned[k]!r} past the model's last layer")
+        if len(planned) != len(set(planned)):
+            twice = next(n for i, n in enumerate(planned) if n in planned[:i])
+            where = f"it names layer {twice!r} twice"
         raise PipeplanError(
             f"the plan's stages cover {len(planned)} layers but {model_path} traces into "
-            f"{len(names)} layers in a different order or number; profile it again and re-plan"
+            f"{len(names)} layers in a different order or number ({where}); profile it again "
+            "and re-plan"
         )
 
 
