@@ -102,8 +102,30 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     except RecursionError:
         raise PipeplanError(f"{what}: JSON nested too deeply to read; give the JSON file pipeplan "
                             "wrote") from None
+    kind = file_kind(data)
+    if kind is not None and kind != cls.__name__ and cls.__name__ in KINDS:
+        name, file = KINDS[cls.__name__]
+        raise PipeplanError(f"{what}: this file is a {KINDS[kind][0]}, not a {name}; give {file}")
     check_numbers(data, what)
     return parse_model(data, cls, what, strict=True)
+
+
+# pipeplan's file formats, each told by fields only it has (a profile given where the plan goes
+# listed six "Field required" lines instead of saying so)
+KINDS = {"Profile": ("profile", "the profile.json `planner profile` wrote"),
+         "Cluster": ("cluster description", "a cluster.json"),
+         "Plan": ("plan", "the plan.json `planner plan` wrote"),
+         "Report": ("run report", "the report.json `runtime run --report` wrote")}
+_SIGNS = {"Profile": ("layers", "batch_size"), "Cluster": ("intra_node_gb_per_s", "inter_node_gb_per_s"),
+          "Plan": ("stages", "profile_sha256"), "Report": ("ranks", "plan_profile_sha256")}
+
+
+def file_kind(data: object) -> str | None:
+    """Which of pipeplan's formats `data` is, by the fields only that format has; None if none."""
+    if not isinstance(data, dict):
+        return None
+    kinds = [k for k, sign in _SIGNS.items() if all(f in data for f in sign)]
+    return kinds[0] if len(kinds) == 1 else None
 
 
 def check_numbers(data: object, what: str) -> None:

@@ -80,6 +80,10 @@ def test_bad_files(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -
     assert main(["plan", str(files["dir"] / "missing.json"), "--cluster", str(files["cluster"])]) == 2
     assert "no such file" in capsys.readouterr().err
     assert main(["simulate", str(files["cluster"])]) == 2
+    assert "this file is a cluster description, not a plan" in capsys.readouterr().err
+    empty = files["dir"] / "empty.json"
+    empty.write_text("{}")
+    assert main(["simulate", str(empty)]) == 2
     assert "not a valid Plan" in capsys.readouterr().err
 
 
@@ -294,3 +298,17 @@ def test_numbers_too_large_to_compute_with_are_named_never_written(files: dict[s
               "-o", str(d / "p.json")])
     assert exc.value.code == 2
     assert "give a seed from 0 to" in capsys.readouterr().err
+
+
+def test_a_file_of_another_kind_is_named_as_such(files: dict[str, Path],
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile where the plan or the cluster goes, a cluster where the profile goes: one line
+    saying which file it is (it listed six "Field required" lines)."""
+    prof, cl = str(files["profile"]), str(files["cluster"])
+    out = str(files["dir"] / "p.json")
+    for argv, message in ((["simulate", prof], "this file is a profile, not a plan"),
+                          (["plan", prof, "--cluster", prof, "-o", out], "this file is a profile, not a cluster"),
+                          (["plan", cl, "--cluster", cl, "-o", out], "this file is a cluster description, not a profile")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Field required" not in err, err
