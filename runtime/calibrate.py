@@ -523,11 +523,13 @@ def _check_args(args: argparse.Namespace) -> None:
     check_output(args.output, (args.profile, args.model, args.nominal))
     if args.profile:
         from planner.formats import Profile
-        from planner.io import load_model
+        from planner.io import load_model, not_a_file
         from profiler.loader import file_sha256
 
         profile = load_model(args.profile, Profile, f"profile {args.profile}")
-        if os.path.isfile(args.model) and profile.model.sha256 != file_sha256(args.model):
+        if not os.path.isfile(args.model):  # found by every rank after the launch, before
+            raise PipeplanError(f"--model {args.model}: {not_a_file(args.model)}")
+        if profile.model.sha256 != file_sha256(args.model):
             raise PipeplanError(f"--profile {args.profile} was made from another version of "
                                 f"{args.model} (its sha256 differs): profile this file again")
 

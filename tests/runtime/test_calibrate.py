@@ -146,3 +146,11 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error:") and "--model" in r.stderr
     r = _calibrate("--nproc-per-node", "1", "--nominal", str(tmp_path / "missing.json"))
     assert r.returncode == 2 and "no such file" in r.stderr
+    # a model that is not there: refused before the ranks start (each found it after the launch)
+    from tests.planner.helpers import chain_profile
+
+    (tmp_path / "p.json").write_text(chain_profile([1.0, 2.0]).model_dump_json())
+    r = _calibrate("--nproc-per-node", "2", "--profile", str(tmp_path / "p.json"), "--model",
+                   str(tmp_path / "none.py"), "-o", str(tmp_path / "c.json"))
+    assert r.returncode == 2 and "--model" in r.stderr and "no such file" in r.stderr, r.stderr
+    assert "calibrating" not in r.stdout
