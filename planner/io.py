@@ -137,13 +137,24 @@ def check_numbers(data: object, what: str) -> None:
 
 
 def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] = (),
-                 what: str = "-o") -> None:
-    """Before any work: `path` can be written (not a directory, no regular file where a
-    folder of it should be) and is none of `inputs` (a profile or model the command reads,
-    which writing would destroy)."""
+                 what: str = "-o", probe: bool = True) -> None:
+    """Before any work: `path` can be written (not a directory, not a device or pipe, no
+    regular file where a folder of it should be, a folder that takes a file: with `probe`, a
+    temporary file made and removed there) and is none of `inputs` (a profile or model the
+    command reads, which writing would destroy). Without `probe` (a rank that will not write
+    the file: only rank 0 writes the report, the trace, the checkpoint) the folder is not
+    tried: on another node it may not exist or take files."""
     if path is None:
         return
-    out = Path(path)
+    try:
+        _check_output(Path(path), path, inputs, what, probe)
+    except OSError as exc:  # a folder on the way that cannot be searched (mode 000)
+        raise PipeplanError(f"{what} {path}: cannot be checked ({exc.strerror or exc}); choose "
+                            "another path") from None
+
+
+def _check_output(out: Path, path: str | Path, inputs: tuple[str | Path | None, ...], what: str,
+                  probe: bool) -> None:
     if out.is_dir():
         raise PipeplanError(f"{what} {path}: is a directory; give a file name")
     if out.exists() and not out.is_file():
@@ -155,9 +166,10 @@ def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] 
     if not folder.is_dir():
         raise PipeplanError(f"{what} {path}: {folder} is a file, not a directory")
     try:  # the folder the file (or its missing folders) will be made in takes a file
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".pipeplan-probe.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
+        if probe:
+            fd, name = tempfile.mkstemp(dir=folder, prefix=".pipeplan-probe.", suffix=".tmp")
+            os.close(fd)
+            os.unlink(name)
     except OSError as exc:
         raise PipeplanError(f"{what} {path}: cannot write in {folder} ({exc.strerror or exc}); "
                             "choose another path") from None

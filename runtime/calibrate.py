@@ -516,11 +516,16 @@ def _check_args(args: argparse.Namespace) -> None:
                             "ranks on one machine (one per device or core)")
     if args.rounds < 1:
         raise PipeplanError("--rounds must be at least 1")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise PipeplanError("--timeout must be a positive number of seconds")
+    from runtime.cli import MAX_TIMEOUT_S, MIN_TIMEOUT_S
+
+    if not (math.isfinite(args.timeout) and MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S):
+        raise PipeplanError(f"--timeout {args.timeout:g}: give a finite number of seconds, from "
+                            f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}")
     if args.memory_gb is not None and not (math.isfinite(args.memory_gb) and args.memory_gb > 0):
         raise PipeplanError(f"--memory-gb {args.memory_gb}: give the usable memory per device in GB (> 0)")
-    check_output(args.output, (args.profile, args.model, args.nominal))
+    # every rank checks its arguments; only rank 0 writes cluster.json
+    check_output(args.output, (args.profile, args.model, args.nominal),
+                 probe=os.environ.get("RANK", "0") == "0")
     if args.profile:
         from planner.formats import Profile
         from planner.io import load_model, not_a_file

@@ -79,16 +79,17 @@ def _resume_meta(directory: str) -> dict[str, object]:
 
 
 MIN_TIMEOUT_S = 1.0  # --timeout below this fails the rendezvous itself
+MAX_TIMEOUT_S = 1e7  # ~115 days; 1e14 overflowed the process group's timedelta on every rank
 
 
 def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     if args.steps < 1:
         raise PipeplanError("--steps must be at least 1")
-    if not (math.isfinite(args.timeout) and args.timeout >= MIN_TIMEOUT_S):
+    if not (math.isfinite(args.timeout) and MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S):
         # nan and inf passed `<= 0` and crashed every rank in init_process_group; under a
         # second, gloo's own connect timed out before the ranks had started
-        raise PipeplanError(f"--timeout {args.timeout:g}: give a finite number of seconds, at least "
-                            f"{MIN_TIMEOUT_S:g} (the time a rank waits for a peer)")
+        raise PipeplanError(f"--timeout {args.timeout:g}: give a finite number of seconds, from "
+                            f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} (the time a rank waits for a peer)")
     if args.threads is not None:
         from profiler.profile import check_threads
 
@@ -96,13 +97,14 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
         raise PipeplanError(f"--lr {args.lr}: give a learning rate >= 0")
     inputs = (args.plan, args.model)
-    check_output(args.report, inputs, "--report")
-    check_output(args.trace, inputs, "--trace")
+    writer = os.environ.get("RANK", "0") == "0"  # the launcher, or rank 0: the one that writes
+    check_output(args.report, inputs, "--report", probe=writer)
+    check_output(args.trace, inputs, "--trace", probe=writer)
     if args.save is not None:
         save = Path(args.save)
         if save.exists() and not save.is_dir():
             raise PipeplanError(f"--save {args.save}: is a file; --save writes a directory")
-        check_output(save / "model.pt", inputs, "--save")
+        check_output(save / "model.pt", inputs, "--save", probe=writer)
     granularity = args.granularity or getattr(plan, "granularity", None)
     meta = _resume_meta(args.resume) if args.resume else {}
     optimizer = args.optimizer or meta.get("optimizer") or plan.options.optimizer

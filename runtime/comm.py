@@ -73,9 +73,29 @@ def collective(what: str, timeout_s: float) -> Iterator[None]:
         yield
     except PeerError:
         raise
-    except RuntimeError as exc:  # gloo / NCCL / the store: DistError and its kinds are RuntimeErrors
+    except RuntimeError as exc:  # gloo / NCCL / the store raise RuntimeErrors (DistError among them)
+        if not peer_failure(exc):
+            raise  # this rank's own: memory it could not allocate, NCCL that would not start
         raise PeerError(-1, f"{what}: {failure_reason(exc, timeout_s)}; another rank has died, "
                             "raised an error or hangs") from None
+
+
+# what the backends and the store say when a peer is gone or silent (gloo: "Timed out waiting
+# ...", "Connection closed by peer"; the store: "wait timeout after ..."; NCCL: "Connection reset
+# by peer", the watchdog's "collective operation timeout")
+_PEER_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "closed by peer",
+               "reset by peer", "broken pipe", "connection refused")
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether a collective's error says a peer is gone or silent, not that this rank failed
+    (an allocation that failed, an out-of-memory: those stay this rank's own error)."""
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+        return False
+    text = str(exc).lower()
+    if "allocate" in text or "out of memory" in text:
+        return False
+    return any(w in text for w in _PEER_WORDS)
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:

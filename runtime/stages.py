@@ -157,8 +157,9 @@ def check_layers(plan: Plan, names: list[str], model_path: str, granularity: str
                  if k < min(len(planned), len(names)) else
                  f"it lacks the model's layer {names[k]!r}" if k < len(names) else
                  f"it has {planned[k]!r} past the model's last layer")
-        if len(planned) != len(set(planned)):
-            twice = next(n for i, n in enumerate(planned) if n in planned[:i])
+        seen: set[str] = set()
+        twice = next((n for n in planned if n in seen or seen.add(n)), None)
+        if twice is not None:
             where = f"it names layer {twice!r} twice"
         raise PipeplanError(
             f"the plan's stages cover {len(planned)} layers but {model_path} traces into "

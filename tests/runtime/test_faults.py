@@ -82,9 +82,10 @@ def test_a_rank_that_never_joins_is_named_not_the_one_that_waited(run, fault):
     assert wall < 120
 
 
-@pytest.mark.parametrize("timeout", ["nan", "inf", "1e-9"])
+@pytest.mark.parametrize("timeout", ["nan", "inf", "1e-9", "1e14"])
 def test_a_timeout_that_is_no_time_is_refused_before_any_rank(run, timeout):
-    """nan and inf passed the launcher's `<= 0` and crashed every rank in init_process_group."""
+    """nan and inf passed the launcher's `<= 0` and crashed every rank in init_process_group;
+    1e14 overflowed the process group's timedelta on every rank."""
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, [3, 3])
     rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--timeout", timeout)

@@ -1,0 +1,32 @@
+"""Which errors of a collective step are a peer's (the launcher then names the rank that hangs
+or died) and which stay this rank's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import comm
+
+
+@pytest.mark.parametrize(("exc", "peer"), [
+    (RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send"), True),
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
+    (torch.distributed.DistStoreError("wait timeout after 10000ms, keys: /default_pg/0//cpu//0/1"), True),
+    (RuntimeError("NCCL error: remote process exited or there was a network error, Connection reset by peer"), True),
+    # this rank's own: gathering a large checkpoint on rank 0 ran out of memory; NCCL would not start
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"), False),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"), False),
+])
+def test_only_a_peer_s_failure_becomes_a_peer_error(exc: RuntimeError, peer: bool) -> None:
+    assert comm.peer_failure(exc) is peer
+    with pytest.raises(comm.PeerError if peer else type(exc)):
+        with comm.collective("a step", 3.0):
+            raise exc
+
+
+def test_an_allocation_inside_a_collective_step_stays_this_rank_s_error() -> None:
+    with pytest.raises(RuntimeError, match="allocat") as got:
+        with comm.collective("collecting the checkpoint's parts on rank 0 (--save)", 3.0):
+            torch.empty(1 << 60, dtype=torch.uint8)
+    assert not isinstance(got.value, comm.PeerError)
