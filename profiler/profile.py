@@ -209,11 +209,15 @@ def profile_model_file(
 def check_tp_plan(path: str | Path, batch_size: int, seed: int = 0) -> None:
     """Before any measuring (`profile --tp`): the model file has a tensor-parallel plan, else
     a PipeplanError saying how to give one."""
-    from runtime.tensor_parallel import model_tp_plan
-
     mf = load_model_file(path)
     torch.manual_seed(seed)
-    if not model_tp_plan(build_checked(mf, batch_size), mf.tp_plan):
+    _require_tp_plan(mf, build_checked(mf, batch_size))
+
+
+def _require_tp_plan(mf: Any, model: torch.nn.Module) -> None:
+    from runtime.tensor_parallel import model_tp_plan
+
+    if not model_tp_plan(model, mf.tp_plan):
         raise PipeplanError(f"--tp: {mf.path} has no tensor-parallel plan; define "
                             "tp_plan(model) -> {module-name pattern: 'colwise' | 'rowwise' | ...} "
                             "in the model file (see examples/gpt.py)")
@@ -234,7 +238,7 @@ def add_tp_degrees(profile: Profile, path: str | Path, degrees: list[int], batch
         torch.manual_seed(seed)
         return build_checked(mf, batch_size)
 
-    check_tp_plan(path, batch_size, seed)
+    _require_tp_plan(mf, build())  # on its own module and model, not the file loaded again
     granularity = getattr(profile, "granularity", None) or "blocks"
     per_layer: list[list[Any]] = [list(layer.tp or []) for layer in profile.layers]
     for t in degrees:

@@ -322,6 +322,8 @@ class Worker:
 
     # ------------------------------------------------------------------ training
     def train(self) -> RankRecord:
+        from profiler.loader import batch_checked
+
         plan, opts = self.plan, self.opts
         step_ms, comm_ms, idle_ms, opt_ms = [], [], [], []
         self.losses: list[float] = []
@@ -339,8 +341,6 @@ class Worker:
             torch.manual_seed(opts.seed + s)
             # checked as the profiler checks it (a tuple of tensors and one target): a bare
             # tensor or a target of None failed inside split_batch
-            from profiler.loader import batch_checked
-
             inputs, targets = split_batch(batch_checked(self.mf, plan.global_batch), self.b, self.m)
             counters = rng.int_buffers(self.module) if self.stage_group is not None else {}
             self.executor.step = s
