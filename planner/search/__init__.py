@@ -828,11 +828,14 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         share = (TIGHTEN_SHARE * total_work - tighten_work) / (len(todo) - k)
         c = conds[b]
         assert c is not None
+        classed = None
         if c.hop_classes > 1 and CLASS_STEPS * tighten_step_work(replace(c, cross_stage=True)) > share:
             # too few steps with the hop classes: without them, as many steps as before them
-            # (with them, ResNet-18 on 2 x 8, tight, lost its 1 % proof: 947 -> 930 ms)
+            # (with them, ResNet-18 on 2 x 8, tight, lost its 1 % proof: 947 -> 930 ms); the
+            # classes only for a probe just below the plan, where one step may prove the 1 %
+            classed = c
             conds[b] = c = without_classes(c)
-        got, used = tighten(c, bounds[b], obj, share, deadline=deadline,
+        got, used = tighten(c, bounds[b], obj, share, deadline=deadline, classed=classed,
                             upper_feasible=b == cand.microbatch_size, feasible_at=feasible_at.setdefault(b, []))
         bounds[b] = max(bounds[b], got)
         tighten_work += used

@@ -333,10 +333,10 @@ def test_a_profile_of_no_time_is_a_clear_error(ms: float) -> None:
     """All-zero or subnormal layer times: a plan of them has no throughput a plan.json can
     hold (infinity was written as null, which `simulate` then refused) and the bound's
     arithmetic overflowed (an OverflowError traceback, a 500 in the service)."""
-    from planner.search.bound import _steps_to_prove
+    from planner.search.bound import steps_to_prove
     from tests.planner.helpers import chain_profile, cluster
 
     profile = chain_profile([ms] * 4, [ms] * 4)
     with pytest.raises(PipeplanError, match="profile the model again|Profile the model again"):
         make_plan(profile, cluster(), PlanOptions(global_batch=16, microbatch_size=8, optimizer="sgd"))
-    assert _steps_to_prove(5e-324, 1.0) > 0
+    assert steps_to_prove(5e-324, 1.0) > 0
