@@ -479,7 +479,7 @@ def conditions(table: LayerTable, cluster: Cluster, optimizer: str, schedule: st
     HB = np.zeros(L + 1) if schedule == "zb-h1" else _min_prefix([v.Bp for v in variants])
     kept_lo, layer_act = recompute_prefixes(table, scale)
     first_bwd_lo = min(float(v.Bp[1] - v.Bp[0]) for v in variants) if L else 0.0
-    tail_b = np.full(L + 1, first_bwd_lo) if schedule == "zb-h1" else np.r_[HB[1:], HB[L]]
+    tail_b = np.full(L, first_bwd_lo) if schedule == "zb-h1" else HB[1:]  # [p]: after layer p's gradient
     skips = skip_arrivals(table, scale, HF, tail_b, lambda b: ms(b, fast))
     skip_in, skip_out = skips if skips is not None else (None, None)
     return Conditions(
@@ -1502,6 +1502,7 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
     scarce = not first and step <= max_work and steps < steps_to_prove(lo, hi)
     probes = [1e-3, PROOF_GAP]
     probe_c: Conditions | None = None  # the classed conditions for the probe below the plan
+    probe_step = 0
     if scarce:
         # the work no full step can use (at most COARSE_SHARE) finds where plans of `cz` are
         hi_c, spent, informative = _narrow(
@@ -1511,12 +1512,13 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
             if classed is not None:
                 pc = replace(classed, cross_stage=True, prefix_hops=cz.prefix_hops,
                              microbatch_paths=cz.microbatch_paths, grouped=cz.grouped)
-                if spent + tighten_step_work(pc) <= max_work:
+                if spent + (probe_step := tighten_step_work(pc)) <= max_work:
                     probe_c = pc
         else:
             scarce = False  # the 1 % cannot be proven, or nothing says it can: bisect
     while hi - lo > rel_tol * hi and spent + step <= max_work and time.perf_counter() < deadline:
         mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
+        here, cost = cz, step
         if first:
             mid = hi  # no plan of this microbatch size may be as fast as the best found
             first = False
@@ -1525,11 +1527,11 @@ def tighten(c: Conditions, lower_ms: float, upper_ms: float, max_work: float,
                 near = upper_ms * (1 - probes.pop(0))
                 if mid < near < hi:
                     mid = near
+                    if probe_c is not None:  # (set only where PROOF_GAP is the one probe)
+                        # a plan of it is a plan of `cz`: the bisection goes on with `cz`
+                        here, cost, probe_c = probe_c, probe_step, None
                     break
-        here = cz
-        if probe_c is not None and mid == upper_ms * (1 - PROOF_GAP):
-            here, probe_c = probe_c, None  # a plan of it is a plan of `cz`: its bisection goes on
-        spent += step if here is cz else tighten_step_work(here)
+        spent += cost
         if feasible_at is None:
             ok = feasible(here, mid)
         elif ok := (plan := plan_at(here, mid)) is not None:
