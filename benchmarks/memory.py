@@ -84,6 +84,7 @@ def measure(model: str, stages: int, schedule: str, recompute: tuple[int, ...], 
             "error": r["peak_memory_bytes"] / predicted - 1,
             "peak_inflight": r["peak_inflight_microbatches"],
             "deferred_w": plan.generator.params.get("deferred_w") if plan.generator else None,
+            "fused_backward": plan.generator.params.get("fused_backward") if plan.generator else None,
             "peak_activation_bytes": r.get("peak_activation_bytes"),
         })
     return rows

@@ -21,6 +21,15 @@ bytes per microbatch. A plan's ZB-H1 therefore defers, per stage, as many W's as
 stage's peak memory within the busiest stage's 1F1B peak (`zb_h1_memory_deferrals`, from the
 cost model's bytes; a microbatch between B and W also holds its W's gradients) and stores the
 counts in its generator (`params["deferred_w"]`, one per stage).
+
+A stage may also run B and W as one backward, 1F1B's, with no W actions (`FUSED`; the plan's
+`params["fused_backward"]` lists those stages). Stage 0 does where it defers nothing: its
+inputs need no gradient, so its B sends nothing and its W runs the whole backward (one action
+per microbatch fewer, the same time). A later stage does where it would exceed the busiest
+stage's 1F1B peak even deferring nothing: between its B and W a split backward keeps the
+gradients at the intermediates, one microbatch's worth above 1F1B's peak; fused, it holds
+1F1B's own, and its previous stage gets the gradient after B + W instead of B. So every
+stage of a generated ZB-H1 plan stays within the busiest stage's 1F1B peak.
 """
 
 from __future__ import annotations
@@ -34,14 +43,16 @@ from planner.errors import PipeplanError
 from planner.formats import Plan, ScheduleGenerator
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+FUSED = -1  # a ZB-H1 stage's deferral that runs B and W as one backward (no W actions)
 EXPLICIT_LIMIT_ACTIONS = 20_000  # above this many actions in total, plans store the generator
 
 
 def replica_actions(name: str, stage: int, stage_replicas: Sequence[int], replica: int,
                     num_microbatches: int, deferred: int | None = None) -> list[Action]:
     """The actions of replica `replica` of stage `stage` (`stage_replicas[s]` = r_s); ZB-H1
-    defers `deferred` W's (None: `zb_h1_deferred_w`). A new list each call (the search
-    generates the same ones thousands of times: they are kept, `_replica_actions`)."""
+    defers `deferred` W's (None: `zb_h1_deferred_w`; `FUSED`: no W, B is the whole backward).
+    A new list each call (the search generates the same ones thousands of times: they are
+    kept, `_replica_actions`)."""
     if num_microbatches > CACHED_MICROBATCHES:
         return _make_replica_actions(name, stage, stage_replicas, replica, num_microbatches, deferred)
     return list(_replica_actions(name, stage, tuple(stage_replicas), replica, num_microbatches, deferred))
@@ -74,7 +85,7 @@ def _make_replica_actions(name: str, stage: int, stage_replicas: Sequence[int], 
     if name == "zb-h1":
         if deferred is None:
             deferred = zb_h1_deferred_w(num_microbatches, stage_replicas, stage, replica)
-        return with_deferred_w(out, deferred)
+        return out if deferred == FUSED else with_deferred_w(out, deferred)
     return out
 
 
@@ -148,42 +159,47 @@ def _stage_peak(costs: PipelineCosts) -> Callable[[int, str, int | None], float]
 def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     """Per stage, the W's a ZB-H1 replica defers: `zb_h1_deferred_w`, lowered until the stage's
     peak memory (static + what its microbatches hold, action by action: `rank_memory_peak`) is
-    within the 1F1B peak of the busiest stage on the same costs (never below 0: a stage whose
-    W's all run right after their B may still exceed it by one microbatch's W gradients)."""
+    within the 1F1B peak of the busiest stage on the same costs. `FUSED` (B and W as one
+    backward) where that leaves 0: on stage 0, whose B sends nothing (the same time, one
+    action fewer), and on a stage that deferring nothing would still exceed that peak by one
+    microbatch's W gradients (fused, it holds its own 1F1B peak)."""
     m, S = costs.num_microbatches, costs.num_stages
     replicas = tuple(len(devs) for devs in costs.stage_devices)
     peak = _stage_peak(costs)
-    cap = max(peak(s, "1f1b", None) for s in range(S))
+    cap = max(peak(s, "1f1b", None) for s in range(S)) * (1 + 1e-12)
     out = []
     for s in range(S):
         d = max(zb_h1_deferred_w(m, replicas, s, k) for k in _replica_kinds(m, replicas[s]))
-        if d > 0 and peak(s, "zb-h1", d) > cap * (1 + 1e-12):
+        if d > 0 and peak(s, "zb-h1", d) > cap:
             lo, hi = 0, d  # deferring more never holds less: bisect for the most that fits
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if peak(s, "zb-h1", mid) > cap * (1 + 1e-12):
+                if peak(s, "zb-h1", mid) > cap:
                     hi = mid
                 else:
                     lo = mid
             d = lo
+        if d == 0 and (s == 0 or peak(s, "zb-h1", 0) > cap):
+            d = FUSED
         out.append(d)
     return out
 
 
 def zb_h1_own_peaks(costs: PipelineCosts) -> list[float]:
-    """Per stage, what its own costs make it hold under ZB-H1 whatever the other stages do:
-    its 1F1B peak (the cap of every stage's deferrals is the largest of these) and its peak
-    with no W deferred (the least it can hold), the larger of the two. A stage above its
-    memory limit here must recompute; once every such stage has, no stage's cap is above
-    its limit, so the others fit (`planner.search.space.Evaluator`)."""
+    """Per stage, what its own costs make it hold under ZB-H1 whatever the other stages do: its
+    1F1B peak (the least, fused or deferring nothing; the cap of every stage's deferrals is
+    the largest of these). A stage above its memory limit here must recompute; once every
+    such stage has, no stage holds more than the largest of its limits, so on devices alike
+    the others fit (`planner.search.space.Evaluator`)."""
     peak = _stage_peak(costs)
-    return [max(peak(s, "1f1b", None), peak(s, "zb-h1", 0)) for s in range(costs.num_stages)]
+    return [peak(s, "1f1b", None) for s in range(costs.num_stages)]
 
 
 def generate(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int,
              deferred: Sequence[int] | None = None) -> dict[int, list[Action]]:
     """Per global rank, its actions; `stage_devices[s][k]` is the rank of replica k of stage s;
-    ZB-H1 defers `deferred[s]` W's on stage s (None: `zb_h1_deferred_w`)."""
+    ZB-H1 defers `deferred[s]` W's on stage s (None: `zb_h1_deferred_w`; `FUSED`: none, one
+    backward)."""
     if name not in SCHEDULES:
         raise PipeplanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     replicas = [len(devs) for devs in stage_devices]
@@ -197,15 +213,26 @@ def generate(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches
 
 
 def _check_deferred(deferred: Sequence[int] | None, num_stages: int) -> None:
-    if deferred is not None and (len(deferred) != num_stages or any(d < 0 for d in deferred)):
+    if deferred is not None and (len(deferred) != num_stages or any(d < FUSED for d in deferred)):
         raise PipeplanError(f"schedule generator: deferred_w must give one count >= 0 per stage "
                             f"({num_stages}), not {list(deferred)}; make the plan again")
 
 
 def generator_deferred(generator: ScheduleGenerator) -> list[int] | None:
-    """A stored generator's per-stage ZB-H1 deferral counts, if it has them."""
+    """A stored generator's per-stage ZB-H1 deferral counts, if it has them, `FUSED` on the
+    stages its `fused_backward` lists."""
     d = generator.params.get("deferred_w")
-    return list(d) if isinstance(d, list) else None
+    if not isinstance(d, list):
+        return None
+    if any(x < 0 for x in d):
+        raise PipeplanError(f"schedule generator: deferred_w must give one count >= 0 per stage, "
+                            f"not {d}; make the plan again")
+    fused = generator.params.get("fused_backward", [])
+    fused = fused if isinstance(fused, list) else [fused]
+    if any(not 0 <= s < len(d) for s in fused):
+        raise PipeplanError(f"schedule generator: fused_backward lists stages {fused}, but the plan "
+                            f"has {len(d)}; make the plan again")
+    return [FUSED if s in fused else x for s, x in enumerate(d)]
 
 
 def generate_rank(name: str, stage_devices: Sequence[Sequence[int]], num_microbatches: int,
@@ -256,10 +283,12 @@ def plan_schedule_fields(name: str, stage_devices: Sequence[Sequence[int]], num_
     """What a plan stores: explicit per-rank action strings when small (else None) and always
     the generator that reproduces them. `stage_devices` lists every rank of a stage; with
     tensor-parallel degrees `tps` the ranks of one replica get the same list; ZB-H1's
-    per-stage `deferred` counts (see `generate`) go into the generator's params."""
+    per-stage `deferred` counts (see `generate`) go into the generator's params: `deferred_w`
+    (0 where fused) and the fused stages in `fused_backward`."""
     params: dict[str, int | list[int]] = {"num_microbatches": num_microbatches}
     if deferred is not None and name == "zb-h1":
-        params["deferred_w"] = list(deferred)
+        params["deferred_w"] = [max(d, 0) for d in deferred]
+        params["fused_backward"] = [s for s, d in enumerate(deferred) if d == FUSED]
     else:
         deferred = None
     generator = ScheduleGenerator(name=name, params=params)  # type: ignore[arg-type]

@@ -356,7 +356,9 @@ class StageExecutor:
             from runtime.split_backward import backward_input
 
             keys = list(st.received)
-            full = [g if g is not None else torch.ones_like(t) for t, g in zip(tensors, grads, strict=True)]
+            # a scalar's (the loss's) gradient stays implicit: W would keep it until it runs
+            full = [g if g is not None or t.dim() == 0 else torch.ones_like(t)
+                    for t, g in zip(tensors, grads, strict=True)]
             with self._with_recompute_count(st), self._compiled_refuses_twice():
                 got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
                                                  self._weights, direct=self.recompute)

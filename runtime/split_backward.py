@@ -36,7 +36,7 @@ class PendingWeights:
 
     groups: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
-    output_grads: list[torch.Tensor] = field(default_factory=list)
+    output_grads: list[torch.Tensor | None] = field(default_factory=list)  # None: a scalar's ones
     direct: list[torch.Tensor] = field(default_factory=list)  # weights outside every group
 
 
@@ -49,7 +49,7 @@ def _accumulate(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
         weight.grad += grad
 
 
-def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor],
+def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
                    direct: bool = False) -> tuple[list[torch.Tensor | None], PendingWeights]:
     """B: the gradients of `inputs` (None where unused), and what W needs. `direct`: W computes
@@ -97,7 +97,7 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
 
 def held_tensors(pending: PendingWeights) -> list[torch.Tensor]:
     """The gradients `pending` keeps from B until W: the outputs' and the intermediates'."""
-    out = list(pending.output_grads)
+    out = [g for g in pending.output_grads if g is not None]
     for group in pending.groups:
         for grads in group["grads"]:
             out.extend(g for g in grads or () if isinstance(g, torch.Tensor))

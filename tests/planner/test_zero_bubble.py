@@ -11,6 +11,7 @@ from helpers import chain_profile, cluster, equal_costs
 from planner.actions import Action
 from planner.build import evaluate
 from planner.cost import layer_table
+from planner.errors import PipeplanError
 from planner.formats import Plan, PlanOptions
 from planner.p2p_order import check_plan, check_schedule
 from planner.partition import Candidate, StageChoice
@@ -204,33 +205,76 @@ def _peaks(costs, schedule, deferred=None):
 def test_zb_h1_defers_ws_only_within_the_busiest_stages_1f1b_peak():
     from dataclasses import replace
 
-    from planner.schedules import zb_h1_deferred_w, zb_h1_memory_deferrals
+    from planner.schedules import FUSED, zb_h1_deferred_w, zb_h1_memory_deferrals
 
     p, m = 4, 8
     default = [zb_h1_deferred_w(m, [1] * p, s) for s in range(p)]
-    # equal stages: the paper's ZB-H1 (stage s defers s W's) already holds no more than 1F1B
+    # equal stages: the paper's ZB-H1 (stage s defers s W's) already holds no more than 1F1B;
+    # stage 0, deferring nothing and sending no gradient, runs one backward
     equal = equal_costs(p, m, act_bytes=10.0)
-    assert zb_h1_memory_deferrals(equal) == default == [0, 1, 2, 3]
+    assert default == [0, 1, 2, 3]
+    assert zb_h1_memory_deferrals(equal) == [FUSED, 1, 2, 3]
     assert max(_peaks(equal, "zb-h1")) == pytest.approx(max(_peaks(equal, "1f1b")))
+    assert _peaks(equal, "zb-h1", [FUSED, 1, 2, 3]) == _peaks(equal, "zb-h1")
     # stage 2 keeps 5x the bytes per microbatch, and every stage's W gradients are 2 more
-    # bytes: deferring 2 W's there would exceed 1F1B's peak (stage 2's own 1F1B peak, 2 x 50)
+    # bytes: deferring 2 W's there would exceed 1F1B's peak (stage 2's own 1F1B peak, 2 x 50),
+    # and so would deferring none (50 + 52): it runs one backward
     costs = replace(equal, activation_bytes_per_microbatch=(10.0, 10.0, 50.0, 10.0),
                     weight_hold_bytes_per_microbatch=(12.0, 12.0, 52.0, 12.0))
     d = zb_h1_memory_deferrals(costs)
-    assert d[2] < default[2] and d[:2] == default[:2]
+    assert d[:3] == [FUSED, 1, FUSED]
     one, zb = _peaks(costs, "1f1b"), _peaks(costs, "zb-h1", d)
     uncapped = _peaks(costs, "zb-h1")
     assert max(uncapped) > max(one)
-    # within 1F1B's peak, but for one microbatch's W gradients on a stage deferring nothing
-    assert all(z <= max(one) or (ds == 0 and z <= max(one) + 2.0) for z, ds in zip(zb, d, strict=True))
-    assert max(zb) <= max(one) + 2.0
+    assert max(zb) <= max(one)
     # the counts travel in the plan's generator, and the plan's actions use them
-    from planner.schedules import plan_schedule_fields
+    from planner.schedules import generator_deferred, plan_schedule_fields
 
     actions, gen = plan_schedule_fields("zb-h1", [[0], [1], [2], [3]], m, deferred=d)
-    assert gen.params["deferred_w"] == d
+    assert gen.params["deferred_w"] == [0, 1, 0, 3] and gen.params["fused_backward"] == [0, 2]
+    assert generator_deferred(gen) == d
     assert actions == {str(r): [str(a) for a in acts]
                        for r, acts in generate("zb-h1", [[0], [1], [2], [3]], m, d).items()}
+    assert not any(a.endswith(f"W{j}") for a in actions["0"] for j in range(m))
+
+
+def test_zb_h1_stage_that_would_exceed_the_1f1b_peak_deferring_nothing_runs_one_backward():
+    """Equal stages whose W gradients are large: deferring nothing, a split stage s > 0 holds
+    one microbatch's W gradients above its 1F1B peak, which is the busiest (stage 0's holds
+    one microbatch more, but less per microbatch): it fuses, and every stage stays within."""
+    from dataclasses import replace
+
+    from planner.schedules import FUSED, zb_h1_memory_deferrals
+
+    p, m = 4, 8
+    costs = replace(equal_costs(p, m, act_bytes=10.0),
+                    activation_bytes_per_microbatch=(5.0, 10.0, 10.0, 10.0),
+                    weight_hold_bytes_per_microbatch=(5.0, 25.0, 25.0, 25.0))
+    one = _peaks(costs, "1f1b")
+    assert max(one) == one[1] == 100.0 + 3 * 10.0  # static + 3 in flight
+    d = zb_h1_memory_deferrals(costs)
+    assert d[0] == FUSED and d[1] == FUSED  # split with 0 deferred: 2 x 10 + 25 = 45 > 30
+    zb = _peaks(costs, "zb-h1", d)
+    assert max(zb) <= max(one) and zb[1] == one[1]
+    split = _peaks(costs, "zb-h1", [0 if x == FUSED else x for x in d])
+    assert split[1] > max(one)
+    # the fused stage's previous stage gets its gradient after B + W: never faster
+    fast = simulate_costs(costs, generate("zb-h1", costs.stage_devices, m, [0 if x == FUSED else x for x in d]))
+    slow = simulate_costs(costs, generate("zb-h1", costs.stage_devices, m, d))
+    assert slow.iteration_ms >= fast.iteration_ms
+
+
+def test_stored_generator_rejects_a_negative_deferral_and_unknown_fused_stages():
+    from planner.formats import ScheduleGenerator
+    from planner.schedules import generator_deferred
+
+    with pytest.raises(PipeplanError, match="deferred_w"):
+        generator_deferred(ScheduleGenerator(name="zb-h1", params={"deferred_w": [-1, 0]}))
+    with pytest.raises(PipeplanError, match="fused_backward"):
+        generator_deferred(ScheduleGenerator(name="zb-h1", params={"deferred_w": [0, 0],
+                                                                   "fused_backward": [2]}))
+    # a plan from before fused stages: every stage splits
+    assert generator_deferred(ScheduleGenerator(name="zb-h1", params={"deferred_w": [0, 1]})) == [0, 1]
 
 
 def test_w_hold_and_recompute_transient_from_the_profiles_split_bytes():

@@ -25,7 +25,8 @@ from runtime import stages as runtime_stages
 
 def make_plan(model_path: str | Path, layers: list[str], split: list[int], replicas: list[int],
               *, schedule: str = "1f1b", global_batch: int = 8, microbatch_size: int = 2,
-              recompute: list[bool] | None = None, tp: list[int] | None = None) -> Plan:
+              recompute: list[bool] | None = None, tp: list[int] | None = None,
+              deferred: list[int] | None = None) -> Plan:
     assert sum(split) == len(layers)
     stages, start, rank = [], 0, 0
     tp = tp or [1] * len(split)
@@ -41,7 +42,7 @@ def make_plan(model_path: str | Path, layers: list[str], split: list[int], repli
         rank += r * t
     m = global_batch // microbatch_size
     rank_actions, generator = plan_schedule_fields(schedule, [s.devices for s in stages], m,
-                                                   tps=[s.tp for s in stages])
+                                                   tps=[s.tp for s in stages], deferred=deferred)
     return Plan(
         profile_sha256="test", model=ModelRef(path=str(model_path), sha256=file_sha256(model_path)),
         cluster=Cluster(nodes=1, devices_per_node=rank, device_memory_gb=1, intra_node_gb_per_s=10,

@@ -37,6 +37,21 @@ def test_mlp_zb_h1_three_stages(run, tmp_path, monkeypatch):
     assert {"0W0", "1W3", "2W1", "2B1"} <= measured
 
 
+def test_zb_h1_with_fused_stages_beside_split_ones(run, tmp_path, monkeypatch):
+    """The planner fuses B and W where splitting would exceed 1F1B's peak (and on stage 0):
+    such a rank runs one backward and sends its input's gradient after it, to a split rank."""
+    from planner.schedules import FUSED
+
+    monkeypatch.setenv("PIPEPLAN_MLP_DIM", "32")
+    model = EXAMPLES / "mlp.py"
+    plan = run.plan(model, 3, schedule="zb-h1", global_batch=8, microbatch_size=2,
+                    deferred=[0, FUSED, 2])
+    stored = json.loads(plan.read_text())
+    assert stored["generator"]["params"]["fused_backward"] == [1]
+    assert not any("W" in a for a in stored["rank_actions"]["1"])
+    _check(run, model, plan, 2, tmp_path)
+
+
 def test_replicated_stage_zb_h1_adam(run, tmp_path):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, 2, [2, 1], schedule="zb-h1", global_batch=12, microbatch_size=2)
