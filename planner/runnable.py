@@ -23,6 +23,8 @@ from planner.validate import ScheduleError, format_grid, validate
 def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]) -> dict[int, list[Action]]:
     tps = [st.tp for st in plan.stages]
     m = plan.num_microbatches
+    if plan.generator is not None:  # checked also where the explicit lists are what runs
+        generator_deferred(plan.generator, len(plan.stages))
     if plan.rank_actions is None:
         assert plan.generator is not None  # Plan's validator requires one of the two
         if plan.generator.name != plan.schedule:
@@ -33,7 +35,7 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
             raise PipeplanError(f"plan: num_microbatches is {m} but the schedule generator's is "
                                 f"{gm}; make the plan again")
         return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), m,
-                                      generator_deferred(plan.generator)),
+                                      generator_deferred(plan.generator, len(plan.stages))),
                              stage_devices, tps)
     try:
         keys = {int(k): k for k in plan.rank_actions}
@@ -44,9 +46,14 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
             f"plan: rank_actions has devices {sorted(keys)} but the stages use devices "
             f"{sorted(rank_of)}; every device of a stage needs its action list, and only those")
     try:
-        return {rank_of[d]: parse_actions(plan.rank_actions[k]) for d, k in keys.items()}
+        out = {rank_of[d]: parse_actions(plan.rank_actions[k]) for d, k in keys.items()}
     except ValueError as exc:
         raise PipeplanError(f"plan: rank_actions: {exc}") from None
+    if plan.schedule != "zb-h1" and (w := next((a for acts in out.values() for a in acts if a.kind == "W"),
+                                               None)) is not None:
+        raise PipeplanError(f"plan: rank_actions has {w}, a W (weight gradient) action, but the "
+                            f"schedule is {plan.schedule}: W actions are ZB-H1's; make the plan again")
+    return out
 
 
 def runnable_plan(plan: Plan) -> Plan:

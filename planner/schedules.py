@@ -218,20 +218,35 @@ def _check_deferred(deferred: Sequence[int] | None, num_stages: int) -> None:
                             f"({num_stages}), not {list(deferred)}; make the plan again")
 
 
-def generator_deferred(generator: ScheduleGenerator) -> list[int] | None:
+def generator_deferred(generator: ScheduleGenerator, num_stages: int | None = None) -> list[int] | None:
     """A stored generator's per-stage ZB-H1 deferral counts, if it has them, `FUSED` on the
-    stages its `fused_backward` lists."""
-    d = generator.params.get("deferred_w")
-    if not isinstance(d, list):
+    stages its `fused_backward` lists; checked against the plan's `num_stages`. A hand-edited
+    file whose counts are not what `plan_schedule_fields` writes is refused, not ignored."""
+    d, fused = generator.params.get("deferred_w"), generator.params.get("fused_backward")
+    again = "; make the plan again"
+    if generator.name != "zb-h1":
+        if d is not None or fused is not None:
+            raise PipeplanError(f"schedule generator: deferred_w and fused_backward are ZB-H1's, "
+                                f"not {generator.name}'s{again}")
         return None
-    if any(x < 0 for x in d):
+    if d is None:
+        if fused is not None:
+            raise PipeplanError(f"schedule generator: fused_backward needs deferred_w (a count of "
+                                f"deferred W's per stage){again}")
+        return None
+    if not isinstance(d, list) or any(x < 0 for x in d):
         raise PipeplanError(f"schedule generator: deferred_w must give one count >= 0 per stage, "
-                            f"not {d}; make the plan again")
-    fused = generator.params.get("fused_backward", [])
-    fused = fused if isinstance(fused, list) else [fused]
-    if any(not 0 <= s < len(d) for s in fused):
+                            f"not {d}{again}")
+    if num_stages is not None and len(d) != num_stages:
+        raise PipeplanError(f"schedule generator: deferred_w has {len(d)} counts {d} but the plan "
+                            f"has {num_stages} stages{again}")
+    fused = [] if fused is None else fused
+    if not isinstance(fused, list) or any(not 0 <= s < len(d) for s in fused):
         raise PipeplanError(f"schedule generator: fused_backward lists stages {fused}, but the plan "
-                            f"has {len(d)}; make the plan again")
+                            f"has {len(d)} (a list of stage indices 0..{len(d) - 1}){again}")
+    if any(d[s] != 0 for s in fused):
+        raise PipeplanError(f"schedule generator: a stage in fused_backward {fused} defers no W "
+                            f"(its deferred_w count is 0), not {d}{again}")
     return [FUSED if s in fused else x for s, x in enumerate(d)]
 
 
@@ -312,7 +327,7 @@ def actions_for_rank(plan: Plan, rank: int) -> list[Action]:
         if rank in st.devices:
             rank = st.devices[(st.devices.index(rank) // st.tp) * st.tp]
     return generate_rank(plan.generator.name, [s.replica_ranks() for s in plan.stages], m, rank,
-                         generator_deferred(plan.generator))
+                         generator_deferred(plan.generator, len(plan.stages)))
 
 
 def plan_actions(plan: Plan) -> dict[int, list[Action]]:
@@ -323,5 +338,5 @@ def plan_actions(plan: Plan) -> dict[int, list[Action]]:
     m = plan.generator.params.get("num_microbatches", plan.num_microbatches)
     assert isinstance(m, int)
     return with_tp_ranks(generate(plan.generator.name, [s.replica_ranks() for s in plan.stages], m,
-                                  generator_deferred(plan.generator)),
+                                  generator_deferred(plan.generator, len(plan.stages))),
                          [s.devices for s in plan.stages], [s.tp for s in plan.stages])

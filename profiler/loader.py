@@ -39,6 +39,15 @@ DONATED_ADVICE = (
     "model file, or compile the module only for 1F1B training")
 
 
+# torch.utils.checkpoint(use_reentrant=True) refuses `autograd.grad`, which B and W apart use
+REENTRANT = "When use_reentrant=True, torch.utils.checkpoint is incompatible"
+REENTRANT_ADVICE = (
+    "the model calls torch.utils.checkpoint with use_reentrant=True, which refuses "
+    "torch.autograd.grad: pipeplan takes the inputs' and the weights' gradients apart (the "
+    "profiler to time them, ZB-H1 to run them). Pass use_reentrant=False to checkpoint (or let "
+    "pipeplan recompute: plan --recompute / the planner's choice)")
+
+
 def file_sha256(path: str | Path) -> str:
     """sha256 of the file's bytes (a plan records it; the runtime checks it)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -20,6 +20,8 @@ from profiler.host_memory import keep_large_blocks
 from profiler.loader import (
     DONATED,
     DONATED_ADVICE,
+    REENTRANT,
+    REENTRANT_ADVICE,
     batch_checked,
     build_checked,
     call_user,
@@ -161,6 +163,8 @@ def profile_model_file(
         first = first_line(str(exc))
         if DONATED in str(exc):
             raise PipeplanError(f"{mf.path}: {DONATED_ADVICE}") from None
+        if REENTRANT in str(exc):
+            raise PipeplanError(f"{mf.path}: {REENTRANT_ADVICE}") from None
         raise PipeplanError(
             f"{mf.path}: the model ran once, then raised {type(exc).__name__}: {first} while it "
             "was timed (forward and backward passes, whole and layer by layer). Profiling runs "

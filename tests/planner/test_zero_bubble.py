@@ -4,6 +4,7 @@ the validator, the simulator against the paper's closed forms, the cost model an
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import chain_profile, cluster, equal_costs
@@ -264,17 +265,47 @@ def test_zb_h1_stage_that_would_exceed_the_1f1b_peak_deferring_nothing_runs_one_
     assert slow.iteration_ms >= fast.iteration_ms
 
 
-def test_stored_generator_rejects_a_negative_deferral_and_unknown_fused_stages():
+def test_stored_generator_rejects_what_the_planner_does_not_write():
+    """A hand-edited generator is refused in one line, never ignored: `fused_backward` and
+    `deferred_w` are ZB-H1's, a fused stage defers 0, one count per stage."""
     from planner.formats import ScheduleGenerator
-    from planner.schedules import generator_deferred
+    from planner.schedules import FUSED, generator_deferred
 
-    with pytest.raises(PipeplanError, match="deferred_w"):
-        generator_deferred(ScheduleGenerator(name="zb-h1", params={"deferred_w": [-1, 0]}))
-    with pytest.raises(PipeplanError, match="fused_backward"):
-        generator_deferred(ScheduleGenerator(name="zb-h1", params={"deferred_w": [0, 0],
-                                                                   "fused_backward": [2]}))
+    def gen(name="zb-h1", **params):
+        return ScheduleGenerator(name=name, params=params)
+
+    bad = [
+        (gen(deferred_w=[-1, 0]), "deferred_w must give one count >= 0"),
+        (gen(deferred_w=1), "deferred_w must give one count >= 0"),
+        (gen(deferred_w=[0, 0], fused_backward=[2]), "fused_backward lists stages [2]"),
+        (gen(deferred_w=[0, 0], fused_backward=1), "fused_backward lists stages 1"),
+        (gen(fused_backward=[0]), "fused_backward needs deferred_w"),
+        (gen(deferred_w=[3, 0], fused_backward=[0]), "defers no W"),
+        (gen("1f1b", deferred_w=[0, 0]), "are ZB-H1's, not 1f1b's"),
+        (gen("gpipe", fused_backward=[0]), "are ZB-H1's, not gpipe's"),
+    ]
+    for g, message in bad:
+        with pytest.raises(PipeplanError, match=re.escape(message)):
+            generator_deferred(g, 2)
+    # the length against the plan's stages, in the file's own terms
+    with pytest.raises(PipeplanError, match=re.escape("deferred_w has 2 counts [0, 1] but the plan has 3")):
+        generator_deferred(gen(deferred_w=[0, 1], fused_backward=[0]), 3)
     # a plan from before fused stages: every stage splits
-    assert generator_deferred(ScheduleGenerator(name="zb-h1", params={"deferred_w": [0, 1]})) == [0, 1]
+    assert generator_deferred(gen(deferred_w=[0, 1]), 2) == [0, 1]
+    assert generator_deferred(gen(deferred_w=[0, 1], fused_backward=[0, 0]), 2) == [FUSED, 1]
+    assert generator_deferred(gen("1f1b")) is None
+
+
+def test_w_actions_in_a_plan_of_another_schedule_are_refused():
+    from planner.runnable import runnable_plan
+
+    plan = make_plan(chain_profile([1.0] * 4), cluster(per_node=2),
+                     PlanOptions(global_batch=8, microbatch_size=2, method="manual", split=[2, 2],
+                                 optimizer="sgd"))
+    acts = {r: [*v, v[-1].replace("B", "W")] for r, v in plan.rank_actions.items()}  # a W after its B
+    edited = plan.model_copy(update={"rank_actions": acts})
+    with pytest.raises(PipeplanError, match="W actions are ZB-H1's"):
+        runnable_plan(edited)
 
 
 def test_w_hold_and_recompute_transient_from_the_profiles_split_bytes():

@@ -73,6 +73,14 @@ def loss_fn(out, y):
                                      "            if M.calls == 5:\n                raise RuntimeError('fifth call')\n"
                                      "            return super().forward(x)\n    return M(4, 2)"),
          ["the model ran once, then raised RuntimeError: fifth call", "the same way each time"]),
+        ("reentrant_checkpoint", GOOD.replace(
+            "    return torch.nn.Linear(4, 2)",
+            "    from torch.utils.checkpoint import checkpoint\n"
+            "    class M(torch.nn.Linear):\n"
+            "        def forward(self, x):\n"
+            "            return checkpoint(super().forward, x, use_reentrant=True)\n"
+            "    return torch.nn.Sequential(torch.nn.Linear(4, 4), M(4, 2))"),
+         ["use_reentrant=True", "Pass use_reentrant=False"]),
         ("exits", GOOD.replace("return torch.nn.Linear(4, 2)", "import sys\n    sys.exit(0)"),
          ["build_model() called sys.exit(0)", "must return, not exit"]),
         ("flat_target", GOOD.replace("torch.randn(n, 2)", "torch.randn(n * 2)")

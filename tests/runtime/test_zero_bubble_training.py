@@ -52,6 +52,22 @@ def test_zb_h1_with_fused_stages_beside_split_ones(run, tmp_path, monkeypatch):
     _check(run, model, plan, 2, tmp_path)
 
 
+def test_reentrant_checkpoint_trains_fused_and_is_refused_split_in_one_line(run, tmp_path):
+    """torch.utils.checkpoint(use_reentrant=True) refuses autograd.grad: a fused stage (one
+    backward) trains; a split one stops with the fix, not a traceback."""
+    from planner.schedules import FUSED
+
+    model = MODELS / "reentrant_checkpoint.py"
+    fused = run.plan(model, 2, schedule="zb-h1", global_batch=8, microbatch_size=2,
+                     deferred=[FUSED, FUSED])
+    _check(run, model, fused, 2, tmp_path)
+    split = run.plan(model, 2, schedule="zb-h1", global_batch=8, microbatch_size=2,
+                     deferred=[FUSED, 0], name="split.json")
+    rc, _, err, _ = run(split, "--model", model, "--steps", 1, "--timeout", 60)
+    assert rc != 0 and "Traceback" not in err, err
+    assert "use_reentrant=True" in err and "Pass use_reentrant=False" in err, err
+
+
 def test_replicated_stage_zb_h1_adam(run, tmp_path):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, 2, [2, 1], schedule="zb-h1", global_batch=12, microbatch_size=2)
