@@ -31,8 +31,10 @@ CLOSE = {"connection": "close"}
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, detail=f"request body over this server's limit of {limit} bytes "
-                         "(the server's PIPEPLAN_MAX_BODY_BYTES); send a profile once with "
-                         "POST /v1/profiles and then refer to it by profile_id", headers=CLOSE)
+                         "(the server's PIPEPLAN_MAX_BODY_BYTES): a plan request can send its "
+                         "profile once with POST /v1/profiles and then refer to it by profile_id; "
+                         "a profile that is itself this large needs a server started with a larger "
+                         "PIPEPLAN_MAX_BODY_BYTES", headers=CLOSE)
 
 
 class BodyTimeout(HTTPException):

@@ -140,10 +140,16 @@ class RequestContext:
             seconds = time.perf_counter() - t0
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            self.metrics.request(template, scope["method"], status, seconds)
+            # a method a client invents is counted as "other": one series each would let any
+            # client grow /metrics (and this process's memory) without bound
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+            self.metrics.request(template, method, status, seconds)
             log.info("%s %s %d", scope["method"], scope["path"], status,
                      extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
                             "route": template, "status": status, "duration_ms": round(seconds * 1e3, 2)})
+
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
 
 
 class JsonFormatter(logging.Formatter):

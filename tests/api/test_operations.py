@@ -57,6 +57,12 @@ def test_metrics_and_probes(client: TestClient) -> None:
     assert 'pipeplan_http_request_duration_seconds_bucket{route="/v1/plans",method="POST",le="+Inf"} 1' in text
     assert re.search(r'pipeplan_solve_duration_seconds_count\{kind="plan",method="blocks",outcome="ok"\} 1', text)
     assert "pipeplan_jobs_queued 0" in text and "pipeplan_solver_workers 2" in text
+    # methods a client invents share one series: /metrics does not grow with them
+    for k in range(3):
+        client.request(f"BREW{k}" + "X" * 1000, "/v1/plans")
+    text = client.get("/metrics").text
+    assert "BREW" not in text
+    assert re.search(r'pipeplan_http_requests_total\{route="/v1/plans",method="other",status="405"\} 3', text), text
     assert client.get("/livez").status_code == 200
     ready = client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["database"] and ready.json()["workers"]
