@@ -6,7 +6,11 @@ search. Where stages may recompute, a stage meets its conditions plain or recomp
 them the 1000-layer chain on 16 devices at 1 GB/s is bounded at 450 ms, not the 251 ms of the
 work alone, against a 709-ms plan), and a stage's link out carries what the next stage's
 first layer reads from it, a DAG's skips included (ResNet-101 on 128 devices: 411.1 -> 412.9
-ms, a 416.1-ms plan). Its DPs count their work (`layer_dp_work`) in the bound's share."""
+ms, a 416.1-ms plan). A stage's 1F1B warm-up counts the fewest replicas the layers after it
+can have with their own activations in memory (`least_after`): where activations bind, many
+more than their static memory alone asks (ResNet-18 on 128 devices, tight memory, b = 32:
+89.7 -> 103.3 ms; ResNet-50 141.6 -> 147.8). Its DPs count their work (`layer_dp_work`) in the
+bound's share."""
 
 from __future__ import annotations
 
@@ -88,6 +92,14 @@ class StageBounds:
         ar_lat = np.where(rs > 1, 2 * (rs - 1) * lat, 0.0)
         half = link / 2
 
+        # the fewest replicas the layers from z on can have, memory alone (`least_after`): a
+        # stage's 1F1B warm-up counts every replica after it, and where activations bind those
+        # are many more than the stages the later static memory needs
+        if options.schedule != "gpipe":
+            later_stages = np.maximum(later_stages, least_after(
+                P * (2 + k) - Z * (1 + k), A, self.K if recompute else None,
+                self.act_one if recompute else None, m, mem))
+
         self.options, self.devices, self.vmax = options, devices, vmax
         self.L, self.D, self.m, self.F, self.B, self.P, self.A, self.k = L, D, m, F, B, P, A, k
         self.Z = Z
@@ -150,6 +162,44 @@ class StageBounds:
         return ok
 
 
+def least_after(static: np.ndarray, act: np.ndarray, kept_rc: np.ndarray | None,
+                act_one: np.ndarray | None, m: int, mem: float) -> np.ndarray:
+    """(L + 1,): for each z, the fewest replicas (one device each at least) over the stages
+    that hold layers [z, L) in any plan whose every stage fits memory (inf: none fits).
+
+    A stage [z, y) with r replicas and d replicas after it holds, on its busiest replica,
+    `min(ceil(m / r), ceil((r + d) / r))` microbatches in flight (1F1B's warm-up,
+    `cost.warmup_1f1b`) of `act[y] - act[z]` bytes each, plus its static memory
+    `static[y] - static[z]` (prefix sums); recomputed (where `kept_rc` is given), each keeps
+    `kept_rc[y] - kept_rc[z]` and a backward one layer's `act_one` more. Fewer replicas after
+    it hold fewer in flight, so with d the fewest the layers from y on can have, the least r
+    that fits gives the fewest from z: by induction no plan's stages from z on have fewer."""
+    L = len(static) - 1
+    out = np.full(L + 1, np.inf)
+    out[L] = 0.0
+    for z in range(L - 1, -1, -1):
+        y = np.arange(z + 1, L + 1)
+        d = out[y]
+        room = mem - (static[y] - static[z])
+        variants = [(act[y] - act[z], room)]
+        if kept_rc is not None and act_one is not None:
+            # one layer's activations while a backward runs: at least the largest of [z, y)
+            one = np.maximum.accumulate(act_one[z:])
+            variants.append((kept_rc[y] - kept_rc[z], room - one))
+        best = np.full(len(y), np.inf)
+        for per_mb, left in variants:
+            with np.errstate(divide="ignore", invalid="ignore"):  # inf / inf where nothing fits
+                cap = np.where(per_mb > 0, np.floor(left / np.where(per_mb > 0, per_mb, 1.0)), np.inf)
+                ok = (left >= 0) & (cap >= 1) & np.isfinite(d)
+                # in flight <= cap: r >= m / cap, or (1 + d / r <= cap) r >= d / (cap - 1)
+                by_m = np.ceil(m / np.maximum(cap, 1.0))  # m / inf = 0: any r
+                by_d = np.where(d <= 0, 1.0, np.where(cap >= 2, np.ceil(d / np.maximum(cap - 1, 1)), np.inf))
+                r = np.maximum(1.0, np.minimum(by_m, by_d))
+            best = np.minimum(best, np.where(ok, r, np.inf))
+        out[z] = float(np.min(best + d)) if len(y) else np.inf
+    return out
+
+
 def _dp_plan(sb: StageBounds, T: float) -> tuple[list[int], list[int]] | None:
     """A split and replica vector meeting every per-stage condition at T on at most D devices
     (the fewest devices), or None: no plan finishes within T."""
@@ -198,8 +248,9 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
       + AR(a, z, r) <= T` (the replica's last microbatch reaches it after its other forwards
       and steady-state backwards, goes to the end and back, then the stage all-reduces),
     - its parameters, gradients, optimizer state and `ceil(min(m, r + n) / r)` microbatches of
-      activations fit (1F1B's in-flight count, with `n` the least number of later stages that
-      can hold the later layers' static memory).
+      activations fit (1F1B's in-flight count, with `n` the fewest replicas the later layers
+      can have: `least_after`, their memory alone, activations with their own warm-ups
+      included; at least the stages their static memory needs).
 
     Every plan satisfies these at its own iteration time (communication only adds), so the
     result is a lower bound of the optimum; bisection to `rel_tol` or `max_steps` (the bound
