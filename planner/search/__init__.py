@@ -640,7 +640,9 @@ def _solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
             cand, info = _solve_one(profile, cluster, options.model_copy(update={"schedule": name}))
         except PipeplanError as exc:
             errors.append(exc)
-            infos[name] = {"objective": None, "bound": getattr(exc, "bound_ms", 0.0)}
+            # inf: no plan of this schedule fits memory (None in the file, which holds no inf)
+            lost = getattr(exc, "bound_ms", 0.0)
+            infos[name] = {"objective": None, "bound": lost if math.isfinite(lost) else None}
             continue
         infos[name] = {"objective": info["objective"], "bound": info["bound"],
                        "clock_stopped": info["clock_stopped"]}
@@ -649,7 +651,7 @@ def _solve_detailed(profile: Profile, cluster: Cluster, options: PlanOptions
     if best is None:
         raise errors[0]
     cand, info = best
-    bound = min(float(v["bound"]) for v in infos.values())  # type: ignore[index]
+    bound = min(float(v["bound"]) for v in infos.values() if v["bound"] is not None)  # type: ignore[index]
     obj = float(info["objective"])
     bound = min(bound, obj)
     gap = (obj - bound) / obj if obj > 0 else 0.0
@@ -810,7 +812,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         extra = CUT_SEED_SHARE * total_work
         more = []
         for b, c in conds.items():
-            if c is not None and time.perf_counter() < deadline:
+            if c is not None and math.isfinite(bounds[b]) and time.perf_counter() < deadline:
                 got, used = _coarse_seeds(c, b, bounds[b], best_s.objective_ms, 0.6 * extra / len(sizes))
                 more += got
                 seed_work += used
@@ -818,7 +820,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             best_s, cand = _search_more(more, 0.4 * extra, best_s, cand, ev, cluster, deadline)
     if cand is None or best_s is None or not best_s.fits:
         err = infeasible_error(table, cluster, options, sizes, ev)
-        err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound
+        err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound (inf: none fits)
         raise err
     obj = best_s.objective_ms
     tighten_work = 0  # the bounds once more, with the cross-stage conditions (bound.tighten)
@@ -889,6 +891,11 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     if found is not None and found[0].better_than(best_s):
         best_s, cand = found
         obj = best_s.objective_ms
+    if not math.isfinite(bounds.get(cand.microbatch_size, 0.0)):
+        # the layer-only DP found no plan of this size fitting memory, and here is one: its
+        # conditions missed something; the size keeps the bound that needs no DP
+        bounds[cand.microbatch_size] = _simple_bound(table, cluster, options, cand.microbatch_size, ev.degrees)
+    # sizes no plan of fits memory (`large.dp_lower_bound`: inf) bound nothing
     bound = min(bounds.values())
     if options.objective != "iteration":
         bound = 0.0
@@ -901,7 +908,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         "clock_stopped": time.perf_counter() >= deadline,
         "evaluations": ev.evaluations, "work": ev.work + dp_spent + tighten_work + seed_work,
         "bound_work": dp_spent + tighten_work,
-        "bound_by_microbatch": {str(k): v for k, v in bounds.items()},
+        "bound_by_microbatch": {str(k): v for k, v in bounds.items() if math.isfinite(v)},
+        "no_plan_microbatch_sizes": [k for k, v in bounds.items() if not math.isfinite(v)],
         "schedule": options.schedule,
     }
     return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,

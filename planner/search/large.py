@@ -255,8 +255,8 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     Every plan satisfies these at its own iteration time (communication only adds), so the
     result is a lower bound of the optimum; bisection to `rel_tol` or `max_steps` (the bound
     stays valid, only looser), and the work spent (`layer_dp_work` per DP; it stops before
-    passing `max_work`, with the bound so far). None: nothing fits, or not two DPs in
-    `max_work`. With `recompute` (stages may recompute), a stage meets the conditions plain
+    passing `max_work`, with the bound so far). A bound of inf (no plan, `seed` False): memory
+    admits none at any time. None: not two DPs in `max_work`. With `recompute` (stages may recompute), a stage meets the conditions plain
     or recomputed (its forward once more in its backward; its layers' inputs kept and one
     layer's activations while it runs). `hops`: `bound.hop_bytes(table)`, if the caller has it.
     """
@@ -274,19 +274,24 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     def affords() -> bool:
         return spent + step <= max_work
 
+    # memory alone admits no plan (every condition but memory holds at T = inf): no plan of
+    # this microbatch size fits, a bound of inf (without it, T doubled until the work ran out
+    # and the size kept the bound that needs no DP, which then was the planner's)
+    no_plan = BoundPlan(math.inf, (), (), seed=False)
     lo = max(sb.m * sb.total * sb.vmax / sum(d.speed for d in sb.devices), sb.total)
     hi = max(upper_ms, lo)
     if math.isfinite(hi):
         plan = feasible(hi)
-    else:  # no plan known: double from lo until one meets the conditions (below it none
-        # does); none within the work or 2^30 x lo (nothing fits memory at any time): None
+        if plan is None:
+            return (no_plan if affords() and feasible(math.inf) is None else None), spent
+    else:  # no plan known: double from lo until one meets the conditions (below it none does)
+        if feasible(math.inf) is None:
+            return no_plan, spent
         hi, start = 2 * lo, lo
         while (plan := feasible(hi)) is None:
             if not affords() or hi > start * 2 ** 30:
                 return None, spent
             lo, hi = hi, 2 * hi
-    if plan is None:
-        return None, spent
     if affords() and (low_plan := feasible(lo)) is not None:
         hi, plan = lo, low_plan
     for _ in range(max_steps):

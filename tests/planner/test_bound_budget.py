@@ -97,11 +97,15 @@ def test_the_layer_only_dp_cut_short_is_still_a_bound_within_its_work():
 
 
 def test_the_layer_only_dp_with_no_plan_known_ends_when_nothing_fits():
-    """No upper time and no work limit, and a layer larger than every device: it gives up
-    after doubling its time 30 times instead of for ever."""
-    from planner.search.large import dp_lower_bound
+    """No upper time and no work limit, and a layer larger than every device: one DP at an
+    unlimited time says that nothing fits (a bound of inf), instead of doubling the time for
+    ever (or, before, 30 times); with an upper time, after the DP there fails too."""
+    from planner.search.large import dp_lower_bound, layer_dp_work, replica_choices
 
     prof = chain_profile([1.0, 1.0], params=[10**6, 10**11])
     options = PlanOptions(global_batch=32, microbatch_size=2, optimizer="sgd")
+    step = layer_dp_work(2, len(replica_choices(16, 4)), False)
     found, spent = dp_lower_bound(layer_table(prof), cluster(nodes=2, per_node=2), options, 2, math.inf)
-    assert found is None and spent > 0
+    assert found is not None and found.bound_ms == math.inf and not found.seed and spent == step
+    found, spent = dp_lower_bound(layer_table(prof), cluster(nodes=2, per_node=2), options, 2, 100.0)
+    assert found is not None and found.bound_ms == math.inf and spent == 2 * step
