@@ -117,7 +117,9 @@ def test_inception_on_tight_memory_gets_the_plan_of_the_search_s_second_basin(mo
     """Inception-v3 (PipeDream's profile, batch 128) on 4 x 4 devices at 10 / 1 GB/s, tight
     memory (1.7 GB), microbatch chosen among 32-256: with evaluations charged their time the
     search ends on a plan of 4296.6 ms from which the last descent reaches 4126.4 (3342.6 before
-    the charge changed); from the second place its descents ended, 3360.9."""
+    the charge changed); from the second place its descents ended, 3360.9. Since the layer-only
+    DP's warm-up counts the replicas after a stage (its plans, seeds of the search, changed),
+    the search without those descents ends at 3516.9: they still give the faster plan."""
     import planner.search as search
 
     profile = import_pipedream_file(DATA / "inception_v3.txt", 128)
@@ -128,4 +130,4 @@ def test_inception_on_tight_memory_gets_the_plan_of_the_search_s_second_basin(mo
     with_them = solve_detailed(profile, cluster, options)[1]
     monkeypatch.setattr(search, "ELITE", 0)
     without = solve_detailed(profile, cluster, options)[1]
-    assert with_them["objective"] < 0.9 * without["objective"], (with_them["objective"], without["objective"])
+    assert with_them["objective"] < 0.97 * without["objective"], (with_them["objective"], without["objective"])
