@@ -23,8 +23,8 @@ from planner.validate import ScheduleError, format_grid, validate
 def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]) -> dict[int, list[Action]]:
     tps = [st.tp for st in plan.stages]
     m = plan.num_microbatches
-    if plan.generator is not None:  # checked also where the explicit lists are what runs
-        generator_deferred(plan.generator, len(plan.stages))
+    # checked also where the explicit lists are what runs
+    deferred = generator_deferred(plan.generator, len(plan.stages)) if plan.generator is not None else None
     if plan.rank_actions is None:
         assert plan.generator is not None  # Plan's validator requires one of the two
         if plan.generator.name != plan.schedule:
@@ -34,8 +34,7 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
         if gm != m:
             raise PipeplanError(f"plan: num_microbatches is {m} but the schedule generator's is "
                                 f"{gm}; make the plan again")
-        return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), m,
-                                      generator_deferred(plan.generator, len(plan.stages))),
+        return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), m, deferred),
                              stage_devices, tps)
     try:
         keys = {int(k): k for k in plan.rank_actions}

@@ -48,6 +48,14 @@ REENTRANT_ADVICE = (
     "pipeplan recompute: plan --recompute / the planner's choice)")
 
 
+def twice_refused(exc: BaseException) -> str | None:
+    """The advice for an error a model raises because its graph refuses to be differentiated
+    twice with `autograd.grad` (torch.compile's donated buffers, a reentrant checkpoint), or
+    None: what the profiler and ZB-H1's runtime both say instead of a traceback."""
+    text = str(exc)
+    return DONATED_ADVICE if DONATED in text else REENTRANT_ADVICE if REENTRANT in text else None
+
+
 def file_sha256(path: str | Path) -> str:
     """sha256 of the file's bytes (a plan records it; the runtime checks it)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -18,15 +18,12 @@ from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profil
 from profiler.graph import LayerGraph, trace
 from profiler.host_memory import keep_large_blocks
 from profiler.loader import (
-    DONATED,
-    DONATED_ADVICE,
-    REENTRANT,
-    REENTRANT_ADVICE,
     batch_checked,
     build_checked,
     call_user,
     load_model_file,
     loss_checked,
+    twice_refused,
 )
 from profiler.measure import library_workspace_bytes, measure_all
 
@@ -161,10 +158,8 @@ def profile_model_file(
         raise
     except Exception as exc:  # noqa: BLE001  # the model, run once more, failed this time
         first = first_line(str(exc))
-        if DONATED in str(exc):
-            raise PipeplanError(f"{mf.path}: {DONATED_ADVICE}") from None
-        if REENTRANT in str(exc):
-            raise PipeplanError(f"{mf.path}: {REENTRANT_ADVICE}") from None
+        if (advice := twice_refused(exc)) is not None:
+            raise PipeplanError(f"{mf.path}: {advice}") from None
         raise PipeplanError(
             f"{mf.path}: the model ran once, then raised {type(exc).__name__}: {first} while it "
             "was timed (forward and backward passes, whole and layer by layer). Profiling runs "

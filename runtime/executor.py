@@ -322,15 +322,13 @@ class StageExecutor:
         """B and W apart differentiate a graph twice with `autograd.grad`; torch.compile's
         backward refuses that (donated buffers), and so does a reentrant checkpoint: say so in
         one line, with the fix."""
-        from profiler.loader import DONATED, DONATED_ADVICE, REENTRANT, REENTRANT_ADVICE
+        from profiler.loader import twice_refused
 
         try:
             yield
         except RuntimeError as exc:
-            if DONATED in str(exc):
-                raise PipeplanError(f"stage {self.stage}, zb-h1: {DONATED_ADVICE}") from None
-            if REENTRANT in str(exc):
-                raise PipeplanError(f"stage {self.stage}, zb-h1: {REENTRANT_ADVICE}") from None
+            if (advice := twice_refused(exc)) is not None:
+                raise PipeplanError(f"stage {self.stage}, zb-h1: {advice}") from None
             raise
 
     def backward(self, j: int) -> None:
