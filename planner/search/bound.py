@@ -781,7 +781,7 @@ def _prefix_hops(c: Conditions, T: float) -> np.ndarray:
                      wgt[None, :, None], room - Tl0[None, :, None], room - ar[:, :, None], mem_ok)
             Xall = np.where(valid[:, None, :, None], X[a][:, src].transpose(1, 0, 2, 3), np.inf)  # (R, A, D+1, G)
             if G == 1:
-                hop = c.hop_ms[link][:, a, b]  # (R, A)
+                hop = c.hop_ms[link[:, None], a[None, :], b]  # (R, A) (hop_ms[link] would copy all of it)
                 Xa = Xall[..., 0]
                 val = np.where(Xa <= _most_prefix_hops(hop, *terms), Xa + hop[:, :, None], np.inf)
                 X[b, :, 0] = np.minimum(X[b, :, 0], val.min(axis=(0, 1)))
