@@ -18,9 +18,10 @@ m (F + B + W) + (p - 1)(F + B - W).
 That deferral keeps every stage's count of microbatches between F and W within stage 0's 1F1B
 count, which is the paper's "same peak memory as 1F1B" only when every stage holds as many
 bytes per microbatch. A plan's ZB-H1 therefore defers, per stage, as many W's as keep that
-stage's peak memory within the busiest stage's 1F1B peak (`zb_h1_memory_deferrals`, from the
-cost model's bytes; a microbatch between B and W also holds its W's gradients) and stores the
-counts in its generator (`params["deferred_w"]`, one per stage).
+stage's peak memory within the busiest stage's 1F1B peak and within its own device's memory
+(`zb_h1_memory_deferrals`, from the cost model's bytes; a microbatch between B and W also holds
+its W's gradients) and stores the counts in its generator (`params["deferred_w"]`, one per
+stage).
 
 A stage may also run B and W as one backward, 1F1B's, with no W actions (`FUSED`; the plan's
 `params["fused_backward"]` lists those stages). Stage 0 does where it defers nothing: its
@@ -34,6 +35,7 @@ stage of a generated ZB-H1 plan stays within the busiest stage's 1F1B peak.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -159,16 +161,21 @@ def _stage_peak(costs: PipelineCosts) -> Callable[[int, str, int | None], float]
 def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     """Per stage, the W's a ZB-H1 replica defers: `zb_h1_deferred_w`, lowered until the stage's
     peak memory (static + what its microbatches hold, action by action: `rank_memory_peak`) is
-    within the 1F1B peak of the busiest stage on the same costs. `FUSED` (B and W as one
+    within the 1F1B peak of the busiest stage on the same costs, and within the stage's own
+    memory limit (on devices of several sizes the busiest stage may sit on a larger one: a
+    stage on a 2 GB device deferred up to a 2.5 GB peak set by a stage on a 16 GB device, and
+    fitted only where a third stage recomputed to lower that peak). `FUSED` (B and W as one
     backward) where that leaves 0: on stage 0, whose B sends nothing (the same time, one
-    action fewer), and on a stage that deferring nothing would still exceed that peak by one
+    action fewer), and on a stage that deferring nothing would still exceed that cap by one
     microbatch's W gradients (fused, it holds its own 1F1B peak)."""
     m, S = costs.num_microbatches, costs.num_stages
     replicas = tuple(len(devs) for devs in costs.stage_devices)
     peak = _stage_peak(costs)
-    cap = max(peak(s, "1f1b", None) for s in range(S)) * (1 + 1e-12)
+    busiest = max(peak(s, "1f1b", None) for s in range(S))
+    limits = costs.memory_limit_bytes or (math.inf,) * S
     out = []
     for s in range(S):
+        cap = min(busiest, limits[s]) * (1 + 1e-12)
         d = max(zb_h1_deferred_w(m, replicas, s, k) for k in _replica_kinds(m, replicas[s]))
         if d > 0 and peak(s, "zb-h1", d) > cap:
             lo, hi = 0, d  # deferring more never holds less: bisect for the most that fits
@@ -188,9 +195,9 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
 def zb_h1_own_peaks(costs: PipelineCosts) -> list[float]:
     """Per stage, what its own costs make it hold under ZB-H1 whatever the other stages do: its
     1F1B peak (the least, fused or deferring nothing; the cap of every stage's deferrals is
-    the largest of these). A stage above its memory limit here must recompute; once every
-    such stage has, no stage holds more than the largest of its limits, so on devices alike
-    the others fit (`planner.search.space.Evaluator`)."""
+    the largest of these, or the stage's own memory limit if less). A stage above its memory
+    limit here must recompute; once every such stage has, the others fit
+    (`planner.search.space.Evaluator`)."""
     peak = _stage_peak(costs)
     return [peak(s, "1f1b", None) for s in range(costs.num_stages)]
 

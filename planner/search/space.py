@@ -332,7 +332,8 @@ class Evaluator:
     def _zb_h1_recompute(self, cand: Candidate, st: Structure, ev: Evaluation, score: Score
                          ) -> tuple[Score, Candidate]:
         """The best recomputation under ZB-H1, whose stages defer only the W's that keep their
-        peak within the largest 1F1B peak of any stage (`schedules.zb_h1_memory_deferrals`):
+        peak within the largest 1F1B peak of any stage and their own memory limit
+        (`schedules.zb_h1_memory_deferrals`):
         a stage may overflow because another's 1F1B peak lets it defer too much, and then
         recomputing that other stage makes it fit (random instances of 6 layers on 3 devices:
         every overflowing stage recomputed, 81.2 ms; the one that sets the cap, 56.4). The
