@@ -504,15 +504,15 @@ def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], 
     allows at `obj` simulated (`exhaust`), which proves the optimum; where too many, at 1 %
     below it, which proves the 1 %. Raises `bounds` in place; the best plan found faster than
     `obj` (None if none), and the work spent (at most about `max_work`, one DP at most more).
-    Not with powers of two, nor under zb-h1 where stages may recompute (exhaust.py says why:
-    that the bound's DP needs no recomputed variant, its memory priced at the largest device,
-    does not mean no plan recomputes; on two nodes of 2 and 16 GB it proved a plan 10.8 %
-    slower than one that recomputes two stages)."""
+    Not with powers of two (exhaust.py says why). Under zb-h1 it simulates every set of
+    recomputed stages (before, it ran there only where the bound's DP, its memory priced at
+    the largest device, had no recomputed variant, and simulated only the recomputation of the
+    stages that overflow: on two nodes of 2 and 16 GB it proved a plan 10.8 % slower than one
+    that recomputes two stages)."""
     spent = 0
     found: tuple[Score, Candidate] | None = None
     options = ev.options
-    if options.objective != "iteration" or options.powers_of_two or (
-            options.schedule == "zb-h1" and options.allow_recompute):
+    if options.objective != "iteration" or options.powers_of_two:
         return found, spent
     for b, c in conds.items():
         if c is None or bounds[b] >= obj * (1 - OPTIMAL_GAP):

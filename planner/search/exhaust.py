@@ -20,17 +20,20 @@ the fastest and largest, every link the fastest): no placement is faster than th
 structures faster there than the best plan found (and than T) are placed every way.
 Recomputation: `Evaluator.evaluate_placed` recomputes exactly the stages that overflow, the
 best choice for a placed structure under 1F1B and GPipe, where a stage's memory is its own.
-Not under ZB-H1 (how many W's a stage may defer depends on the busiest stage's warm-up, so
-recomputing one stage can change another's memory), nor with `--powers-of-two` (the DP lists
-at most m replicas per stage, where more, rounded up to a power of two, can be the only
-allowed plan): the planner does not run this there (`search._exhaust_all`).
+Not under ZB-H1: how many W's a stage may defer depends on the busiest stage's 1F1B peak and
+on its own memory, so recomputing a stage that fits can let it or another stage defer more,
+and recomputing one stage can make another fit. There every set of the stages that may
+recompute is simulated at every placement (`recompute_sets`: 2^S per placement, on small
+instances; where the work does not cover them, nothing is proven). Not with `--powers-of-two`
+(the DP lists at most m replicas per stage, where more, rounded up to a power of two, can be
+the only allowed plan): the planner does not run this there (`search._exhaust_all`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cost import link_latency_us
 from planner.formats import Cluster
@@ -86,6 +89,21 @@ def allowed_plans(c: Conditions, T: float, max_plans: int, max_stages: int
     return sorted(plans), work
 
 
+def recompute_sets(cand: Candidate, every: bool) -> list[Candidate]:
+    """`cand` alone, or with `every`, `cand` with each set of its stages that may recompute
+    (TP degree 1) recomputed, the empty set first (ZB-H1: the module docstring)."""
+    if not every:
+        return [cand]
+    free = [s for s, x in enumerate(cand.stages) if x.tp == 1]
+    out = []
+    for mask in range(1 << len(free)):
+        on = {free[k] for k in range(len(free)) if mask >> k & 1}
+        out.append(Candidate(tuple(replace(x, recompute=s in on) if x.tp == 1 else x
+                                   for s, x in enumerate(cand.stages)),
+                             cand.microbatch_size, cand.num_microbatches, cand.solver, cand.schedule))
+    return out
+
+
 def interchangeable_devices(cluster: Cluster) -> bool:
     """Every placement of a structure costs the same: the devices are all alike and every
     link between two of them is the same (one node, or one device per node)."""
@@ -137,11 +155,21 @@ def exhaust(c: Conditions, T: float, microbatch_size: int, ev: Evaluator, cluste
             if cand is not None and score.fits and (best is None or score.better_than(best[0])):
                 best = (score, cand)
 
+    # under ZB-H1 every set of recomputed stages (`recompute_sets`), 2^(TP-1 stages) each
+    sets = ev.options.schedule == "zb-h1" and ev.options.allow_recompute
+
+    def ways(st: Structure) -> int:
+        return 1 << sum(1 for t in st.degrees if t == 1) if sets else 1
+
     if interchangeable_devices(cluster):  # one placement stands for all
-        if work + sum(ev.simulation_work(m, st.num_stages, st.num_devices) for st in structures) > max_work:
+        if work + sum(ev.simulation_work(m, st.num_stages, st.num_devices) * ways(st)
+                      for st in structures) > max_work:
             return Exhausted(None, False, work)  # not enough work for them all: none spent on one
         for st in structures:
-            keep([ev.scored(st)])
+            score, cand = ev.scored(st)
+            keep([(score, cand)])
+            if sets and cand is not None:
+                keep([ev.score_candidate(x, st) for x in recompute_sets(cand, True)])
             if time.perf_counter() >= deadline:
                 return Exhausted(best, False, work + ev.work - start)
         return Exhausted(best, True, work + ev.work - start)
@@ -166,9 +194,10 @@ def exhaust(c: Conditions, T: float, microbatch_size: int, ev: Evaluator, cluste
             work += PLACEMENT_WORK * raw
         devices = every[key]
         if devices is None or time.perf_counter() >= deadline or work + ev.work - start \
-                + ev.simulation_work(m, st.num_stages, st.num_devices) * len(devices) > max_work:
+                + ev.simulation_work(m, st.num_stages, st.num_devices) * len(devices) * ways(st) > max_work:
             return Exhausted(best, False, work + ev.work - start)
-        keep([ev.score_candidate(candidate_of(st, devs, m), st) for devs in devices])
+        keep([ev.score_candidate(x, st) for devs in devices
+              for x in recompute_sets(candidate_of(st, devs, m), sets)])
     return Exhausted(best, True, work + ev.work - start)
 
 
@@ -190,4 +219,4 @@ def relaxed_cluster(cluster: Cluster) -> Cluster:
                    p2p_overhead_us=cluster.p2p_overhead_us, allreduce_efficiency=cluster.allreduce_efficiency)
 
 
-__all__ = ["Exhausted", "allowed_plans", "exhaust", "interchangeable_devices", "relaxed_cluster"]
+__all__ = ["Exhausted", "allowed_plans", "exhaust", "interchangeable_devices", "recompute_sets", "relaxed_cluster"]

@@ -203,3 +203,19 @@ def test_no_placement_is_faster_than_the_relaxed_cluster(mixed: bool) -> None:
                 checked += 1
     assert checked >= 30, checked
     assert close >= checked // 2, (close, checked)
+
+
+def test_recompute_sets_are_every_set_of_the_stages_that_may_recompute() -> None:
+    """Under ZB-H1 the enumeration simulates each placed structure with every set of its TP-1
+    stages recomputed (a stage that fits can still gain from recomputing: it, or another
+    stage, may then defer more W's); a TP stage never recomputes."""
+    from planner.partition import Candidate, StageChoice
+    from planner.search.exhaust import recompute_sets
+
+    cand = Candidate((StageChoice(0, 2, (0,)), StageChoice(2, 3, (1, 2), tp=2), StageChoice(3, 5, (3,))), 2, 8)
+    assert recompute_sets(cand, False) == [cand]
+    got = recompute_sets(cand, True)
+    assert [tuple(s.recompute for s in c.stages) for c in got] == [
+        (False, False, False), (True, False, False), (False, False, True), (True, False, True)]
+    assert all(c.stages[1].tp == 2 and c.stages[k].devices == cand.stages[k].devices
+               for c in got for k in range(3))
