@@ -35,7 +35,6 @@ stage of a generated ZB-H1 plan stays within the busiest stage's 1F1B peak.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -172,10 +171,9 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     replicas = tuple(len(devs) for devs in costs.stage_devices)
     peak = _stage_peak(costs)
     busiest = max(peak(s, "1f1b", None) for s in range(S))
-    limits = costs.memory_limit_bytes or (math.inf,) * S
     out = []
     for s in range(S):
-        cap = min(busiest, limits[s]) * (1 + 1e-12)
+        cap = min(busiest, costs.memory_limit_bytes[s]) * (1 + 1e-12)
         d = max(zb_h1_deferred_w(m, replicas, s, k) for k in _replica_kinds(m, replicas[s]))
         if d > 0 and peak(s, "zb-h1", d) > cap:
             lo, hi = 0, d  # deferring more never holds less: bisect for the most that fits

@@ -257,9 +257,8 @@ def dp_lower_bound(table: LayerTable, cluster: Cluster, options: PlanOptions,
     stays valid, only looser), and the work spent (`layer_dp_work` per DP; it stops before
     passing `max_work`, with the bound so far). A bound of inf (no plan, `seed` False): memory
     admits none at any time. None: not two DPs in `max_work`. With `recompute` (stages may
-    recompute), a stage meets the conditions plain
-    or recomputed (its forward once more in its backward; its layers' inputs kept and one
-    layer's activations while it runs). `hops`: `bound.hop_bytes(table)`, if the caller has it.
+    recompute), a stage meets the conditions plain or recomputed (its forward once more in its
+    backward; its layers' inputs kept and one layer's activations while it runs). `hops`: `bound.hop_bytes(table)`, if the caller has it.
     """
     sb = StageBounds(table, cluster, options, microbatch_size, recompute=recompute, hops=hops)
     step = layer_dp_work(sb.L, len(sb.rs), recompute)

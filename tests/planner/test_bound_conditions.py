@@ -268,8 +268,8 @@ def test_the_tightened_bound_counts_every_hop_memory_forces_before_a_stage() -> 
 def test_the_layer_only_dp_bounds_plans_that_fit_only_by_recomputing() -> None:
     """Four layers whose activations (2 GB each per microbatch) do not fit 3 GB devices more
     than once, with 1 MB between them: no stage fits without recomputation, so the layer-only
-    DP without it has no plan at all (a bound of inf); with its recomputed variant it has one, and its bound
-    holds for the exhaustive optimum (every plan recomputes)."""
+    DP without it has no plan at all (a bound of inf); with its recomputed variant it has one,
+    and its bound holds for the exhaustive optimum (every plan recomputes)."""
     profile = chain_profile([10.0, 20.0, 30.0, 40.0], params=[1000] * 4, act=[int(2e9)] * 4,
                             out=[int(1e6)] * 4, batch_size=2)
     cl = make_cluster(nodes=1, per_node=4, memory_gb=3.0, intra=10.0, inter=10.0)
