@@ -6,8 +6,16 @@ Internal module. The blocks are built from the same traced graph as the stage an
 parameters and buffers (the same tensor objects: the optimizer, the all-reduce and the
 checkpoint files see the stage module as before); hooks and custom autograd Functions run as
 written, and checkpoint's saved random state makes the recomputed forward draw the same
-random numbers as the first. A recomputation puts the block's buffers back as it found them:
-running statistics move once per microbatch, as in training without recomputation.
+random numbers as the first.
+
+A block's forward may also read state its forwards change: buffers changed in place (a step
+counter, running statistics) and plain Python attributes (`self.n += 1`). By the time the
+backward recomputes microbatch i, the forwards of the microbatches after it have moved that
+state. So each forward keeps what it found (`BlockState`: the attributes that hold numbers,
+strings or tensors, and copies of the tensors a forward changes in place), the recomputation
+runs on it, and then the block's state is put back as the recomputation found it: the
+recomputed forward computes what the first one did, and the state moves once per
+microbatch, as in training without recomputation.
 """
 
 from __future__ import annotations
@@ -23,6 +31,62 @@ from planner.errors import PipeplanError
 from profiler.measure import _storage_key
 
 Values = dict[str, torch.Tensor]
+
+# attribute values put back by rebinding: what a forward changes by assigning, not in place
+_ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
+
+
+def _atom(v: object) -> bool:
+    return isinstance(v, _ATOMS) or (isinstance(v, tuple) and all(isinstance(x, _ATOMS) for x in v))
+
+
+class Snapshot:
+    """A block's state as one forward found it: its modules' plain attributes and copies of
+    its tensors (buffers and tensor attributes) that forwards change in place."""
+
+    def __init__(self, attrs: list[dict[str, object]], copies: dict[int, torch.Tensor],
+                 versions: dict[int, int]) -> None:
+        self.attrs, self.copies, self.versions = attrs, copies, versions
+
+
+class BlockState:
+    """The state of one block's modules that its forward may read besides its inputs and
+    parameters. Which tensors a forward changes in place is learnt from their version
+    counters: the first forward copies every tensor, the later ones only those a forward has
+    changed."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.modules = list(block.modules())
+        params = {id(p) for p in block.parameters()}
+        seen: dict[int, torch.Tensor] = {}
+        for m in self.modules:
+            for t in [*m._buffers.values(), *vars(m).values()]:
+                if isinstance(t, torch.Tensor) and id(t) not in params:
+                    seen.setdefault(id(t), t)
+        self.tensors = list(seen.values())
+        self.changed: set[int] | None = None  # ids of tensors a forward changed; None: none ran yet
+
+    def capture(self, every: bool = False) -> Snapshot:
+        attrs = [{k: v for k, v in vars(m).items() if _atom(v)} for m in self.modules]
+        copies = {id(t): t.detach().clone() for t in self.tensors
+                  if every or self.changed is None or id(t) in self.changed}
+        return Snapshot(attrs, copies, {id(t): t._version for t in self.tensors})
+
+    def learn(self, snap: Snapshot) -> None:
+        """After the forward `snap` was taken for: note the tensors it changed, and drop the
+        copies nothing will need."""
+        moved = {id(t) for t in self.tensors if t._version != snap.versions[id(t)]}
+        self.changed = moved | (self.changed or set())
+        for key in [k for k in snap.copies if k not in self.changed]:
+            del snap.copies[key]
+
+    def restore(self, snap: Snapshot) -> None:
+        for m, attrs in zip(self.modules, snap.attrs, strict=True):
+            m.__dict__.update(attrs)
+        with torch.no_grad():
+            for t in self.tensors:
+                if id(t) in snap.copies:
+                    t.copy_(snap.copies[id(t)])
 
 
 def block_modules(graph: object, layers: list[str]) -> list[nn.Module]:
@@ -66,13 +130,19 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
     that block's backward has used them)."""
     check_shared(stage, blocks)
     outputs = list(stage.output_keys)  # type: ignore[attr-defined]
+    states = {id(b): BlockState(b) for b in blocks}
 
-    def run_block(block: nn.Module, values: Values) -> Values:
-        if torch._C._current_graph_task_id() == -1:  # the forward, not a recomputation
-            return block(values)
-        # a recomputation: the block's buffers (BatchNorm's running statistics and counter)
-        # moved in its forward already, so they are put back as they were once it has run
-        held = [(b, b.detach().clone()) for b in block.buffers()]
+    def run_block(block: nn.Module, values: Values, found: Snapshot | None) -> Values:
+        state = states[id(block)]
+        if torch._C._current_graph_task_id() == -1 or found is None:  # not a recomputation
+            out = block(values)
+            if found is not None:
+                state.learn(found)
+            return out
+        # a recomputation: it runs on the state the forward found, and then the state is put
+        # back as it is now (its forward and the later microbatches' have moved it already)
+        now = state.capture(every=True)
+        state.restore(found)
         try:
             report = forward.on_recompute  # type: ignore[attr-defined]
             if report is None:
@@ -88,9 +158,7 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
             with _counting_hooks(on_saved):
                 return block(values)
         finally:
-            with torch.no_grad():
-                for b, before in held:
-                    b.copy_(before)
+            state.restore(now)
 
     def forward(feed: Values) -> Values:
         env = dict(feed)
@@ -101,7 +169,8 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
                 if isinstance(t, torch.Tensor) and torch.is_grad_enabled():
                     st = t.untyped_storage()
                     kept.setdefault(st.data_ptr(), st.nbytes())
-            env.update(checkpoint(run_block, block, args, use_reentrant=False))
+            found = states[id(block)].capture() if torch.is_grad_enabled() else None
+            env.update(checkpoint(run_block, block, args, found, use_reentrant=False))
         forward.kept = kept  # type: ignore[attr-defined]
         return {k: env[k] for k in outputs}
 

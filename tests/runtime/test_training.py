@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from reference import max_abs_diff, reference_train
 from runtime_paths import EXAMPLES, MODELS
@@ -130,6 +131,17 @@ def test_a_recomputed_block_moves_its_running_statistics_once(run, tmp_path):
     model = MODELS / "shared_module.py"
     plan = run.plan(model, [2, 2, 2], recompute=[True, True, False], global_batch=8, microbatch_size=2)
     _check(run, model, plan, 3, tmp_path)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_recomputed_block_runs_on_the_state_its_forward_found(run, tmp_path, schedule):
+    # the blocks read a Python attribute, a buffer and a tensor attribute that each forward
+    # moves: by the time the backward recomputes microbatch 0 the later forwards have moved
+    # them, so the recomputation must run on what microbatch 0's forward found
+    model = MODELS / "stateful_forward.py"
+    plan = run.plan(model, [2, 2, 2], recompute=[True, True, False], schedule=schedule,
+                    global_batch=8, microbatch_size=2)
+    _check(run, model, plan, 3, tmp_path, optimizer="momentum")
 
 
 def test_two_torchrun_agents_train_like_one_process(run, tmp_path):
