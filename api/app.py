@@ -21,10 +21,10 @@ from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.routing import Match
 
 from api import docs, openapi, service
 from api.deps import RateLimiter, open_client, require_client
+from api.head import HeadAsGet, serves
 from api.jobs import JobManager
 from api.limits import BodySizeLimit
 from api.observe import Metrics, RequestContext, request_id
@@ -76,11 +76,9 @@ def validation_detail(errors: Any) -> list[dict[str, Any]]:
 
 def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
     """Every method some route accepts at this path (for 405's Allow header)."""
-    methods = []
-    for method in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT"):
-        probe = {**scope, "method": method}
-        if any(route.matches(probe)[0] == Match.FULL for route in app.router.routes):
-            methods.append(method)
+    methods = [m for m in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT") if serves(app.router, scope, m)]
+    if "GET" in methods and "HEAD" not in methods:  # api.head answers HEAD where GET is served
+        methods.insert(methods.index("GET") + 1, "HEAD")
     return methods
 
 
@@ -190,6 +188,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            PlanRequest: service.precheck_plan_body,
                            CompareRequest: service.precheck_plan_body}
     # middleware: the last added runs first
+    app.add_middleware(HeadAsGet, router=app.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.body_timeout_s)
     if settings.cors_origins:

@@ -24,6 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
+from planner.io import DuplicateKeyError, unique_keys
+
 MAX_DEPTH = 32  # a profile is 4 levels deep; extra fields may nest, but not without bound
 
 Loc = tuple[str | int, ...]
@@ -84,10 +86,12 @@ def parse(raw: bytes) -> Any:
         raise invalid(("body",), f"the body is not UTF-8 text (byte {exc.start}); send JSON "
                       "encoded as UTF-8") from None
     try:
-        doc = json.loads(text, parse_constant=_constant)
+        doc = json.loads(text, parse_constant=_constant, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise invalid(("body", exc.pos), f"JSON decode error: {exc.msg} (line {exc.lineno}, "
                       f"column {exc.colno})") from None
+    except DuplicateKeyError as exc:
+        raise invalid(("body",), f"{exc}; JSON keeps only the last, so send each key once") from None
     except ValueError as exc:  # NaN, Infinity, -Infinity; an integer of over 4300 digits
         if "integer string conversion" in str(exc):
             raise invalid(("body",), "the body holds an integer of thousands of digits, more than "

@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -83,6 +83,24 @@ def not_a_file(path: str | Path) -> str:
     return f"no such file {path}"
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object that names one key twice: `json` keeps the last silently."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the key {key!r} appears twice in one object")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`object_pairs_hook` for `json.loads`: a dict, or DuplicateKeyError on a repeated key."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(k)
+        out[k] = v
+    return out
+
+
 def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     """Load a JSON file into `cls`; missing file, bad JSON and schema errors become PipeplanError."""
     path = Path(path)
@@ -90,12 +108,15 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     if not path.is_file():
         raise PipeplanError(f"{what}: {not_a_file(path)}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark ignored
+        data = json.loads(path.read_text(encoding="utf-8-sig"),  # a byte-order mark ignored
+                          object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise PipeplanError(f"{what}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except UnicodeDecodeError as exc:
         raise PipeplanError(f"{what}: not UTF-8 text (byte {exc.start}); give the JSON file "
                             "pipeplan wrote, or save it as UTF-8") from None
+    except DuplicateKeyError as exc:
+        raise PipeplanError(f"{what}: {exc}; JSON keeps only the last, so say each once") from None
     except ValueError:  # an integer of more digits than Python converts (4300)
         raise PipeplanError(f"{what}: holds a number of thousands of digits, more than any field "
                             "takes; give the JSON file pipeplan wrote") from None

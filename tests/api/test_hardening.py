@@ -124,14 +124,27 @@ def test_bodies_a_json_client_may_send_get_json_answers(client: TestClient) -> N
     r = client.post("/v1/profiles", content=b'{"batch_size": ' + b"9" * 5000 + b"}",
                     headers={"content-type": "application/json"})
     assert r.status_code == 422 and "thousands of digits" in r.text and "sys." not in r.text, r.text
+    # a key given twice: json keeps the last, the server refuses it
+    r = client.post("/v1/profiles", content=b'{"batch_size": 1, "batch_size": 2}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "the key 'batch_size' appears twice" in r.text, r.text
+
+
+def test_head_is_get_without_the_body(client: TestClient) -> None:
+    # curl -I got 405 (Allow: GET) on every route but /healthz
+    for path in ("/v1/profiles", "/livez", "/version", "/openapi.json"):
+        got, head = client.get(path), client.head(path)
+        assert head.status_code == got.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+    assert client.head("/v1/plans/nope").status_code == 404
 
 
 @pytest.mark.parametrize(("method", "path", "allow"), [
-    ("put", "/v1/plans/x", "DELETE, GET"),
+    ("put", "/v1/plans/x", "DELETE, GET, HEAD"),
     ("get", "/v1/plans/compare", "POST"),
     ("delete", "/v1/plans/compare", "POST"),
     ("post", "/healthz", "GET, HEAD"),
-    ("patch", "/v1/profiles", "GET, POST"),
+    ("patch", "/v1/profiles", "GET, HEAD, POST"),
 ])
 def test_405_lists_every_allowed_method(client: TestClient, method: str, path: str, allow: str) -> None:
     r = client.request(method, path)

@@ -151,6 +151,10 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
         "dup": (json.dumps({"nodes": [node, node], **base}).encode(), "appears twice"),
         "str": (json.dumps({"nodes": [{**node, "devices": "2"}], **base}).encode(), "devices"),
         "digits": (b'{"nodes": ' + b"9" * 5000 + b"}", "thousands of digits"),
+        # json keeps the last of two keys: this planned 64 devices per node without a word
+        "dupkey": (b'{"nodes": 1, "devices_per_node": 2, "devices_per_node": 64, "device_memory_gb": 16, '
+                   b'"intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}',
+                   "the key 'devices_per_node' appears twice in one object"),
         "deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     }
     for name, (text, message) in clusters.items():
