@@ -648,3 +648,4 @@ class Report(_OpenFinite):
     predicted_iteration_ms: NonNegativeFloat
     losses: list[float | None]  # None: that step's loss was not finite (a run that diverged)
     ranks: list[RankReport]
+    optimizer: OptimizerName | None = None  # the run's (None: older reports)

@@ -151,6 +151,12 @@ def fit(plan: Plan, report: Report) -> Corrections:
     if report.plan_profile_sha256 != plan.profile_sha256:
         raise PipeplanError("the report is of a run of another plan (its plan_profile_sha256 "
                             "differs); give the plan that run executed")
+    if report.optimizer is not None and report.optimizer != plan.options.optimizer:
+        raise PipeplanError(
+            f"the run used --optimizer {report.optimizer} but the plan was made for "
+            f"{plan.options.optimizer}, so its optimizer steps and memory are not the plan's: run the "
+            f"plan with --optimizer {plan.options.optimizer}, or plan again with --optimizer "
+            f"{report.optimizer} and refine a run of that plan")
     by_stage: dict[int, list] = {}
     for r in report.ranks:
         by_stage.setdefault(r.stage, []).append(r)

@@ -27,6 +27,8 @@ from profiler.loader import (
 )
 from profiler.measure import library_workspace_bytes, measure_all
 
+MAX_BATCH_SIZE = 2**31 - 1  # rows of one profiled batch: beyond it, a typo
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "cpu":
@@ -99,8 +101,9 @@ def profile_model_file(
 ) -> Profile:
     """Profile `path` at `batch_size`. Progress: `on_traced(layer_graph)` once, then
     `on_round(done, total)` after each measuring round (every layer and the whole model once)."""
-    if batch_size < 1:
-        raise PipeplanError(f"--batch-size {batch_size}: must be at least 1")
+    if not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise PipeplanError(f"--batch-size {batch_size}: give the rows of one profiled batch, from 1 "
+                            f"to {MAX_BATCH_SIZE} (a microbatch's size: the planner scales it)")
     if warmup < 0 or repeats < 1 or warmup > MAX_ROUNDS or repeats > MAX_ROUNDS:
         raise PipeplanError(f"--warmup {warmup} --repeats {repeats}: give --warmup 0..{MAX_ROUNDS} and "
                             f"--repeats 1..{MAX_ROUNDS} (each round runs every layer once)")

@@ -488,7 +488,17 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     del nominal
-    from runtime.launch import launch
+    from runtime.launch import check_room, launch
+
+    try:
+        check_room(nproc, f"--nproc-per-node {nproc}")
+    except PipeplanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cores = os.cpu_count() or 1
+    if nproc > cores:
+        print(f"warning: {nproc} rank processes on {cores} CPU cores; they will share the cores, "
+              "and calibrate measures them that way", file=sys.stderr)
 
     print(f"calibrating {nproc} local rank(s) ...", flush=True)
     try:
@@ -521,8 +531,12 @@ def _check_args(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.timeout) and MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S):
         raise PipeplanError(f"--timeout {args.timeout:g}: give a finite number of seconds, from "
                             f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}")
-    if args.memory_gb is not None and not (math.isfinite(args.memory_gb) and args.memory_gb > 0):
-        raise PipeplanError(f"--memory-gb {args.memory_gb}: give the usable memory per device in GB (> 0)")
+    from planner.formats import MAX_DEVICE_MEMORY_GB
+
+    if args.memory_gb is not None and not (math.isfinite(args.memory_gb)
+                                           and 0 < args.memory_gb <= MAX_DEVICE_MEMORY_GB):
+        raise PipeplanError(f"--memory-gb {args.memory_gb:g}: give the usable memory per device in GB "
+                            f"(> 0, at most {MAX_DEVICE_MEMORY_GB:g})")
     # every rank checks its arguments; only rank 0 writes cluster.json
     check_output(args.output, (args.profile, args.model, args.nominal),
                  probe=os.environ.get("RANK", "0") == "0")

@@ -78,6 +78,7 @@ def _resume_meta(directory: str) -> dict[str, object]:
     return meta
 
 
+MAX_LR = 1e6  # beyond it a typo; above float32's range the optimizer step itself fails
 MIN_TIMEOUT_S = 1.0  # --timeout below this fails the rendezvous itself
 MAX_TIMEOUT_S = 1e7  # ~115 days; 1e14 overflowed the process group's timedelta on every rank
 
@@ -94,8 +95,8 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         from profiler.profile import check_threads
 
         check_threads(args.threads)
-    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
-        raise PipeplanError(f"--lr {args.lr}: give a learning rate >= 0")
+    if args.lr is not None and not (math.isfinite(args.lr) and 0 <= args.lr <= MAX_LR):
+        raise PipeplanError(f"--lr {args.lr:g}: give a learning rate from 0 to {MAX_LR:g}")
     inputs = (args.plan, args.model)
     writer = os.environ.get("RANK", "0") == "0"  # the launcher, or rank 0: the one that writes
     check_output(args.report, inputs, "--report", probe=writer)
@@ -104,6 +105,11 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         save = Path(args.save)
         if save.exists() and not save.is_dir():
             raise PipeplanError(f"--save {args.save}: is a file; --save writes a directory")
+        if save.is_dir() and not (save / "meta.json").is_file() and any(save.iterdir()):
+            raise PipeplanError(
+                f"--save {args.save}: the directory holds files but no checkpoint (no meta.json), "
+                "and --save would overwrite model.pt and optimizer.pt there: give a new or empty "
+                "directory, or one an earlier --save wrote")
         check_output(save / "model.pt", inputs, "--save", probe=writer)
     granularity = args.granularity or getattr(plan, "granularity", None)
     meta = _resume_meta(args.resume) if args.resume else {}
@@ -122,6 +128,16 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         allow_mismatch=args.allow_mismatch, granularity=granularity,
         trace_info=getattr(args, "trace_info", None), threads=args.threads,
     )
+
+
+def warn_optimizer(plan: Plan, opts: RunOptions) -> None:
+    """A run with another optimizer than the plan's: its memory and step times are priced for
+    the plan's (Adam keeps two states per parameter, momentum one, SGD none)."""
+    if opts.optimizer != plan.options.optimizer:
+        print(f"warning: the plan was made for --optimizer {plan.options.optimizer} and this run "
+              f"uses {opts.optimizer}: its memory and optimizer-step times are priced for "
+              f"{plan.options.optimizer} (plan again with --optimizer {opts.optimizer})",
+              file=sys.stderr)
 
 
 def check_model_hash(plan: Plan, model_path: str, allow_mismatch: bool, quiet: bool) -> None:
@@ -152,6 +168,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     from runtime.worker import split_batch
 
     check_model_hash(plan, opts.model, opts.allow_mismatch, quiet=False)
+    warn_optimizer(plan, opts)
     if opts.resume and not os.path.isdir(opts.resume):
         raise PipeplanError(f"--resume {opts.resume}: no such directory")
     mf = load_model_file(opts.model)
@@ -206,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         info_dir.cleanup()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from runtime.launch import launch
+    from runtime.launch import check_room, launch
 
+    try:
+        check_room(plan.world_size, f"the plan ({args.plan})")
+    except PipeplanError as exc:
+        info_dir.cleanup()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     cores = os.cpu_count() or 1
     if plan.world_size > cores:
         print(f"warning: {plan.world_size} rank processes on {cores} CPU cores; they will share "
@@ -251,6 +274,8 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
             )
         check_model_hash(plan, opts.model, opts.allow_mismatch,
                          quiet=error_file is not None or env.rank != 0)
+        if error_file is None and env.rank == 0:  # under torchrun: no preflight said it
+            warn_optimizer(plan, opts)
         run(plan, opts, env)
     except BaseException as exc:  # noqa: BLE001 - every failure must end this rank promptly
         report_failure(env, exc, error_file)

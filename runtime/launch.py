@@ -112,6 +112,35 @@ def _hung(failures: list[Failure], alive: list[int]) -> list[Failure]:
     return out
 
 
+RANK_BYTES = 150 * 2**20  # what a rank holds before any model: Python, torch, gloo (~150-220 MB)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_room(world_size: int, what: str) -> None:
+    """Refuse, before any process starts, a number of local ranks this machine cannot hold:
+    each is a Python process with torch (`RANK_BYTES` before any model). Raises PipeplanError."""
+    from planner.errors import PipeplanError
+
+    free = available_memory_bytes()
+    if free is not None and world_size * RANK_BYTES > free:
+        most = max(1, free // RANK_BYTES)
+        raise PipeplanError(
+            f"{what} needs {world_size} rank processes on this machine; each holds about "
+            f"{RANK_BYTES / 2**20:.0f} MB before any model and {free / 2**30:.1f} GB is available, "
+            f"enough for about {most}: start it on its machines with torchrun, or use fewer ranks")
+
+
 def launch(argv: list[str], world_size: int, threads: int | None = None,
            peer_wait_s: float = 0.0) -> list[Failure]:
     """Run `python -m runtime *argv` on `world_size` local ranks (`threads` torch threads each;

@@ -65,7 +65,7 @@ def finite_losses(losses: list[float]) -> list[float | None]:
 
 
 def build_report(plan: Plan, records: list[RankRecord], losses: list[float], steps: int,
-                 schedule_peak: dict[int, int]) -> Report:
+                 schedule_peak: dict[int, int], optimizer: str | None = None) -> Report:
     records = sorted(records, key=lambda r: r.rank)
     it_ms = _median(_steady(records[0].step_ms))
     per_mb = plan.num_microbatches
@@ -99,6 +99,7 @@ def build_report(plan: Plan, records: list[RankRecord], losses: list[float], ste
         step_ms=records[0].step_ms,
         losses=finite_losses(losses),
         ranks=ranks,
+        optimizer=optimizer,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -379,6 +380,9 @@ class Worker:
             last_events = self.executor.events + ar + [
                 TimedEvent(f"optimizer {self.stage}", "optimizer", self.stage, -1, o0, o1)]
             if self.rank == 0:
+                if not math.isfinite(step_loss) and all(math.isfinite(x) for x in self.losses):
+                    print(f"warning: step {s + 1}: the loss is {step_loss} (training diverged: a "
+                          "smaller --lr, or the model's data)", file=sys.stderr, flush=True)
                 self.losses.append(step_loss)
                 print(f"step {s + 1}: loss {step_loss:.6f}  {ms:.1f} ms  "
                       f"{plan.global_batch / (ms / 1e3):.1f} samples/s", flush=True)
@@ -460,7 +464,7 @@ class Worker:
         except Exception as exc:  # a plan the simulator cannot handle still runs
             log.warning("simulating the plan failed: %s", exc)
             schedule_peak = {}
-        report = build_report(plan, records, self.losses, opts.steps, schedule_peak)
+        report = build_report(plan, records, self.losses, opts.steps, schedule_peak, opts.optimizer)
         if opts.report:
             save_model(report, opts.report)
         if opts.trace:

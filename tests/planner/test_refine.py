@@ -120,6 +120,16 @@ def test_report_of_another_plan_is_refused():
         fit(plan, report)
 
 
+def test_a_report_of_a_run_with_another_optimizer_is_refused():
+    # the plan prices sgd's step and memory; a run with Adam measured others, and without the
+    # optimizer in the report refine blamed the links ("latency is overstated")
+    _, plan = _plan()
+    report = _run(plan, (1, 1, 1), (1, 1, 1), 0.0)
+    fit(plan, report.model_copy(update={"optimizer": "sgd"}))
+    with pytest.raises(PipeplanError, match="the run used --optimizer adam but the plan was made for sgd"):
+        fit(plan, report.model_copy(update={"optimizer": "adam"}))
+
+
 
 def test_a_report_that_does_not_fit_the_plan_says_why():
     """A rank record twice, a prediction of another plan, a negative iteration: each named."""

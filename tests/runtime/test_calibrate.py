@@ -154,3 +154,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
                    str(tmp_path / "none.py"), "-o", str(tmp_path / "c.json"))
     assert r.returncode == 2 and "--model" in r.stderr and "no such file" in r.stderr, r.stderr
     assert "calibrating" not in r.stdout
+    # the cluster format's bound on memory: refused first, not after the ranks measured
+    r = _calibrate("--nproc-per-node", "1", "--memory-gb", "2e6", "-o", str(tmp_path / "c.json"))
+    assert r.returncode == 2 and "--memory-gb 2e+06" in r.stderr and "at most 1e+06" in r.stderr, r.stderr
+    assert "calibrating" not in r.stdout and "Traceback" not in r.stderr

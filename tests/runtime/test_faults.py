@@ -297,3 +297,40 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_options_that_would_fail_late_or_lose_files_are_refused_before_any_rank(run, tmp_path):
+    """A learning rate beyond float32 failed in every rank's first optimizer step (a traceback);
+    --save into a directory of the user's own overwrote its model.pt."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [3, 3])
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--lr", "1e300")
+    assert rc == 2 and "--lr 1e+300: give a learning rate from 0 to 1e+06" in err, err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.pt").write_text("the user's own")
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--save", mine)
+    assert rc == 2 and "holds files but no checkpoint" in err and "Traceback" not in err, err
+    assert (mine / "model.pt").read_text() == "the user's own" and "running" not in out
+
+
+def test_more_local_ranks_than_the_memory_holds_are_refused(monkeypatch):
+    from planner.errors import PipeplanError
+    from runtime import launch
+
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 4 * 2**30)
+    launch.check_room(16, "the plan")  # 16 x 150 MB fit in 4 GB
+    with pytest.raises(PipeplanError, match="needs 1000 rank processes.*enough for about 27"):
+        launch.check_room(1000, "--nproc-per-node 1000")
+
+
+def test_a_run_with_another_optimizer_is_warned_about_and_a_diverged_loss_is_named(run, tmp_path):
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [3, 3])  # made for sgd
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 6, "--optimizer", "momentum",
+                          "--lr", "1e6", "--timeout", 60, "--report", tmp_path / "r.json")
+    assert rc == 0, err
+    assert "the plan was made for --optimizer sgd and this run uses momentum" in err
+    assert err.count("the loss is") == 1 and "training diverged" in err, err
+    import json
+    assert json.loads((tmp_path / "r.json").read_text())["optimizer"] == "momentum"
