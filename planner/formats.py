@@ -397,7 +397,8 @@ class PlanOptions(_Closed):
 
     global_batch: PositiveInt = 64
     microbatch_size: PositiveInt | None = None  # None: the profile's batch size
-    microbatch_sizes: list[PositiveInt] | None = None  # cpsat may choose among these
+    # a list given is never empty: [] read as "not given" and planned without a word
+    microbatch_sizes: list[PositiveInt] | None = Field(default=None, min_length=1)  # cpsat chooses among these
     schedule: ScheduleRequest = "1f1b"
     method: str = "cpsat"
     objective: ObjectiveName = "iteration"
@@ -405,11 +406,11 @@ class PlanOptions(_Closed):
     time_limit_s: float = Field(default=10.0, gt=0, le=MAX_TIME_LIMIT_S)
     powers_of_two: bool = False
     seed: int = Field(default=0, ge=0, le=MAX_INT)  # --seed's range (planner.limits.seed_arg)
-    split: list[PositiveInt] | None = None  # method "manual": layers per stage
-    replicas: list[PositiveInt] | None = None  # method "manual": replicas per stage
-    recompute: list[bool] | None = None  # method "manual": activation recomputation per stage
+    split: list[PositiveInt] | None = Field(default=None, min_length=1)  # method "manual": layers per stage
+    replicas: list[PositiveInt] | None = Field(default=None, min_length=1)  # method "manual": per stage
+    recompute: list[bool] | None = Field(default=None, min_length=1)  # method "manual": per stage
     allow_recompute: bool = True  # False (--no-recompute): no stage may recompute
-    tp: list[PositiveInt] | None = None  # method "manual": tensor-parallel degree per stage
+    tp: list[PositiveInt] | None = Field(default=None, min_length=1)  # method "manual": TP degree per stage
     # the largest tensor-parallel degree the search may give a stage (None: the largest
     # profiled degree that fits in a node; 1: no tensor parallelism)
     max_tp: PositiveInt | None = Field(default=None, le=MAX_CLUSTER_DEVICES)

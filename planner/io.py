@@ -167,6 +167,8 @@ def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] 
     tried: on another node it may not exist or take files."""
     if path is None:
         return
+    if str(path).strip() == "":
+        raise PipeplanError(f"{what} '': an empty path; give a file name")
     try:
         _check_output(Path(path), path, inputs, what, probe)
     except OSError as exc:  # a folder on the way that cannot be searched (mode 000)

@@ -161,6 +161,13 @@ def load_model_file(path: str | Path) -> ModelFile:
             f"{path}: missing function{'s' if len(missing) > 1 else ''} "
             f"{', '.join(missing)}. A model file must define: {wanted}."
         )
+    import torch
+
+    if isinstance(module.build_model, torch.nn.Module):
+        raise PipeplanError(
+            f"{path}: build_model is a {type(module.build_model).__name__} module, not a function "
+            "that builds one (each process builds its own model): define "
+            "`def build_model() -> torch.nn.Module` returning it.")
     return ModelFile(
         path=str(path),
         sha256=file_sha256(path),

@@ -138,7 +138,13 @@ def profile_model_file(
     loss_checked(mf, out, target)
     del out
     try:  # one training step as written, so that its own errors read as the user's
-        loss_checked(mf, model(*inputs), target).backward()
+        loss = loss_checked(mf, model(*inputs), target)
+        if not loss.requires_grad:
+            raise PipeplanError(
+                f"{mf.path}: the loss does not depend on any parameter that requires a gradient "
+                "(the model has none, all of them are frozen, or its output is detached), so "
+                "there is nothing to train: give the model trainable weights")
+        loss.backward()
     except PipeplanError:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -211,7 +211,10 @@ def test_a_client_that_hangs_up_mid_body_is_a_499_not_a_500(tmp_path: Path) -> N
         assert "Traceback" not in server.log.read_text()
 
 
-@pytest.mark.parametrize(("option", "value"), [("seed", -1), ("seed", 2**53 + 1), ("max_tp", 10**20)])
+@pytest.mark.parametrize(("option", "value"), [("seed", -1), ("seed", 2**53 + 1), ("max_tp", 10**20),
+                                               # [] read as "not given": a cpsat plan, where the
+                                               # command line refuses `--split ""`
+                                               ("split", []), ("microbatch_sizes", [])])
 def test_options_out_of_range_are_422_naming_the_field(client: TestClient, option: str, value: int) -> None:
     """A seed below 0 or a TP degree no cluster has is a mistake, refused before planning (as the
     CLI refuses `--seed -1`), not planned and stored."""

@@ -166,7 +166,7 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
     (d / "afile").write_text("x")
     before = files["profile"].read_bytes()
     for out, message in ((d, "is a directory"), (d / "afile" / "p.json", "is a file"),
-                         (files["profile"], "is the input")):
+                         (files["profile"], "is the input"), ("", "an empty path")):
         assert main(["plan", prof, "--cluster", str(files["cluster"]), "--method", "uniform",
                      "-o", str(out)]) == 2
         assert message in capsys.readouterr().err

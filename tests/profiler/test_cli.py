@@ -57,6 +57,10 @@ def loss_fn(out, y):
         ("syntax_error", GOOD + "\ndef broken(:\n", ["syntax error at line", "Fix the file"]),
         ("not_a_module", GOOD.replace("return torch.nn.Linear(4, 2)", "return 3"),
          ["build_model() returned int, not a torch.nn.Module"]),
+        # an instance is callable: it was called as build_model() and blamed Linear.forward
+        ("an_instance", GOOD.replace("def build_model():\n    return torch.nn.Linear(4, 2)",
+                                     "build_model = torch.nn.Linear(4, 2)"),
+         ["build_model is a Linear module, not a function", "def build_model() -> torch.nn.Module"]),
         ("wrong_inputs", GOOD.replace("torch.randn(n, 4),", "torch.randn(n, 5),"),
          ["make_batch's inputs must be the model's positional arguments"]),
         ("loss_not_scalar", GOOD.replace("return ((out - y) ** 2).mean()", "return (out - y) ** 2"),
@@ -123,3 +127,15 @@ def test_missing_file_is_a_clear_error(tmp_path) -> None:
 def test_cuda_without_gpu_is_a_clear_error(small_env, tmp_path) -> None:
     r = _profile([str(EXAMPLES / "mlp.py"), "--device", "cuda", "-o", str(tmp_path / "p.json")])
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "--device cpu" in r.stderr
+
+
+
+@pytest.mark.parametrize("body", ["return torch.nn.Linear(4, 2).requires_grad_(False)",
+                                  "return torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Tanh())"
+                                  ".requires_grad_(False)"])
+def test_a_model_with_nothing_to_train_is_a_clear_error(tmp_path, body) -> None:
+    # it read "no in-place change of a tensor autograd saved", the advice for another error
+    path = tmp_path / "frozen.py"
+    path.write_text(GOOD.replace("return torch.nn.Linear(4, 2)", body))
+    r = _profile([str(path), "--batch-size", "4", "-o", str(tmp_path / "p.json")])
+    assert r.returncode == 2 and "nothing to train" in r.stderr and "in-place" not in r.stderr, r.stderr
