@@ -252,6 +252,13 @@ def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Ca
                             + (f" with --tp {','.join(map(str, tps))}" if any(t > 1 for t in tps) else "")
                             + f" needs {need} devices but the cluster has {N}")
     b, m = resolve_microbatch(profile, options)
+    idle = [s for s, r in enumerate(replicas) if r > m]
+    if idle:  # microbatches go round robin over a stage's replicas: the rest get none
+        raise PipeplanError(
+            f"--replicas {','.join(map(str, replicas))}: stage {idle[0]} has {replicas[idle[0]]} "
+            f"replicas but an iteration has {m} microbatch{'es' if m > 1 else ''} of {b}, so "
+            f"{replicas[idle[0]] - m} of them would get none: give at most {m} replicas per stage, "
+            "or smaller microbatches (--microbatch-size)")
     bounds, devs, rank = [0], [], 0
     for n_layers, r, t in zip(options.split, replicas, tps, strict=True):
         bounds.append(bounds[-1] + n_layers)

@@ -98,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(profile, cluster, options)
     save_model(plan, args.output)
     print(format_plan(plan))
+    scale = plan.microbatch_size / profile.batch_size
+    if not 0.5 <= scale <= 2:
+        print(f"note: the profile was measured at batch {profile.batch_size}; microbatches of "
+              f"{plan.microbatch_size} are priced by scaling its times and bytes linearly "
+              f"({scale:g}x): profile at --batch-size {plan.microbatch_size} for measured figures")
     print(f"wrote {args.output}")
     if args.trace or args.timeline:
         show_simulation(simulate(plan), args.output, args.trace, args.timeline)

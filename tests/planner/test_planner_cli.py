@@ -51,6 +51,11 @@ def test_manual_split_from_the_command_line(files: dict[str, Path], capsys: pyte
     assert rc == 0
     plan = Plan.model_validate_json(out.read_text())
     assert [s.replicas for s in plan.stages] == [1, 1, 2] and plan.schedule == "gpipe"
+    assert "note:" not in capsys.readouterr().out  # microbatches of 4 on a profile of 8
+    rc = main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--global-batch",
+               "64", "--microbatch-size", "32", "--split", "3,3", "-o", str(out)])
+    assert rc == 0 and ("note: the profile was measured at batch 8; microbatches of 32 are priced "
+                        "by scaling its times and bytes linearly (4x)") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -62,6 +67,9 @@ def test_manual_split_from_the_command_line(files: dict[str, Path], capsys: pyte
     (["--microbatch-size", "4", "--microbatch-sizes", "4,8"], "give one of them"),
     (["--method", "uniform", "--powers-of-two"], "is for --method cpsat"),
     (["--split", "3,3", "--microbatch-sizes", "4,8"], "is for --method cpsat"),
+    # one microbatch of 16 over two replicas: the second replica idled (the table said "2 of 2")
+    (["--global-batch", "16", "--microbatch-size", "16", "--split", "3,3", "--replicas", "2,1"],
+     "stage 0 has 2 replicas but an iteration has 1 microbatch of 16, so 1 of them would get none"),
 ])
 def test_bad_input_gives_a_clear_message(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                          args: list[str], message: str) -> None:
