@@ -821,6 +821,12 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
                 seed_work += used
         if more:
             best_s, cand = _search_more(more, 0.4 * extra, best_s, cand, ev, cluster, deadline)
+    if (cand is None or best_s is None or not best_s.fits) and ev.has_idle_layers():
+        found = _idle_rescue(seeds, ev, table, sizes, total_work, options.seed,
+                             time.perf_counter() + wall_net_s(options.time_limit_s) / 2)
+        if found is not None:
+            return _idle_plan(*found, table, cluster, options, sizes, ev, t0, deadline,
+                              dp_spent + seed_work)
     if cand is None or best_s is None or not best_s.fits:
         err = infeasible_error(table, cluster, options, sizes, ev)
         err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound (inf: none fits)
@@ -914,6 +920,58 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         "bound_by_microbatch": {str(k): v for k, v in bounds.items() if math.isfinite(v)},
         "no_plan_microbatch_sizes": [k for k, v in bounds.items() if not math.isfinite(v)],
         "schedule": options.schedule,
+    }
+    return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,
+                     options.schedule), info
+
+
+IDLE_RESCUE_SHARE = 0.5  # of the budget: the search once more with 0-ms stages allowed
+
+
+def _idle_rescue(seeds: list[Structure], ev: Evaluator, table: LayerTable, sizes: list[int],
+                 total_work: int, seed: int, deadline: float) -> tuple[Score, Candidate] | None:
+    """Where no plan without a stage that computes nothing fits memory: the search once more,
+    on IDLE_RESCUE_SHARE more work, with such stages allowed. A 0-ms layer can hold much
+    memory (an embedding's parameters, what a reshape or a pooling saves for its backward), and
+    devices of its own can then be the only plans that fit: "no plan" was wrong there. Starts:
+    the first search's seeds and, where there are devices enough, every layer a stage of its
+    own. Only here, so every plan that fits without such a stage is unchanged."""
+    ev.allow_idle = True
+    ev.cache.clear()  # structures with 0-ms stages were scored as no plan
+    L, D = table.num_layers, ev.cluster.num_devices
+    starts = list(seeds)
+    if L <= D:
+        starts += [_seed(b, tuple(range(L + 1)), (1,) * L, (1,) * L) for b in sizes]
+    more = int(IDLE_RESCUE_SHARE * total_work)
+    ev.work_limit = ev.work + int(1.3 * more)
+    got, got_s = iterated_search(starts, ev, table, D, Budget(ev.work + more, deadline), seed)
+    if got is None or got_s is None or not got_s.fits:
+        return None
+    best_s, cand = ev.scored(got)
+    if cand is None:
+        return None
+    best_s, cand = _polish_placement(got, best_s, cand, ev, ev.cluster)
+    return (best_s, cand) if cand is not None and best_s.fits else None
+
+
+def _idle_plan(best_s: Score, cand: Candidate, table: LayerTable, cluster: Cluster,
+               options: PlanOptions, sizes: list[int], ev: Evaluator, t0: float, deadline: float,
+               other_work: int) -> tuple[Candidate, dict[str, object]]:
+    """The plan `_idle_rescue` found. The bound's DP leaves out plans with a 0-ms stage, so
+    the bound here is the one that needs no DP (`_simple_bound`), which holds for every plan."""
+    obj = best_s.objective_ms
+    bound = min(_simple_bound(table, cluster, options, b, ev.degrees) for b in sizes)
+    if options.objective != "iteration":
+        bound = 0.0
+    bound = min(bound, obj)
+    gap = (obj - bound) / obj if obj > 0 else 0.0
+    info: dict[str, object] = {
+        "name": "cpsat", "status": "OPTIMAL" if gap <= OPTIMAL_GAP else "FEASIBLE",
+        "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
+        "clock_stopped": time.perf_counter() >= deadline,
+        "evaluations": ev.evaluations, "work": ev.work + other_work, "bound_work": other_work,
+        "bound_by_microbatch": {}, "no_plan_microbatch_sizes": [],
+        "schedule": options.schedule, "idle_stages": True,
     }
     return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,
                      options.schedule), info

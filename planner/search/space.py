@@ -254,6 +254,9 @@ class Evaluator:
         self.cache_extra: dict[object, object] = {}  # what move generators derive from the table
         self.stage_costs: dict = {}  # `pipeline_costs`' per-stage numbers, for this table and cluster
         self._idle_end = idle_ends(table)
+        # False: a stage that computes nothing is no plan (the search's space and the bound's);
+        # True only where no plan without one fits memory (`planner.search._idle_rescue`)
+        self.allow_idle = False
 
     def __call__(self, st: Structure) -> Score:
         return self.scored(st)[0]
@@ -269,10 +272,15 @@ class Evaluator:
             return False
         return not self.idle_stage(st.bounds)
 
+    def has_idle_layers(self) -> bool:
+        """Some layer computes nothing (so some stage can)."""
+        end = self._idle_end
+        return end is not None and any(e > a for a, e in enumerate(end[:-1]))
+
     def idle_stage(self, bounds: tuple[int, ...]) -> bool:
         """True if a stage computes nothing (0 ms): it would hold devices that do no work."""
         end = self._idle_end
-        if end is None:
+        if end is None or self.allow_idle:
             return False
         return any(z <= end[a] for a, z in zip(bounds, bounds[1:], strict=False))
 

@@ -340,3 +340,30 @@ def test_a_profile_of_no_time_is_a_clear_error(ms: float) -> None:
     with pytest.raises(PipeplanError, match="profile the model again|Profile the model again"):
         make_plan(profile, cluster(), PlanOptions(global_batch=16, microbatch_size=8, optimizer="sgd"))
     assert steps_to_prove(5e-324, 1.0) > 0
+
+
+@pytest.mark.parametrize(("params", "act", "memory_gb", "recompute"), [
+    ([10**8, 3 * 10**9, 10**8], [10**7, 0, 10**7], 6.1, False),  # a 0-ms layer of 3 GB parameters
+    # one that saves 4 GB for its backward: it fits recomputed, on a device of its own
+    ([10**9, 0, 10**9], [10**7, 4 * 10**9, 10**7], 5.0, True),
+])
+def test_a_0_ms_layer_gets_devices_of_its_own_where_nothing_else_fits(params, act, memory_gb,
+                                                                      recompute) -> None:
+    """The search and the bound leave out stages that compute nothing (their devices would do
+    no work), and said "no plan found that fits" where every plan that fits gives the 0-ms
+    layer a device of its own (found by a probe with profiles of its own). Now the search
+    runs once more with such stages allowed: the plan is the brute force's optimum, and the
+    bound is the one that holds for every plan."""
+    from tests.planner.helpers import chain_profile, cluster
+
+    profile = chain_profile([10.0, 0.0, 10.0], params=params, act=act, out=[10**6] * 3)
+    cl = cluster(per_node=3, memory_gb=memory_gb)
+    options = PlanOptions(global_batch=32, microbatch_size=8, optimizer="sgd", allow_recompute=recompute)
+    ref = brute_force(profile, cl, options, [8])
+    cand = solve(profile, cl, options)
+    assert [len(s.devices) for s in cand.stages] == [1, 1, 1]
+    assert cand.solver["objective"] == pytest.approx(ref.iteration_ms, rel=REL)
+    assert cand.solver["bound"] <= cand.solver["objective"] and cand.solver["idle_stages"]
+    # where a plan without such a stage fits, the first search's plan stands
+    roomy = solve(profile, cluster(per_node=3, memory_gb=16.0), options)
+    assert len(roomy.stages) == 2 and "idle_stages" not in roomy.solver
