@@ -78,7 +78,12 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
     if closest is not None and math.isfinite(closest.worst):
         detail = (f"; the closest plan found ({closest.stages} stages on {closest.devices} "
                   f"devices) needs {closest.worst:.2f}x the memory of its smallest device")
+    tries = ([] if b <= 1 else ["a smaller microbatch size"]) \
+        + ([] if options.optimizer == "sgd" else ["--optimizer sgd"]) \
+        + ([] if options.allow_recompute else ["recomputation (leave out --no-recompute)"]) \
+        + ["more devices, devices with more memory or a longer --time-limit (on a large model the "
+           "search may not have reached a plan that fits)"]
     return PipeplanError(
         f"no plan found that fits in device memory ({format_bytes(biggest)} per device, "
-        f"{len(devices)} devices, microbatch sizes {','.join(map(str, sizes))}){detail}. Try a "
-        "smaller microbatch size, --optimizer sgd, more devices or a longer --time-limit")
+        f"{len(devices)} devices, microbatch sizes {','.join(map(str, sizes))}){detail}. Try "
+        + ", ".join(tries[:-1]) + (" or " if len(tries) > 1 else "") + tries[-1])

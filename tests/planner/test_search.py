@@ -367,3 +367,17 @@ def test_a_0_ms_layer_gets_devices_of_its_own_where_nothing_else_fits(params, ac
     # where a plan without such a stage fits, the first search's plan stands
     roomy = solve(profile, cluster(per_node=3, memory_gb=16.0), options)
     assert len(roomy.stages) == 2 and "idle_stages" not in roomy.solver
+
+
+def test_no_plan_found_suggests_only_what_the_options_leave_to_try() -> None:
+    # it said "Try a smaller microbatch size, --optimizer sgd, ..." at microbatch size 1 with sgd
+    from tests.planner.helpers import chain_profile, cluster
+
+    profile = chain_profile([10.0, 5.0, 10.0], params=[2 * 10**9] * 3, act=[6 * 10**8] * 3,
+                            out=[10**6] * 3, batch_size=1)
+    options = PlanOptions(global_batch=8, microbatch_size=1, optimizer="sgd", allow_recompute=False)
+    with pytest.raises(PipeplanError, match="no plan found that fits") as exc:
+        solve(profile, cluster(per_node=4, memory_gb=5.0), options)
+    text = str(exc.value)
+    assert "leave out --no-recompute" in text and "--optimizer sgd" not in text
+    assert "smaller microbatch" not in text
