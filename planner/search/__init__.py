@@ -905,7 +905,17 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         # conditions missed something; the size keeps the bound that needs no DP
         bounds[cand.microbatch_size] = _simple_bound(table, cluster, options, cand.microbatch_size, ev.degrees)
     # sizes no plan of fits memory (`large.dp_lower_bound`: inf) bound nothing
-    bound = min(bounds.values())
+    return _result(cand, obj, min(bounds.values()), options, ev, t0, deadline,
+                   ev.work + dp_spent + tighten_work + seed_work, dp_spent + tighten_work, {
+                       "bound_by_microbatch": {str(k): v for k, v in bounds.items() if math.isfinite(v)},
+                       "no_plan_microbatch_sizes": [k for k, v in bounds.items() if not math.isfinite(v)]})
+
+
+def _result(cand: Candidate, obj: float, bound: float, options: PlanOptions, ev: Evaluator,
+            t0: float, deadline: float, work: float, bound_work: float, extra: dict[str, object]
+            ) -> tuple[Candidate, dict[str, object]]:
+    """The search's plan with its solver info: status, bound (none for another objective than
+    iteration time) and gap."""
     if options.objective != "iteration":
         bound = 0.0
     bound = min(bound, obj)
@@ -915,11 +925,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
         # past the safety net, some step ended on the clock, not on its work: not reproducible
         "clock_stopped": time.perf_counter() >= deadline,
-        "evaluations": ev.evaluations, "work": ev.work + dp_spent + tighten_work + seed_work,
-        "bound_work": dp_spent + tighten_work,
-        "bound_by_microbatch": {str(k): v for k, v in bounds.items() if math.isfinite(v)},
-        "no_plan_microbatch_sizes": [k for k, v in bounds.items() if not math.isfinite(v)],
-        "schedule": options.schedule,
+        "evaluations": ev.evaluations, "work": work, "bound_work": bound_work,
+        **extra, "schedule": options.schedule,
     }
     return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,
                      options.schedule), info
@@ -959,22 +966,10 @@ def _idle_plan(best_s: Score, cand: Candidate, table: LayerTable, cluster: Clust
                other_work: int) -> tuple[Candidate, dict[str, object]]:
     """The plan `_idle_rescue` found. The bound's DP leaves out plans with a 0-ms stage, so
     the bound here is the one that needs no DP (`_simple_bound`), which holds for every plan."""
-    obj = best_s.objective_ms
     bound = min(_simple_bound(table, cluster, options, b, ev.degrees) for b in sizes)
-    if options.objective != "iteration":
-        bound = 0.0
-    bound = min(bound, obj)
-    gap = (obj - bound) / obj if obj > 0 else 0.0
-    info: dict[str, object] = {
-        "name": "cpsat", "status": "OPTIMAL" if gap <= OPTIMAL_GAP else "FEASIBLE",
-        "objective": obj, "bound": bound, "gap": gap, "wall_s": time.perf_counter() - t0,
-        "clock_stopped": time.perf_counter() >= deadline,
-        "evaluations": ev.evaluations, "work": ev.work + other_work, "bound_work": other_work,
-        "bound_by_microbatch": {}, "no_plan_microbatch_sizes": [],
-        "schedule": options.schedule, "idle_stages": True,
-    }
-    return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,
-                     options.schedule), info
+    return _result(cand, best_s.objective_ms, bound, options, ev, t0, deadline, ev.work + other_work,
+                   other_work, {"bound_by_microbatch": {}, "no_plan_microbatch_sizes": [],
+                                "idle_stages": True})
 
 
 def solve(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
