@@ -46,10 +46,10 @@ Same input, same plan: every step is deterministic and budgeted by work, not tim
 bound's bisections count their DP cells, `bound.dp_work`, and take at most a third of the budget;
 the search gets what they leave). `time_limit_s` sets that budget (WORK_PER_SECOND of work per
 second, fitted on a 2-core machine where a 10 s plan took a median 5.8 s). The phases after
-the search take shares of it on top, so a plan may spend up to MAX_WORK (5.8) x that budget:
+the search take shares of it on top, so a plan may spend up to MAX_WORK (6.0) x that budget:
 ResNet-18 on 128 devices with tight memory spends 2.4x, 26.5 s for a 10 s plan on our 2-core
 machine. The wall clock stops the search only at WALL_NET x the time the most work takes
-(`wall_net_s`: 174 s for a 10 s plan), a safety net that a machine up to three times slower,
+(`wall_net_s`: 180 s for a 10 s plan), a safety net that a machine up to three times slower,
 or one whose cores other work keeps busy, does not reach. (At 1 x `time_limit_s`, on a machine
 1.5-1.7x slower than that one, 71 of the 160 plan-quality rows reached it and 21 gave another
 plan or bound on a rerun. At 3 x `time_limit_s`, as the net was until 2026-11-27, that
@@ -68,7 +68,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -91,6 +91,7 @@ from planner.search.bound import (
     conditions,
     cut_hop_bytes,
     dp_work,
+    feasible,
     hop_bytes,
     in_layers,
     lower_bound,
@@ -127,6 +128,7 @@ BASELINE_SHARE = 0.2  # of the work, at most, for each baseline's sweep of pipel
 TIGHTEN_SHARE = 0.3  # more work after the search, to tighten the bound
 PROOF_SHARE = 0.4  # more work after that, to prove the 1 % with each microbatch's backward (`bound.prove`)
 EXHAUST_SHARE = 0.6  # more work after that, to simulate every plan the bound allows (`exhaust`)
+IDLE_BOUND_SHARE = 0.2  # more work after that, to carry the bound over plans with 0-ms stages (`_idle_checked`)
 WIDE_SHARE = 0.25  # more work after the search, for its compound moves (never a worse plan)
 DP_CELLS = 5e7  # L * L * D * replica choices (pairs in the memory band) above which the round-trip DP is not run
 OPTIMAL_GAP = 1e-6
@@ -149,7 +151,7 @@ CLASS_STEPS = 12  # tightening steps the hop classes must afford, else `tighten`
 MAX_WORK = (1.3 * (1 + WIDE_SHARE * (1 + SPLIT_ONE_SHARE)) + CUT_SEED_SHARE + TIGHTEN_SHARE
             + max(PROOF_SHARE, PROOF_SHARE + PACK_SHARE + SPREAD_SHARE) + TIGHTENED_SHARE
             + 1.3 * (2 if ELITE else 1) * POLISH_SHARE * (1 + CLIMB_SHARE)
-            + EXHAUST_SHARE)
+            + EXHAUST_SHARE + IDLE_BOUND_SHARE)
 
 
 def wall_net_s(time_limit_s: float) -> float:
@@ -497,8 +499,8 @@ def _memory_rescue(conds: dict[int, Conditions], degrees: tuple[int, ...], max_w
     return out, work
 
 
-def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], obj: float,
-                 ev: Evaluator, cluster: Cluster, max_work: float, deadline: float
+def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], floors: dict[int, float],
+                 obj: float, ev: Evaluator, cluster: Cluster, max_work: float, deadline: float
                  ) -> tuple[tuple[Score, Candidate] | None, int]:
     """Per microbatch size whose bound is below the plan's time `obj`: every plan the DP
     allows at `obj` simulated (`exhaust`), which proves the optimum; where too many, at 1 %
@@ -508,22 +510,26 @@ def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], 
     recomputed stages (before, it ran there only where the bound's DP, its memory priced at
     the largest device, had no recomputed variant, and simulated only the recomputation of the
     stages that overflow: on two nodes of 2 and 16 GB it proved a plan 10.8 % slower than one
-    that recomputes two stages)."""
+    that recomputes two stages). Where some layer computes nothing, the plans with a stage of
+    such layers alone are simulated as well (the DP and the evaluator allow them here): what
+    it proves then holds over every plan, and raises `floors` too (`_idle_checked`)."""
     spent = 0
     found: tuple[Score, Candidate] | None = None
     options = ev.options
     if options.objective != "iteration" or options.powers_of_two:
         return found, spent
     for b, c in conds.items():
-        if c is None or bounds[b] >= obj * (1 - OPTIMAL_GAP):
+        if c is None or (floors[b] if ev.has_idle_layers() else bounds[b]) >= obj * (1 - OPTIMAL_GAP):
             continue
-        cz = proof_conditions(c)
+        idle = ev.has_idle_layers()
+        cz = proof_conditions(replace(c, idle_stages=idle))
         for T in (obj, obj * (1 - PROOF_GAP)):
             left = max_work - spent
-            if bounds[b] >= T * (1 - OPTIMAL_GAP) or 2 * tighten_step_work(cz) > left \
+            if (floors[b] if idle else bounds[b]) >= T * (1 - OPTIMAL_GAP) or 2 * tighten_step_work(cz) > left \
                     or time.perf_counter() >= deadline:
                 break
-            got = exhaust(cz, T, b, ev, cluster, left, deadline)
+            with ev.idle_allowed() if idle else nullcontext():
+                got = exhaust(cz, T, b, ev, cluster, left, deadline)
             spent += got.work
             if got.best is not None and got.best[0].objective_ms < obj * (1 - OPTIMAL_GAP) \
                     and (found is None or got.best[0].better_than(found[0])):
@@ -531,6 +537,7 @@ def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], 
             proven = got.bound(T)
             if proven is not None:
                 bounds[b] = max(bounds[b], proven)
+                floors[b] = max(floors[b], proven)
                 break
     return found, spent
 
@@ -725,6 +732,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
     seeds: list[Structure] = []
     fallbacks: list[tuple[Score, Candidate]] = []  # baselines exactly as they place themselves
     bounds: dict[int, float] = {}
+    floors: dict[int, float] = {}
     conds: dict[int, Conditions | None] = {}
     bisected = True  # the round-trip DP bisected for every size (else the rescue below may run)
     total_work = int(WORK_PER_SECOND * options.time_limit_s)
@@ -748,6 +756,9 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         dp_spent += used
         bp = found[0] if found else None
         bounds[b] = max(bp.bound_ms if bp else 0.0, simple)
+        # what holds over plans with a 0-ms stage too: the round-trip DP leaves them out (as the
+        # search does), the layer-only DP and the simple bound do not (`_idle_checked`)
+        floors[b] = simple if done else bounds[b]
         seeds += [_seed(b, x.bounds, x.replicas, x.tp) for x in found if x is not None and x.seed]
     budget = Budget(total_work - dp_spent, deadline)
     wide_work = int(WIDE_SHARE * budget.work)  # the compound moves after the search (local._widen)
@@ -832,6 +843,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound (inf: none fits)
         raise err
     obj = best_s.objective_ms
+    classed_conds = dict(conds)  # (the loop below may drop their hop classes)
     tighten_work = 0  # the bounds once more, with the cross-stage conditions (bound.tighten)
     todo = [b for b in sizes if conds.get(b) is not None and bounds[b] < obj * (1 - OPTIMAL_GAP)]
     feasible_at: dict[int, list[tuple[float, PlanTuple]]] = {}
@@ -895,7 +907,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             bounds[b] = max(bounds[b], T)
         left -= used
         tighten_work += used
-    found, exhaust_work = _exhaust_all(conds, bounds, obj, ev, cluster, EXHAUST_SHARE * total_work, deadline)
+    found, exhaust_work = _exhaust_all(conds, bounds, floors, obj, ev, cluster, EXHAUST_SHARE * total_work, deadline)
     tighten_work += exhaust_work
     if found is not None and found[0].better_than(best_s):
         best_s, cand = found
@@ -904,6 +916,17 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         # the layer-only DP found no plan of this size fitting memory, and here is one: its
         # conditions missed something; the size keeps the bound that needs no DP
         bounds[cand.microbatch_size] = _simple_bound(table, cluster, options, cand.microbatch_size, ev.degrees)
+    if ev.has_idle_layers() and options.objective == "iteration":
+        # every bound so far but the floors leaves out plans with a 0-ms stage
+        idle_work = 0
+        todo = [b for b in sizes if classed_conds.get(b) is not None and bounds[b] > floors[b]]
+        for k, b in enumerate(todo):
+            c = classed_conds[b]
+            assert c is not None
+            bounds[b], used = _idle_checked(c, bounds[b], floors[b], obj,
+                                            (IDLE_BOUND_SHARE * total_work - idle_work) / (len(todo) - k), deadline)
+            idle_work += used
+        tighten_work += idle_work
     # sizes no plan of fits memory (`large.dp_lower_bound`: inf) bound nothing
     return _result(cand, obj, min(bounds.values()), options, ev, t0, deadline,
                    ev.work + dp_spent + tighten_work + seed_work, dp_spent + tighten_work, {
@@ -928,11 +951,58 @@ def _result(cand: Candidate, obj: float, bound: float, options: PlanOptions, ev:
         "evaluations": ev.evaluations, "work": work, "bound_work": bound_work,
         **extra, "schedule": options.schedule,
     }
+    if any(ev.computes_nothing((s.start, s.stop)) for s in cand.stages):
+        info["idle_stages"] = True  # a stage that computes nothing has devices of its own
     return Candidate(cand.stages, cand.microbatch_size, cand.num_microbatches, info,
                      options.schedule), info
 
 
 IDLE_RESCUE_SHARE = 0.5  # of the budget: the search once more with 0-ms stages allowed
+
+
+def _idle_checked(c: Conditions, T: float, floor: float, obj: float, work: float, deadline: float
+                  ) -> tuple[float, int]:
+    """A bound over every plan from `T`, a bound over the plans without a stage that computes
+    nothing (the DPs before leave such stages out, as the search does), and `floor`, one over
+    every plan; and the work spent. A 0-ms layer can hold much memory (what a ReLU or a
+    reshape saves for its backward, an embedding's parameters): alone on a device it takes that
+    off the other stages, so a plan with such a stage can be the fastest (`benchmarks/
+    idle_stages.py`: 3 of 70 chains, up to 71.7 % faster), and a bound without them proved
+    plans that were not the optimum. With such stages allowed (`Conditions.idle_stages`; `c`
+    with its hop classes): T itself where the DP has no plan at T, first without the
+    cross-stage conditions, then with them, then with each microbatch's last backward
+    (`prove`, within `work`); else the same 1 % below `obj`; else that DP bisected up to there
+    and tightened, within what `work` leaves (past it, or past `deadline`, the largest time
+    found infeasible, at least `floor`)."""
+    ci = replace(c, idle_stages=True)
+    cross = replace(ci, cross_stage=True, prefix_hops=True, microbatch_paths=True)
+    spent = 0
+
+    def none_at(t: float) -> bool:
+        nonlocal spent
+        for cc in (ci, cross):
+            spent += tighten_step_work(cc) if cc.cross_stage else dp_work(cc)
+            if not feasible(cc, t):
+                return True
+        proven, used = prove(ci, t, max(0.0, work - spent) / 2, deadline)
+        spent += used
+        return proven
+
+    if none_at(T):
+        return T, spent
+    T1 = min(T, obj * (1 - PROOF_GAP))
+    if T1 <= floor or time.perf_counter() >= deadline:
+        return floor, spent
+    if T1 < T and none_at(T1):
+        return T1, spent
+    found, used = lower_bound(without_classes(ci), upper_ms=T1, lower_ms=floor,
+                              max_work=max(0.0, (work - spent) / 2))
+    spent += used
+    if found is None:  # no plan fits memory at any time, these stages or not (T1 is feasible)
+        return T1, spent
+    got, used = tighten(without_classes(ci), found.bound_ms, T1, max(0.0, work - spent), deadline=deadline,
+                        classed=ci)
+    return max(floor, found.bound_ms, got), spent + used
 
 
 def _idle_rescue(seeds: list[Structure], ev: Evaluator, table: LayerTable, sizes: list[int],
@@ -964,12 +1034,11 @@ def _idle_rescue(seeds: list[Structure], ev: Evaluator, table: LayerTable, sizes
 def _idle_plan(best_s: Score, cand: Candidate, table: LayerTable, cluster: Cluster,
                options: PlanOptions, sizes: list[int], ev: Evaluator, t0: float, deadline: float,
                other_work: int) -> tuple[Candidate, dict[str, object]]:
-    """The plan `_idle_rescue` found. The bound's DP leaves out plans with a 0-ms stage, so
-    the bound here is the one that needs no DP (`_simple_bound`), which holds for every plan."""
+    """The plan `_idle_rescue` found, with the bound that needs no DP (`_simple_bound`), which
+    holds for every plan."""
     bound = min(_simple_bound(table, cluster, options, b, ev.degrees) for b in sizes)
     return _result(cand, best_s.objective_ms, bound, options, ev, t0, deadline, ev.work + other_work,
-                   other_work, {"bound_by_microbatch": {}, "no_plan_microbatch_sizes": [],
-                                "idle_stages": True})
+                   other_work, {"bound_by_microbatch": {}, "no_plan_microbatch_sizes": []})
 
 
 def solve(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:

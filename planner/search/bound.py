@@ -373,6 +373,11 @@ class Conditions:
     # through their gradients (`skip_arrivals`; None for a chain)
     skip_in: np.ndarray | None = None
     skip_out: np.ndarray | None = None
+    # stages that compute nothing (0 ms) allowed: False for the DPs whose plans seed the search
+    # (which leaves them out, `space.Evaluator.allowed`), True for the bound every plan must
+    # respect where a 0-ms layer exists (`search._idle_checked`): alone on a device, such a
+    # layer can take memory off the others, so plans with one can be faster
+    idle_stages: bool = False
 
     @property
     def hop_classes(self) -> int:
@@ -940,7 +945,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         j = np.arange(i + 1, band[i] + 1)  # the stages from i that may fit memory
         J = len(j)
         last_j = (j < L)[None, :, None]
-        nonzero = ((c.Cp[j] - c.Cp[i]) > 0) | (c.Cp[L] <= 0)  # no 0-ms stage
+        nonzero = ((c.Cp[j] - c.Cp[i]) > 0) | (c.Cp[L] <= 0) | c.idle_stages  # no 0-ms stage
         share = np.clip((c.Wshare_num[j] - c.Wshare_num[i])
                         / np.where(c.Wshare_den[j] > c.Wshare_den[i], c.Wshare_den[j] - c.Wshare_den[i], 1.0),
                         0.0, 1.0)

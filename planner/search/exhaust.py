@@ -179,6 +179,7 @@ def exhaust(c: Conditions, T: float, microbatch_size: int, ev: Evaluator, cluste
     floors = [0.0] * len(structures)
     if ev.options.schedule in ("1f1b", "gpipe"):
         rev = Evaluator(ev.table, relaxed_cluster(cluster), ev.options, [microbatch_size])
+        rev.allow_idle = ev.allow_idle
         for k, st in enumerate(structures):
             score = rev(st)
             floors[k] = score.objective_ms if score.fits else math.inf  # none fits if this does not

@@ -10,7 +10,8 @@ a device that does no work is a device the user pays for.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from planner.build import Evaluation, evaluate
@@ -277,10 +278,33 @@ class Evaluator:
         end = self._idle_end
         return end is not None and any(e > a for a, e in enumerate(end[:-1]))
 
+    @contextmanager
+    def idle_allowed(self) -> Iterator[None]:
+        """Stages that compute nothing allowed inside (`exhaust` where the bound covers them),
+        as before after: the structures with one leave the cache on the way in and out (they
+        were scored as no plan, and are again)."""
+        before = self.allow_idle
+
+        def purge() -> None:
+            for st in [st for st in self.cache if self.computes_nothing(st.bounds)]:
+                del self.cache[st]
+
+        purge()
+        self.allow_idle = True
+        try:
+            yield
+        finally:
+            self.allow_idle = before
+            purge()
+
     def idle_stage(self, bounds: tuple[int, ...]) -> bool:
+        """True if a stage computes nothing (0 ms) and such stages are not allowed."""
+        return not self.allow_idle and self.computes_nothing(bounds)
+
+    def computes_nothing(self, bounds: tuple[int, ...]) -> bool:
         """True if a stage computes nothing (0 ms): it would hold devices that do no work."""
         end = self._idle_end
-        if end is None or self.allow_idle:
+        if end is None:
             return False
         return any(z <= end[a] for a, z in zip(bounds, bounds[1:], strict=False))
 
