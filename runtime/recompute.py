@@ -49,27 +49,36 @@ class Snapshot:
         self.attrs, self.copies, self.versions = attrs, copies, versions
 
 
+SMALL_TENSOR_BYTES = 1 << 16  # a tensor this small is copied by every forward (`BlockState`)
+
+
 class BlockState:
     """The state of one block's modules that its forward may read besides its inputs and
-    parameters. Which tensors a forward changes in place is learnt from their version
-    counters: the first forward copies every tensor, the later ones only those a forward has
-    changed."""
+    parameters. Tensors of at most SMALL_TENSOR_BYTES (step counters, running statistics) are
+    copied by every forward. Which larger ones a forward changes in place is learnt from their
+    version counters: the first forward copies every tensor, the later ones only those a
+    forward has changed. A larger tensor first changed by a later forward has no copy in the
+    microbatches in flight before it: their recomputation stops with a clear error rather
+    than run on the moved tensor (`restore`)."""
 
     def __init__(self, block: nn.Module) -> None:
         self.modules = list(block.modules())
         params = {id(p) for p in block.parameters()}
         seen: dict[int, torch.Tensor] = {}
+        self.names: dict[int, str] = {}  # for the error of `restore`
         for m in self.modules:
-            for t in [*m._buffers.values(), *vars(m).values()]:
+            for name, t in [*m._buffers.items(), *vars(m).items()]:
                 if isinstance(t, torch.Tensor) and id(t) not in params:
                     seen.setdefault(id(t), t)
+                    self.names.setdefault(id(t), f"{type(m).__name__}.{name}")
         self.tensors = list(seen.values())
+        self.small = {id(t) for t in self.tensors if t.numel() * t.element_size() <= SMALL_TENSOR_BYTES}
         self.changed: set[int] | None = None  # ids of tensors a forward changed; None: none ran yet
 
     def capture(self, every: bool = False) -> Snapshot:
         attrs = [{k: v for k, v in vars(m).items() if _atom(v)} for m in self.modules]
         copies = {id(t): t.detach().clone() for t in self.tensors
-                  if every or self.changed is None or id(t) in self.changed}
+                  if every or self.changed is None or id(t) in self.changed or id(t) in self.small}
         return Snapshot(attrs, copies, {id(t): t._version for t in self.tensors})
 
     def learn(self, snap: Snapshot) -> None:
@@ -77,10 +86,18 @@ class BlockState:
         copies nothing will need."""
         moved = {id(t) for t in self.tensors if t._version != snap.versions[id(t)]}
         self.changed = moved | (self.changed or set())
-        for key in [k for k in snap.copies if k not in self.changed]:
+        for key in [k for k in snap.copies if k not in self.changed and k not in self.small]:
             del snap.copies[key]
 
     def restore(self, snap: Snapshot) -> None:
+        lost = [t for t in self.tensors if id(t) not in snap.copies and t._version != snap.versions[id(t)]]
+        if lost:
+            raise PipeplanError(
+                f"recomputation: the forward of a later microbatch changed "
+                f"{self.names.get(id(lost[0]), 'a tensor')} ({lost[0].numel() * lost[0].element_size()} "
+                "bytes) in place for the first time, after this microbatch's forward had read it; "
+                "its recomputation cannot run on the state that forward found. Plan this stage "
+                "without recomputation (--no-recompute, or --recompute with 0 for it)")
         for m, attrs in zip(self.modules, snap.attrs, strict=True):
             m.__dict__.update(attrs)
         with torch.no_grad():

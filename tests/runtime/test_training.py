@@ -144,6 +144,19 @@ def test_a_recomputed_block_runs_on_the_state_its_forward_found(run, tmp_path, s
     _check(run, model, plan, 3, tmp_path, optimizer="momentum")
 
 
+def test_a_large_tensor_first_changed_by_a_later_forward_stops_recomputation_clearly(run, tmp_path,
+                                                                                      monkeypatch):
+    # small tensors are copied by every forward; a larger one only once a forward is seen to
+    # change it, so the microbatches in flight before its first change have no copy of it:
+    # their recomputation would run on the moved tensor (silently wrong before): a clear error
+    monkeypatch.setenv("STATEFUL_LATE_SIZE", "30000")  # 120 kB
+    model = MODELS / "stateful_forward.py"
+    plan = run.plan(model, [2, 2, 2], recompute=[True, False, False], global_batch=8, microbatch_size=2)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--timeout", 60)
+    assert rc != 0 and "changed Cycling.late" in err and "without recomputation" in err, err
+    assert "Traceback" not in err, err
+
+
 def test_two_torchrun_agents_train_like_one_process(run, tmp_path):
     """Two torchrun agents of two ranks each (two nodes, as on a cluster): a replicated stage
     on each node, zb-h1, Adam; the ranks come from torchrun, not from pipeplan's launcher."""
