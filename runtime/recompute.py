@@ -78,15 +78,15 @@ class BlockState:
     def capture(self, every: bool = False) -> Snapshot:
         attrs = [{k: v for k, v in vars(m).items() if _atom(v)} for m in self.modules]
         copies = {id(t): t.detach().clone() for t in self.tensors
-                  if every or self.changed is None or id(t) in self.changed or id(t) in self.small}
+                  if every or self.changed is None or id(t) in self.changed}
         return Snapshot(attrs, copies, {id(t): t._version for t in self.tensors})
 
     def learn(self, snap: Snapshot) -> None:
         """After the forward `snap` was taken for: note the tensors it changed, and drop the
         copies nothing will need."""
         moved = {id(t) for t in self.tensors if t._version != snap.versions[id(t)]}
-        self.changed = moved | (self.changed or set())
-        for key in [k for k in snap.copies if k not in self.changed and k not in self.small]:
+        self.changed = moved | (self.changed or set()) | self.small  # small ones: always copied
+        for key in [k for k in snap.copies if k not in self.changed]:
             del snap.copies[key]
 
     def restore(self, snap: Snapshot) -> None:

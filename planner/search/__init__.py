@@ -518,14 +518,15 @@ def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], 
     options = ev.options
     if options.objective != "iteration" or options.powers_of_two:
         return found, spent
+    idle = ev.has_idle_layers()
+    proven_over_all = floors if idle else bounds  # what a bound must reach to skip a size
     for b, c in conds.items():
-        if c is None or (floors[b] if ev.has_idle_layers() else bounds[b]) >= obj * (1 - OPTIMAL_GAP):
+        if c is None or proven_over_all[b] >= obj * (1 - OPTIMAL_GAP):
             continue
-        idle = ev.has_idle_layers()
         cz = proof_conditions(replace(c, idle_stages=idle))
         for T in (obj, obj * (1 - PROOF_GAP)):
             left = max_work - spent
-            if (floors[b] if idle else bounds[b]) >= T * (1 - OPTIMAL_GAP) or 2 * tighten_step_work(cz) > left \
+            if proven_over_all[b] >= T * (1 - OPTIMAL_GAP) or 2 * tighten_step_work(cz) > left \
                     or time.perf_counter() >= deadline:
                 break
             with ev.idle_allowed() if idle else nullcontext():
