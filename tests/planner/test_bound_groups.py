@@ -73,3 +73,39 @@ def test_a_chain_over_four_nodes_crosses_them_and_the_bound_sees_it() -> None:
     grouped, flat = _bounds(prof, cl, PlanOptions(global_batch=64, microbatch_size=prof.batch_size))
     assert grouped is not None and flat is not None
     assert grouped.bound_ms > 1.4 * flat.bound_ms
+
+
+@pytest.mark.parametrize("cross_stage", [False, True])
+def test_without_groups_and_hop_classes_the_dp_is_a_relaxation(cross_stage: bool) -> None:
+    """`search._idle_checked` tests the DP without node groups and hop classes first (where
+    that saves work) and takes its "no plan at T" as a proof: that holds only if it has a plan
+    wherever the full DP has one (DAGs with skips over several nodes, 0-ms stages allowed or
+    not, each condition set)."""
+    from planner.search import _relaxations_first
+    from planner.search.bound import feasible, without_classes
+
+    classed = differed = 0
+    for seed in range(32):
+        profile, cluster, options = _instance(100 + seed)
+        table = layer_table(profile)
+        rng = random.Random(seed)
+        c = conditions(table, cluster, options.optimizer, options.schedule, options.global_batch,
+                       options.microbatch_size, hop_bytes(table), recompute=rng.random() < 0.5)
+        c = replace(c, idle_stages=rng.random() < 0.5, cross_stage=cross_stage,
+                    microbatch_paths=cross_stage and rng.random() < 0.5)
+        tests = _relaxations_first(c)
+        assert tests[-1][1] is c and all(4 * a[0] <= b[0] for a, b in zip(tests, tests[1:], strict=False))
+        if not (c.grouped or c.hop_classes > 1):
+            continue
+        cheap = replace(without_classes(c), grouped=False)
+        assert len(tests) == 1 or (tests[0][1].hop_classes == 1 and not tests[0][1].grouped)
+        classed += c.hop_classes > 1
+        first, _ = lower_bound(c, upper_ms=float("inf"), rel_tol=1e-6)
+        if first is None:
+            continue
+        for f in (0.5, 0.8, 0.95, 1.0, 1.0001, 1.05, 1.3, 2.0):
+            T = first.bound_ms * f
+            full_ok, cheap_ok = feasible(c, T), feasible(cheap, T)
+            assert cheap_ok or not full_ok, f"seed {seed}: the relaxation has no plan at {T}"
+            differed += cheap_ok and not full_ok
+    assert classed >= 3 and differed >= 2, (classed, differed)
