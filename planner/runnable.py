@@ -13,9 +13,11 @@ forward and backward once and cannot deadlock (`planner.validate`).
 
 from __future__ import annotations
 
+import difflib
+
 from planner.actions import Action, parse_actions
 from planner.errors import PipeplanError
-from planner.formats import Plan
+from planner.formats import Plan, PlanStage
 from planner.schedules import generate, generator_deferred, tp_leaders, with_tp_ranks
 from planner.validate import ScheduleError, format_grid, validate
 
@@ -52,6 +54,20 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
                                                None)) is not None:
         raise PipeplanError(f"plan: rank_actions has {w}, a W (weight gradient) action, but the "
                             f"schedule is {plan.schedule}: W actions are ZB-H1's; make the plan again")
+    return out
+
+
+def unread_stage_keys(plan: Plan) -> list[str]:
+    """One line per key of a stage that this pipeplan does not read: a hand edit's typo
+    ("recomput": true runs without recomputation) or a newer pipeplan's field. A warning, not
+    an error: plan files stay open to fields added later. The planner writes none."""
+    known = sorted(PlanStage.model_fields)
+    out = []
+    for st in plan.stages:
+        for key in sorted(st.model_extra or {}):
+            near = difflib.get_close_matches(key, known, n=1)
+            out.append(f"plan: stage {st.index} has {key!r}, which this pipeplan does not read "
+                       f"(it has no effect)" + (f"; did you mean {near[0]!r}?" if near else ""))
     return out
 
 

@@ -19,7 +19,7 @@ from planner.errors import PipeplanError
 from planner.formats import Plan
 from planner.io import check_output, load_model, not_a_file
 from planner.limits import seed_arg
-from planner.runnable import runnable_plan
+from planner.runnable import runnable_plan, unread_stage_keys
 from runtime.options import RunOptions
 
 log = logging.getLogger("runtime")
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     info = os.path.join(info_dir.name, "trace.json")
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))
+        for line in unread_stage_keys(plan):
+            print(f"warning: {line}", file=sys.stderr)
         opts = options_from_args(args, plan)
         granularity = preflight(plan, opts, info)
     except PipeplanError as exc:
@@ -276,6 +278,8 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
                          quiet=error_file is not None or env.rank != 0)
         if error_file is None and env.rank == 0:  # under torchrun: no preflight said it
             warn_optimizer(plan, opts)
+            for line in unread_stage_keys(plan):
+                print(f"warning: {line}", file=sys.stderr)
         run(plan, opts, env)
     except BaseException as exc:  # noqa: BLE001 - every failure must end this rank promptly
         report_failure(env, exc, error_file)
