@@ -130,14 +130,17 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     )
 
 
-def warn_optimizer(plan: Plan, opts: RunOptions) -> None:
-    """A run with another optimizer than the plan's: its memory and step times are priced for
-    the plan's (Adam keeps two states per parameter, momentum one, SGD none)."""
+def warn_plan(plan: Plan, opts: RunOptions) -> None:
+    """What runs, but not as the plan was made for: another optimizer than the plan's (its
+    memory and step times are priced for the plan's: Adam keeps two states per parameter,
+    momentum one, SGD none), and stage keys this pipeplan does not read (a hand edit's typo)."""
     if opts.optimizer != plan.options.optimizer:
         print(f"warning: the plan was made for --optimizer {plan.options.optimizer} and this run "
               f"uses {opts.optimizer}: its memory and optimizer-step times are priced for "
               f"{plan.options.optimizer} (plan again with --optimizer {opts.optimizer})",
               file=sys.stderr)
+    for line in unread_stage_keys(plan):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def check_model_hash(plan: Plan, model_path: str, allow_mismatch: bool, quiet: bool) -> None:
@@ -168,7 +171,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     from runtime.worker import split_batch
 
     check_model_hash(plan, opts.model, opts.allow_mismatch, quiet=False)
-    warn_optimizer(plan, opts)
+    warn_plan(plan, opts)
     if opts.resume and not os.path.isdir(opts.resume):
         raise PipeplanError(f"--resume {opts.resume}: no such directory")
     mf = load_model_file(opts.model)
@@ -217,8 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     info = os.path.join(info_dir.name, "trace.json")
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))
-        for line in unread_stage_keys(plan):
-            print(f"warning: {line}", file=sys.stderr)
         opts = options_from_args(args, plan)
         granularity = preflight(plan, opts, info)
     except PipeplanError as exc:
@@ -277,9 +278,7 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
         check_model_hash(plan, opts.model, opts.allow_mismatch,
                          quiet=error_file is not None or env.rank != 0)
         if error_file is None and env.rank == 0:  # under torchrun: no preflight said it
-            warn_optimizer(plan, opts)
-            for line in unread_stage_keys(plan):
-                print(f"warning: {line}", file=sys.stderr)
+            warn_plan(plan, opts)
         run(plan, opts, env)
     except BaseException as exc:  # noqa: BLE001 - every failure must end this rank promptly
         report_failure(env, exc, error_file)

@@ -1024,8 +1024,8 @@ def _relaxations_first(c: Conditions) -> list[tuple[int, Conditions]]:
     full = cost(c)
     if c.grouped or c.hop_classes > 1:
         cheap = replace(without_classes(c), grouped=False)
-        if RELAXATION_SAVING * cost(cheap) <= full:
-            return [(cost(cheap), cheap), (full, c)]
+        if RELAXATION_SAVING * (work := cost(cheap)) <= full:
+            return [(work, cheap), (full, c)]
     return [(full, c)]
 
 

@@ -62,6 +62,29 @@ def tp_degrees(profile: Profile, cluster: Cluster, options: PlanOptions) -> list
     return [1, *sorted(t for t in common if t <= cap)]
 
 
+def ranks_by_node(cluster: Cluster) -> list[list[int]]:
+    """The device ranks of each node, in order."""
+    out: list[list[int]] = [[] for _ in cluster.node_specs()]
+    for d in cluster.devices():
+        out[d.node].append(d.rank)
+    return out
+
+
+def placed_stages(bounds: list[int], placement: list, ranks_of_node: list[list[int]],
+                  tps: tuple[int, ...] | list[int]) -> list[StageChoice]:
+    """The stages of a split placed by per-node device counts (`_placements`), each node's
+    devices taken in order."""
+    used = [0] * len(ranks_of_node)
+    stages = []
+    for s, vec in enumerate(placement):
+        ranks: list[int] = []
+        for n, v in enumerate(vec):
+            ranks += ranks_of_node[n][used[n]:used[n] + v]
+            used[n] += v
+        stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(ranks), tp=tps[s]))
+    return stages
+
+
 def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
                 microbatch_sizes: list[int]) -> Best:
     """The smallest simulated iteration time over every plan that fits memory: every split,
@@ -70,10 +93,7 @@ def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
     ZB-H1)."""
     table = layer_table(profile)
     specs = cluster.node_specs()
-    devices = cluster.devices()
-    ranks_of_node: list[list[int]] = [[] for _ in specs]
-    for d in devices:
-        ranks_of_node[d.node].append(d.rank)
+    ranks_of_node = ranks_by_node(cluster)
     schedules = ["1f1b", "gpipe", "zb-h1"] if options.schedule == "auto" else [options.schedule]
     degrees = tp_degrees(profile, cluster, options)
     best_ms, best_c, simulated = float("inf"), None, 0
@@ -100,14 +120,7 @@ def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
                         busy = max(busy, -(-m // r) * scale * ms / speed)
                     if busy >= best_ms:
                         continue
-                    used = [0] * len(specs)
-                    stages = []
-                    for s, vec in enumerate(placement):
-                        ranks: list[int] = []
-                        for n, v in enumerate(vec):
-                            ranks += ranks_of_node[n][used[n]:used[n] + v]
-                            used[n] += v
-                        stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(ranks), tp=tps[s]))
+                    stages = placed_stages(bounds, placement, ranks_of_node, tps)
                     for name in schedules:
                         opts = options.model_copy(update={"microbatch_size": b, "microbatch_sizes": None,
                                                           "schedule": name})

@@ -17,7 +17,7 @@ from planner.formats import Cluster, PlanOptions, Profile
 from planner.partition import Candidate, StageChoice
 from planner.search import solve
 from planner.search.space import throughput_objective_ms
-from tests.planner.cpsat_reference import _placements, splits
+from tests.planner.cpsat_reference import _placements, placed_stages, ranks_by_node, splits
 from tests.planner.test_search import random_profile
 
 REL = 1e-9
@@ -54,23 +54,14 @@ def _best_of_size(profile: Profile, cluster: Cluster, options: PlanOptions) -> f
     assert b is not None
     m = options.global_batch // b
     specs = cluster.node_specs()
-    ranks_of_node: list[list[int]] = [[] for _ in specs]
-    for d in cluster.devices():
-        ranks_of_node[d.node].append(d.rank)
+    ranks_of_node = ranks_by_node(cluster)
     best = math.inf
     for bounds in splits(table.num_layers):
         S = len(bounds) - 1
         if any(table.compute_ms(a, z) <= 0 for a, z in zip(bounds, bounds[1:], strict=False)):
             continue  # a stage that computes nothing: not a plan the search may give
         for placement in _placements([1] * S, [s.devices for s in specs]):
-            used = [0] * len(specs)
-            stages = []
-            for s, vec in enumerate(placement):
-                ranks: list[int] = []
-                for n, v in enumerate(vec):
-                    ranks += ranks_of_node[n][used[n]:used[n] + v]
-                    used[n] += v
-                stages.append(StageChoice(bounds[s], bounds[s + 1], tuple(ranks)))
+            stages = placed_stages(bounds, placement, ranks_of_node, [1] * S)
             cand = Candidate(tuple(stages), b, m)
             ev = evaluate(table, cluster, cand, options, record=False)
             if not ev.fits and options.allow_recompute:
