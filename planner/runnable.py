@@ -57,15 +57,28 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
     return out
 
 
-def unread_stage_keys(plan: Plan) -> list[str]:
-    """One line per key of a stage that this pipeplan does not read: a hand edit's typo
-    ("recomput": true runs without recomputation) or a newer pipeplan's field. A warning, not
-    an error: plan files stay open to fields added later. The planner writes none."""
-    known = sorted(PlanStage.model_fields)
+# top-level keys beyond Plan's fields that pipeplan reads: the planner writes the first,
+# `runnable_plan` sets the second
+PLAN_EXTRA_KEYS = ("granularity", "device_of_rank")
+
+
+def unread_keys(plan: Plan) -> list[str]:
+    """One line per key of the plan or of a stage that this pipeplan does not read: a hand
+    edit's typo ("recomput": true runs without recomputation; "recompute": true at the top
+    level recomputes nothing) or a newer pipeplan's field. A warning, not an error: plan files
+    stay open to fields added later. The planner writes none."""
     out = []
+    top = sorted([*Plan.model_fields, *PLAN_EXTRA_KEYS])
+    stage_keys = sorted(PlanStage.model_fields)
+    for key in sorted(set(plan.model_extra or {}) - set(PLAN_EXTRA_KEYS)):
+        near = difflib.get_close_matches(key, top, n=1)
+        where = ("; it is a stage's key: set it on each stage that should have it"
+                 if key in stage_keys else f"; did you mean {near[0]!r}?" if near else "")
+        out.append(f"plan: the plan has {key!r}, which this pipeplan does not read (it has no "
+                   f"effect){where}")
     for st in plan.stages:
         for key in sorted(st.model_extra or {}):
-            near = difflib.get_close_matches(key, known, n=1)
+            near = difflib.get_close_matches(key, stage_keys, n=1)
             out.append(f"plan: stage {st.index} has {key!r}, which this pipeplan does not read "
                        f"(it has no effect)" + (f"; did you mean {near[0]!r}?" if near else ""))
     return out

@@ -19,7 +19,7 @@ from planner.errors import PipeplanError
 from planner.formats import Plan
 from planner.io import check_output, load_model, not_a_file
 from planner.limits import seed_arg
-from planner.runnable import runnable_plan, unread_stage_keys
+from planner.runnable import runnable_plan, unread_keys
 from runtime.options import RunOptions
 
 log = logging.getLogger("runtime")
@@ -133,13 +133,14 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
 def warn_plan(plan: Plan, opts: RunOptions) -> None:
     """What runs, but not as the plan was made for: another optimizer than the plan's (its
     memory and step times are priced for the plan's: Adam keeps two states per parameter,
-    momentum one, SGD none), and stage keys this pipeplan does not read (a hand edit's typo)."""
+    momentum one, SGD none), and keys of the plan or its stages this pipeplan does not read
+    (a hand edit's typo)."""
     if opts.optimizer != plan.options.optimizer:
         print(f"warning: the plan was made for --optimizer {plan.options.optimizer} and this run "
               f"uses {opts.optimizer}: its memory and optimizer-step times are priced for "
               f"{plan.options.optimizer} (plan again with --optimizer {opts.optimizer})",
               file=sys.stderr)
-    for line in unread_stage_keys(plan):
+    for line in unread_keys(plan):
         print(f"warning: {line}", file=sys.stderr)
 
 

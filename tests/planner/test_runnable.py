@@ -75,14 +75,18 @@ def test_generator_form_is_checked_and_expanded() -> None:
 def test_a_stage_key_the_runtime_does_not_read_is_named_with_the_one_meant() -> None:
     plan = _plan()
     from planner.formats import Plan
-    from planner.runnable import unread_stage_keys
+    from planner.runnable import unread_keys
 
     # a plan as the planner writes it, read back: nothing unread
-    assert unread_stage_keys(Plan.model_validate_json(plan.model_dump_json())) == []
+    assert unread_keys(Plan.model_validate_json(plan.model_dump_json())) == []
     edited = plan.model_dump(mode="json")
     edited["stages"][1]["recomput"] = True  # the typo: the stage would run without recomputation
     edited["stages"][0]["future_field"] = 3
-    lines = unread_stage_keys(runnable_plan(Plan.model_validate(edited)))
-    assert len(lines) == 2
-    assert "stage 0" in lines[0] and "'future_field'" in lines[0] and "did you mean" not in lines[0]
-    assert "stage 1" in lines[1] and "'recomput'" in lines[1] and "did you mean 'recompute'?" in lines[1]
+    edited["recompute"] = True  # a stage's key at the top level: no stage recomputes
+    edited["schedul"] = "gpipe"
+    lines = unread_keys(runnable_plan(Plan.model_validate(edited)))
+    assert len(lines) == 4
+    assert "the plan has 'recompute'" in lines[0] and "set it on each stage" in lines[0]
+    assert "the plan has 'schedul'" in lines[1] and "did you mean 'schedule'?" in lines[1]
+    assert "stage 0" in lines[2] and "'future_field'" in lines[2] and "did you mean" not in lines[2]
+    assert "stage 1" in lines[3] and "'recomput'" in lines[3] and "did you mean 'recompute'?" in lines[3]
