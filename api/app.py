@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,7 +33,7 @@ from api.pool import RenderPool
 from api.routers import health, jobs, plans, profiles
 from api.schemas import CompareRequest, PlanRequest
 from api.settings import Settings
-from api.storage import Storage
+from api.storage import Storage, lock_database
 from api.wording import in_api_words
 from planner.errors import PipeplanError
 from planner.formats import Profile
@@ -109,6 +110,15 @@ def install_error_handlers(app: FastAPI) -> None:
         # not a 500 with a traceback
         return Response(status_code=CLIENT_CLOSED)
 
+    @app.exception_handler(sqlite3.OperationalError)
+    async def _database(request: Request, exc: sqlite3.OperationalError) -> JSONResponse:
+        # a full disk, a locked or unreadable file: the server's trouble, not the request's
+        rid = request_id(request.scope)
+        log.error("database error: %s", exc, extra={"request_id": rid})
+        return error_response(request, 503, f"the server's database cannot be used now ({exc}); "
+                              "the request was not completed; retry later (the server's operator "
+                              "should check its disk and database file)", {"Retry-After": "30"})
+
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         rid = request_id(request.scope)
@@ -141,8 +151,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        storage = Storage(settings.db)
-        lost = storage.fail_unfinished_jobs(LOST)
+        held = lock_database(settings.db)  # before the next line: another server's jobs are live
+        try:
+            storage = Storage(settings.db)
+            lost = storage.fail_unfinished_jobs(LOST)
+        except BaseException:
+            if held is not None:
+                held.close()
+            raise
         if lost:
             log.warning("%d job(s) left unfinished by the previous server marked failed", lost)
         manager = JobManager(storage, settings.workers, settings.queue_size, observe=metrics.solve)
@@ -169,6 +185,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             renders.stop()
             with sweep_lock:  # a sweep still running in its thread finishes first
                 storage.close()
+            if held is not None:
+                held.close()
 
     app = FastAPI(
         title="pipeplan",

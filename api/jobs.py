@@ -90,6 +90,7 @@ class JobManager:
         self._lock = threading.Lock()
         self._finish_lock = threading.Lock()
         self._tasks: dict[str, Task] = {}  # job id -> task, while in flight
+        self._unstored: dict[str, Outcome] = {}  # finished, but the database refused the write
         self._by_key: dict[str, Task] = {}
         self._running = 0
         self._threads: list[threading.Thread] = []
@@ -174,16 +175,46 @@ class JobManager:
 
     def _finish(self, task: Task, outcome: Outcome) -> None:
         """Record the outcome, forget the task, resolve its future. A cancel and the dispatcher
-        may both finish a task: the first wins, in storage and in the future alike."""
+        may both finish a task: the first wins, in storage and in the future alike. Where the
+        database refuses the write (a full disk), the job fails and that outcome is kept in
+        memory (`unstored_outcome`: the job's answer) and written at the next finish; the
+        dispatcher thread lives on either way."""
         with self._finish_lock:
-            self.storage.finish_job(task.job_id, outcome.status, plan_id=outcome.plan_id,
-                                    result=outcome.result, error=outcome.error,
-                                    error_kind=outcome.error_kind)
+            self._store_pending()
+            if not self._store(task.job_id, outcome):
+                outcome = Outcome("failed", error="the server could not store this job's outcome "
+                                  "(its database refused the write; see the server's log); send "
+                                  "the request again", error_kind="internal")
+                self._unstored[task.job_id] = outcome
             with self._lock:
                 if self._tasks.pop(task.job_id, None) is not None and self._by_key.get(task.key) is task:
                     del self._by_key[task.key]
             if not task.future.done():
                 task.future.set_result(outcome)
+
+    def _store(self, job_id: str, outcome: Outcome) -> bool:
+        """Write a job's final state; False where the database refused it (logged)."""
+        try:
+            self.storage.finish_job(job_id, outcome.status, plan_id=outcome.plan_id,
+                                    result=outcome.result, error=outcome.error,
+                                    error_kind=outcome.error_kind)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a full disk must not kill the dispatcher
+            log.error("storing the outcome of job %s failed (%s: %s); kept in memory until a "
+                      "write succeeds", job_id, type(exc).__name__, exc)
+            return False
+
+    def _store_pending(self) -> None:
+        for job_id, outcome in list(self._unstored.items()):
+            if self._store(job_id, outcome):
+                del self._unstored[job_id]
+
+    def unstored_outcome(self, job_id: str) -> Outcome | None:
+        """The outcome of a finished job whose write the database refused (None: none)."""
+        with self._finish_lock:
+            if self._unstored:
+                self._store_pending()
+            return self._unstored.get(job_id)
 
     def _dispatch(self) -> None:
         holder: list[WorkerProcess | None] = [None]
@@ -192,7 +223,17 @@ class JobManager:
                 task = self._queue.get()
                 if task is None:
                     return
-                if task.cancel_reason is not None or not self.storage.mark_running(task.job_id):
+                try:
+                    started = task.cancel_reason is None and self.storage.mark_running(task.job_id)
+                except Exception as exc:  # noqa: BLE001 - a full disk must not kill the dispatcher
+                    log.error("recording the start of job %s failed (%s: %s)", task.job_id,
+                              type(exc).__name__, exc)
+                    self._finish(task, Outcome(
+                        "failed", error="the server could not record this job's start (its "
+                        "database refused the write; see the server's log); send the request again",
+                        error_kind="internal"))
+                    continue
+                if not started:
                     self._finish(task, self._cancelled(task))
                     continue
                 with self._lock:
@@ -250,7 +291,7 @@ class JobManager:
         if payload["kind"] == "compare":  # one solve per method, each under its own deadline
             rows = []
             for method in payload["methods"]:
-                options = {**payload["options"], "method": method}
+                options = payload["method_options"][method]
                 deadline = stop_after_s(options, task.grace_s)
                 status, value = self._solve(task, {**payload, "kind": "plan", "options": options}, holder,
                                             deadline)

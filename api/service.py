@@ -168,13 +168,19 @@ def _small_divisor(doc: Any, path: tuple[str | int, ...], least: float
 # ---------------------------------------------------------------- profiles
 
 
-def check_quota(storage: Storage, settings: Settings, owner: str, adding: int) -> None:
-    """413 if storing `adding` more bytes would take `owner` over its stored-bytes quota."""
+def check_quota(storage: Storage, settings: Settings, owner: str, adding: int,
+                what: str | None = None) -> None:
+    """413 if storing `adding` more bytes (`what`, when their number is not known yet: a plan
+    to be made) would take `owner` over its stored-bytes quota."""
     quota = settings.quota_stored_bytes
-    if quota and storage.stored_bytes(owner) + adding > quota:
-        raise HTTPException(413, detail=f"storing this ({adding} bytes) would take client "
-                            f"{owner!r} over its quota of {quota} stored bytes "
-                            "(PIPEPLAN_QUOTA_STORED_BYTES); delete profiles or plans first")
+    if not quota:
+        return
+    used = storage.stored_bytes(owner)
+    if used + adding > quota:
+        raise HTTPException(413, detail=f"client {owner!r} stores {used} of its {quota} bytes "
+                            "(PIPEPLAN_QUOTA_STORED_BYTES); storing "
+                            f"{what or f'this ({adding} bytes)'} would take it over; delete "
+                            "profiles or plans first")
 
 
 def store_profile(storage: Storage, settings: Settings, profile: Profile,
@@ -232,12 +238,18 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
         raise limit_error(["body", "options", "microbatch_sizes"],
                           f"{len(options.microbatch_sizes or [])} microbatch sizes; give at most "
                           f"{MAX_MICROBATCH_SIZES}")
-    sizes = [options.microbatch_size or profile.batch_size, *(options.microbatch_sizes or [])]
+    # the sizes the planner plans: microbatch_size, else microbatch_sizes, else the profile's
+    sizes = ([options.microbatch_size] if options.microbatch_size else options.microbatch_sizes
+             or [profile.batch_size])
     microbatches = -(-options.global_batch // min(sizes))
     if microbatches > settings.max_microbatches:
+        which = ("the smallest of microbatch_sizes" if not options.microbatch_size and options.microbatch_sizes
+                 else "microbatch_size" if options.microbatch_size
+                 else f"microbatch_size (unset: the profile's batch size, {profile.batch_size})")
         raise limit_error(["body", "options", "global_batch"],
                           f"{microbatches} microbatches; this server simulates at most "
-                          f"{settings.max_microbatches} (raise microbatch_size)")
+                          f"{settings.max_microbatches} (PIPEPLAN_MAX_MICROBATCHES): raise {which} "
+                          "or lower global_batch")
 
 
 def cache_key(profile_sha256: str, cluster: Cluster, options: PlanOptions) -> str:
@@ -259,6 +271,9 @@ def task_payload(prep: Prepared, kind: str, methods: list[str] | None = None) ->
                "options": prep.options.model_dump(mode="json")}
     if methods is not None:
         payload["methods"] = methods
+        # each method's own options (`method_prepared`: without those only "manual" reads)
+        payload["method_options"] = {m: method_prepared(prep, m).options.model_dump(mode="json")
+                                     for m in methods}
     return payload
 
 
@@ -281,7 +296,11 @@ def _store_plan(storage: Storage, key: str, profile_id: str, method: str, doc: d
     if bad is not None:
         where = ".".join(str(p) for p in bad[0])
         return f"the plan's {where}: {bad[1]}; the profile's or cluster's numbers are out of range"
-    return storage.put_plan(key, profile_id, method, doc, meta={}, owner=owner)
+    row = storage.put_plan(key, profile_id, method, doc, meta={}, owner=owner)
+    if row is None:
+        return (f"the profile {shown_id(profile_id)} was deleted while this plan was being made, "
+                "so the plan was not kept; POST the profile again and send the request again")
+    return row
 
 
 def plan_handler(storage: Storage, prep: Prepared, owner: str = "") -> ResultHandler:
@@ -322,8 +341,18 @@ def compare_table(profile_id: str, methods: list[str], rows: dict[str, CompareRo
     return CompareOut(profile_id=profile_id, best_method=best, warnings=warnings, rows=ordered)
 
 
+# options only method "manual" reads: another method of a comparison plans without them
+MANUAL_ONLY = ("split", "replicas", "recompute", "tp")
+
+
 def method_prepared(prep: Prepared, method: str) -> Prepared:
-    options = prep.options.model_copy(update={"method": method})
+    """The comparison's request as one method plans it: without the options only "manual"
+    reads where it is another method (so its stored plan's options do not say it used them,
+    and its cache key is that of the same single plan request)."""
+    update: dict[str, Any] = {"method": method}
+    if method != "manual":
+        update.update({f: None for f in MANUAL_ONLY if getattr(prep.options, f) is not None})
+    options = prep.options.model_copy(update=update)
     return Prepared(prep.profile_row, prep.profile, prep.cluster, options, prep.warnings,
                     cache_key(prep.profile_row.sha256, prep.cluster, options))
 

@@ -13,6 +13,7 @@ the service touches SQL.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import uuid
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import IO, Any
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS profiles (
@@ -146,6 +147,38 @@ class _Cursor:
     @property
     def rowcount(self) -> int:
         return self._cur.rowcount
+
+
+class DatabaseInUse(RuntimeError):
+    """Another live server holds the database (`lock_database`)."""
+
+
+def lock_database(path: str) -> IO[str] | None:
+    """Take the server's exclusive lock on the database `path` for as long as the returned file
+    stays open (released when it is closed or the process dies, kill -9 included). A server
+    marks the jobs it finds unfinished at its start as lost: a second server on the same file
+    would do that to the first one's live jobs. Raises DatabaseInUse, naming the holder's pid.
+    A lock file beside the database, `<db>.lock`, not the database itself: closing any
+    descriptor of the database would drop SQLite's own POSIX locks in this process. None
+    where the platform has no flock (Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux or macOS
+        return None
+    f = open(path + ".lock", "a+", encoding="utf-8")  # noqa: SIM115 - held open while serving
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip()[:20] or "?"
+        f.close()
+        raise DatabaseInUse(f"another pipeplan server (pid {holder}) is using the database "
+                            f"{path}; stop that server first, or give this one another --db") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 class Storage:
@@ -304,11 +337,15 @@ class Storage:
         return PlanRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), body)
 
     def put_plan(self, cache_key: str, profile_id: str, method: str, body: dict[str, Any],
-                 meta: dict[str, Any], owner: str = "") -> PlanRow:
-        """Store a plan under its cache key; if the key is taken, keep and return the first."""
+                 meta: dict[str, Any], owner: str = "") -> PlanRow | None:
+        """Store a plan under its cache key; if the key is taken, keep and return the first.
+        None, and nothing stored, where its profile is gone (deleted while the plan was made:
+        a plan is never kept without its profile, which `delete_profile` promises)."""
         iteration_ms = (body.get("predicted") or {}).get("iteration_ms")
         text = json.dumps(body)
         with self._tx() as cur:
+            if not cur.execute("SELECT 1 FROM profiles WHERE id = ?", (profile_id,)).fetchall():
+                return None
             cur.execute(
                 f"INSERT INTO plans ({self._PLAN_COLS}, body, owner, size_bytes) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (cache_key) DO NOTHING",

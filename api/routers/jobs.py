@@ -3,6 +3,7 @@ short wait; DELETE cancels an unfinished job or deletes a finished one's record.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Response
@@ -30,11 +31,14 @@ def list_jobs(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=errors(404))
-def get_job(job_id: str, storage: StorageDep, settings: SettingsDep) -> JSONResponse:
+def get_job(job_id: str, storage: StorageDep, settings: SettingsDep, jobs: JobsDep) -> JSONResponse:
     """A job; while it is unfinished the answer carries Retry-After (when to poll again)."""
     job = storage.get_job(job_id)
     if job is None:
         raise HTTPException(404, detail=f"no job with id {shown_id(job_id)}")
+    if job.status in UNFINISHED and (done := jobs.unstored_outcome(job_id)) is not None:
+        # finished, but the database refused to record it (a full disk): its outcome as kept
+        job = replace(job, status=done.status, error=done.error, error_kind=done.error_kind)
     headers = {"Retry-After": str(settings.poll_after_s)} if job.status in UNFINISHED else {}
     return JSONResponse(service.job_out(job).model_dump(mode="json"), headers=headers)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
@@ -36,6 +37,7 @@ from api.schemas import (
 from api.settings import Settings
 from api.storage import PlanRow, Storage
 from api.wording import shown_id
+from planner.formats import option_conflicts
 from planner.solve import METHODS
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], route_class=StrictJSONRoute)
@@ -103,7 +105,7 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
         prep = service.prepare(storage, settings, req, client)
         row = storage.get_plan_by_key(prep.key)
         if row is None:  # a new plan will be stored for this client: refuse if it is at its quota
-            service.check_quota(storage, settings, client, 1)
+            service.check_quota(storage, settings, client, 1, "a new plan")
         return prep, row
 
     prep, cached = await run_in_threadpool(lookup)
@@ -140,10 +142,19 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
         raise service.limit_error(["body", "methods"], f"{len(methods)} methods; at most "
                                   f"{settings.max_compare_methods} per comparison")
     base = await run_in_threadpool(service.prepare, storage, settings, req, client)
+    ignored = [f for f in service.MANUAL_ONLY if getattr(base.options, f) is not None]
+    if ignored and any(m != "manual" for m in methods):
+        base = replace(base, warnings=[*base.warnings, (
+            f"options.{', options.'.join(ignored)}: read by method manual only; the other methods "
+            "planned without them")])
     done: dict[str, CompareRow] = {}
     missing = []
     for method in methods:
         mprep = service.method_prepared(base, method)
+        conflict = option_conflicts(mprep.options, lambda f: f"options.{f}")
+        if conflict:  # what a single plan request with this method is refused for
+            done[method] = CompareRow(method=method, status="error", error=conflict)
+            continue
         service.check_limits(mprep.profile, mprep.cluster, mprep.options, settings)
         row = await run_in_threadpool(storage.get_plan_by_key, mprep.key)
         if row is not None and row.body is not None:
@@ -152,6 +163,8 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
             missing.append(method)
     if not missing:
         return service.compare_table(base.profile_row.id, methods, done, base.warnings)
+    await run_in_threadpool(service.check_quota, storage, settings, client, 1,
+                            f"{len(missing)} new plan(s)")
     key = "compare:" + service.cache_key(base.profile_row.sha256, base.cluster,
                                          base.options.model_copy(update={"method": json.dumps(missing)}))
     task = await _submit(

@@ -84,10 +84,18 @@ def _check_database(db: str) -> None:
     import sqlite3
     from pathlib import Path
 
+    from api.storage import DatabaseInUse, lock_database
     from planner.errors import PipeplanError
 
-    if "://" in db or db == ":memory:":
-        return
+    if not db.strip():
+        raise PipeplanError("--db is empty; give the SQLite file's name (e.g. pipeplan.db)")
+    if db == ":memory:" or db.startswith("file::memory:"):
+        raise PipeplanError(f"--db {db}: an in-memory database is not shared between the "
+                            "server's threads (each would see an empty one); give a file name, "
+                            "e.g. pipeplan.db")
+    if "://" in db:
+        raise PipeplanError(f"--db {db}: the service stores in an SQLite file, not at a URL; give "
+                            "the file's name, e.g. pipeplan.db")
     path = Path(db)
     if path.is_dir():
         raise PipeplanError(f"--db {db}: is a directory; give the SQLite file's name")
@@ -109,3 +117,12 @@ def _check_database(db: str) -> None:
     finally:
         if not existed and path.exists() and path.stat().st_size == 0:
             path.unlink()  # only probed: the server creates it
+    try:
+        held = lock_database(db)
+    except DatabaseInUse as exc:
+        raise PipeplanError(str(exc)) from None
+    except OSError as exc:
+        raise PipeplanError(f"--db {db}: cannot create its lock file {db}.lock ({exc.strerror or exc}); "
+                            "give a --db in a folder this user can write") from None
+    if held is not None:
+        held.close()  # the server takes it again at its start

@@ -92,3 +92,38 @@ def test_cpsat_plan_is_the_command_lines_where_its_work_outlasts_the_time_limit(
     plan = r.json()["plan"]
     assert plan["solver"]["clock_stopped"] is False
     assert without_wall(plan) == without_wall(direct(body))
+
+
+def test_a_database_that_refuses_the_outcome_fails_the_job_and_keeps_the_dispatcher(tmp_path) -> None:
+    """A full disk when a job's outcome is written: the job answers failed (never 'running'
+    forever), the same request solves again, the dispatcher thread lives on, and the outcome
+    reaches the database once it takes writes again."""
+    import sqlite3
+
+    settings = make_settings(tmp_path, workers=1, sync_wait_s=0.0)
+    with TestClient(create_app(settings)) as c:
+        storage = c.app.state.storage
+        real = storage.finish_job
+        refused: list[str] = []
+
+        def full_disk(job_id: str, *args, **kw):
+            if not refused:
+                refused.append(job_id)
+                raise sqlite3.OperationalError("database or disk is full")
+            return real(job_id, *args, **kw)
+
+        storage.finish_job = full_disk
+        first = c.post("/v1/plans", json=plan_body("blocks"))
+        assert first.status_code == 202
+        job = wait_for(c, first.json()["id"], {"failed", "succeeded"})
+        assert refused == [job["id"]]
+        assert job["status"] == "failed" and job["error_kind"] == "internal"
+        assert "could not store" in job["error"]
+        assert c.get("/readyz").status_code == 200  # the dispatcher thread is alive
+
+        again = c.post("/v1/plans", json=plan_body("blocks"))  # not joined to the failed job
+        assert again.status_code in (200, 202) and again.json()["id"] != job["id"]
+        if again.status_code == 202:
+            assert wait_for(c, again.json()["id"], {"succeeded"})["plan_id"]
+        # the refused write went through with the next one: the database has the outcome
+        assert storage.get_job(job["id"]).status == "failed"

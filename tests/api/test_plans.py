@@ -246,3 +246,59 @@ def test_schedule_auto_and_max_tp_over_http(client: TestClient) -> None:
     body["options"]["schedule"] = "zero-bubble-please"
     r = client.post("/v1/plans", json=body)
     assert r.status_code == 422 and "schedule" in r.text
+
+
+def test_compare_plans_each_method_with_the_options_it_reads(client: TestClient) -> None:
+    """A comparison's manual-only options (split, replicas) are left out of the other methods'
+    plans, with a warning, so a stored plan never says it used them and its cache key is the
+    single request's; an option a method cannot honour (microbatch_sizes outside cpsat) gives
+    that method an error row, as a single request would be refused."""
+    body = plan_body(methods=["manual", "blocks"])
+    body["options"] |= {"split": [4, 4], "microbatch_size": 8}
+    table = client.post("/v1/plans/compare", json=body).json()
+    rows = {r["method"]: r for r in table["rows"]}
+    assert rows["manual"]["status"] == "ok" and rows["manual"]["replicas"] == [1, 1]
+    assert any("read by method manual only" in w for w in table["warnings"])
+    blocks = client.get(f"/v1/plans/{rows['blocks']['plan_id']}").json()
+    assert blocks["plan"]["options"]["split"] is None
+    single = plan_body("blocks")
+    single["options"]["microbatch_size"] = 8
+    same = client.post("/v1/plans", json=single)
+    assert same.status_code == 200 and same.json()["id"] == rows["blocks"]["plan_id"]
+
+    sizes = plan_body(methods=["pipedream", "blocks"])
+    sizes["options"]["microbatch_sizes"] = [4, 8]
+    table = client.post("/v1/plans/compare", json=sizes).json()
+    assert [r["status"] for r in table["rows"]] == ["error", "error"]
+    assert "microbatch_sizes is for options.method cpsat" in table["rows"][0]["error"]
+
+
+def test_compare_counts_the_stored_bytes_quota(tmp_path) -> None:
+    settings = make_settings(tmp_path, api_keys="alice:k-a", quota_stored_bytes=4_000)
+    alice = {"Authorization": "Bearer k-a"}
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/profiles", json=profile_doc(n_layers=8), headers=alice).status_code == 201
+        pid = c.get("/v1/profiles", headers=alice).json()["items"][0]["id"]
+        body = {"profile_id": pid, "cluster": cluster_doc(), "methods": ["blocks", "uniform"],
+                "options": {"global_batch": 32, "microbatch_size": 8}}
+        while (r := c.post("/v1/plans/compare", json=body, headers=alice)).status_code == 200:
+            body["options"]["global_batch"] *= 2  # new plans until the quota is reached
+        assert r.status_code == 413 and "2 new plan(s)" in r.json()["detail"], r.text
+        single = {"profile_id": pid, "cluster": cluster_doc(),
+                  "options": {**body["options"], "method": "blocks"}}
+        assert c.post("/v1/plans", json=single, headers=alice).status_code == 413
+
+
+def test_the_microbatch_limit_counts_the_sizes_the_planner_plans(tmp_path) -> None:
+    """With microbatch_sizes, the profile's batch size (8 here) is not planned: 64 / 16 = 4
+    microbatches is within a limit of 4 (it was refused as 8, with advice the request could
+    not follow)."""
+    with TestClient(create_app(make_settings(tmp_path, max_microbatches=4))) as c:
+        body = plan_body("cpsat", global_batch=64)
+        body["options"]["microbatch_sizes"] = [16, 32]
+        r = c.post("/v1/plans", json=body)
+        assert r.status_code in (200, 201), r.text
+        assert r.json()["plan"]["microbatch_size"] in (16, 32)
+        body["options"]["microbatch_sizes"] = [4, 32]
+        over = c.post("/v1/plans", json=body)
+        assert over.status_code == 422 and "raise the smallest of microbatch_sizes" in over.text

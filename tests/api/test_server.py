@@ -53,3 +53,19 @@ def test_job_running_when_the_server_stops_is_reported_failed(tmp_path: Path, si
         job = httpx.get(f"{restarted.url}/v1/jobs/{job_id}").json()
         assert job["status"] == "failed" and job["error_kind"] == kind
         assert "send the request again" in job["error"]
+
+
+def test_a_second_server_on_the_same_database_is_refused_and_the_first_keeps_its_jobs(tmp_path: Path) -> None:
+    """At its start a server marks the unfinished jobs it finds as lost: a second one on the same
+    file would do that to the first one's live jobs. It is refused before it starts."""
+    first = Server(tmp_path / "pipeplan.db", sync_wait_s="0", workers=1)
+    with first:
+        with httpx.Client(base_url=first.url, timeout=60) as http:
+            r = http.post("/v1/plans", json=slow_body())  # CP-SAT, 20 s time limit
+            assert r.status_code == 202, r.text
+            job_id = r.json()["id"]
+            second = Server(tmp_path / "pipeplan.db")
+            with pytest.raises(RuntimeError, match="another pipeplan server"):
+                second.start()
+            assert http.get(f"/v1/jobs/{job_id}").json()["status"] in ("queued", "running")
+            http.delete(f"/v1/jobs/{job_id}")

@@ -15,8 +15,8 @@ import sys
 from api.storage import Storage
 s = Storage(sys.argv[1])
 for i in range(40):
-    s.put_profile(f"{sys.argv[2]}-{i}", "m.py", 1, {"i": i})
-    s.put_plan(f"key-{i % 10}", "p", "blocks", {"predicted": {"iteration_ms": float(i)}}, {})
+    row, _ = s.put_profile(f"{sys.argv[2]}-{i}", "m.py", 1, {"i": i})
+    assert s.put_plan(f"key-{i % 10}", row.id, "blocks", {"predicted": {"iteration_ms": float(i)}}, {})
 """
 
 
@@ -54,3 +54,14 @@ def test_threads_and_processes_share_one_file(tmp_path: Path) -> None:
     assert s.list_profiles(1, 0)[1] == 5 * 40
     plans, total = s.list_plans(100, 0)
     assert total == 10 and sorted(p.cache_key for p in plans) == sorted(f"key-{i}" for i in range(10))
+
+
+def test_a_plan_is_never_kept_without_its_profile(tmp_path: Path) -> None:
+    """A profile deleted while its plan was being made (the plan request read it, then a DELETE
+    ran): the plan is not stored, so no listing or cache lookup finds a plan whose profile is
+    gone."""
+    s = Storage(str(tmp_path / "db.sqlite"))
+    a, _ = s.put_profile("sha", "a.py", 3, {"x": 1})
+    assert s.delete_profile(a.id)
+    assert s.put_plan("k", a.id, "blocks", {"predicted": {"iteration_ms": 1.5}}, {}) is None
+    assert s.get_plan_by_key("k") is None and s.list_plans(10, 0, a.id)[1] == 0

@@ -245,10 +245,31 @@ def test_serve_refuses_a_database_it_cannot_open(tmp_path: Path, capsys: pytest.
     os.mkfifo(tmp_path / "fifo")  # (`--db /dev/zero` left a /dev/zero-journal behind)
     for db, message in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.db", "does not exist"),
                         (tmp_path / "notes.txt", "cannot be opened as an SQLite database"),
-                        (tmp_path / "fifo", "is not a regular file")):
+                        (tmp_path / "fifo", "is not a regular file"),
+                        (":memory:", "in-memory database is not shared"),  # each thread its own
+                        ("postgresql://h/db", "not at a URL"), ("", "--db is empty")):
         assert main(["serve", "--port", "1", "--db", str(db)]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+def test_serve_refuses_a_database_another_server_uses(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A second server on the same file marked the first one's live jobs lost at its start."""
+    from api.storage import lock_database
+
+    db = str(tmp_path / "p.db")
+    held = lock_database(db)  # what a running server holds
+    assert held is not None
+    try:
+        assert main(["serve", "--port", "1", "--db", db]) == 2
+        err = capsys.readouterr().err
+        assert f"another pipeplan server (pid {os.getpid()})" in err and "Traceback" not in err, err
+    finally:
+        held.close()
+    again = lock_database(db)  # released with its file: the next server starts
+    assert again is not None
+    again.close()
 
 
 def test_serve_refuses_an_address_it_cannot_listen_on(tmp_path: Path,
