@@ -2,7 +2,8 @@
 
 Semantics are exactly those of single-device training: every rank seeds with `--seed`, builds
 the whole model, keeps only its stage (built by the profiler's tracing code); step s's global
-batch is `make_batch(global_batch)` drawn right after `torch.manual_seed(seed + s)` and cut into
+batch is `make_batch(global_batch)`, called once per step right after torch's, random's and
+numpy's global generators are seeded with seed + s (`rng.seed_batch`), and cut into
 microbatches in order; replica k of a stage takes microbatches j with j % r == k; the loss is
 the mean over microbatches; replicas' gradients are summed within the stage's process group
 (and tied parameters' gradients between the stages holding them); the optimizer steps once per

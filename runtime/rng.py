@@ -13,8 +13,14 @@ generator state, seeded by `(seed, t, s, j)` (`stream_seed`). So
   replicated gradients);
 - `--resume` continues the same streams (they depend only on the step number);
 - a recomputed forward (`torch.utils.checkpoint`) sees the same numbers (it restores the state).
-The batch itself is `make_batch(global_batch)` drawn right after `torch.manual_seed(seed + t)`
-on every rank, as in single-device training, so the data are equal.
+The batch itself is `make_batch(global_batch)`, called once per step on every rank right after
+torch's, Python's `random` and numpy's global generators are seeded with `seed + t`
+(`seed_batch`), as in single-device training, so the data are equal whichever of them
+make_batch draws from; the first step's batch is drawn in setup (its first microbatch traces
+the model), so make_batch runs exactly once per step, in order, and a make_batch that keeps a
+position (a dataset walked in order) gives every rank, and single-device training, the same
+rows. At the first step the ranks compare a digest of their batch (`batch_digest`) and stop
+with an error if they differ (a make_batch that reads a per-process state).
 
 Buffers of replicated stages (BatchNorm running statistics, counters). Replica k runs only its
 own microbatches, so its buffers drift from the other replicas'. After every optimizer step the
@@ -34,10 +40,36 @@ statistics and updates its running statistics once per microbatch. torchgpipe's
 from __future__ import annotations
 
 import hashlib
+import random
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+def seed_batch(seed: int, step: int) -> None:
+    """Seed the global generators a `make_batch` may draw from, before step `step`'s batch:
+    torch's (`torch.manual_seed`), Python's `random` and numpy's legacy global one
+    (`np.random.rand`, ...), each with `seed + step`. The same on every rank: a make_batch
+    drawing from numpy gave each rank other rows (the last stage's targets were not the first
+    stage's inputs' and training did not converge, silently)."""
+    torch.manual_seed(seed + step)
+    random.seed(seed + step)
+    np.random.seed((seed + step) % 2**32)
+
+
+def batch_digest(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> int:
+    """A 63-bit digest of a batch's inputs and target (dtypes, shapes and bytes): equal on every
+    rank exactly where the batches are."""
+    h = hashlib.blake2b(digest_size=8)
+    inputs, target = batch
+    for t in (*inputs, target):
+        t = t.detach().to("cpu")
+        t = (t.to_dense() if t.layout != torch.strided else t).contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
 def stream_seed(seed: int, step: int, stage: int, microbatch: int) -> int:

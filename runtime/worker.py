@@ -146,7 +146,7 @@ class Worker:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         plan, opts = self.plan, self.opts
-        from profiler.loader import batch_checked, build_checked
+        from profiler.loader import build_checked
 
         torch.manual_seed(opts.seed)
         model = build_checked(self.mf, self.b)
@@ -156,9 +156,11 @@ class Worker:
             model_state, opt_state, meta = checkpoint.load(opts.resume)
             checkpoint.load_model_state(model, model_state, opts.resume, opts.model)
             self.start_step = int(meta["step"])
-        torch.manual_seed(opts.seed)
-        example, _ = split_batch(batch_checked(self.mf, self.b),
-                                 self.b, 1)
+        # step start_step's batch, drawn here so that make_batch runs once per step and in
+        # order (a make_batch that walks a dataset gives the rows single-device training
+        # gets); its first microbatch traces the model
+        self.first_batch = self.draw_batch(self.start_step)
+        example, _ = split_batch(self.first_batch, self.b, self.m)
         # with the launcher's record of the trace, tracing runs none of the user's code here
         kinds = stages.load_trace_info(opts.trace_info, opts.granularity)
         with warnings.catch_warnings():
@@ -267,6 +269,7 @@ class Worker:
         self.actions = actions_for_rank(plan, self.rank)
         # (planner.runnable has checked that every action is this rank's stage and replica)
         self.last_stage_ranks = plan.stages[-1].replica_ranks()  # one loss per replica
+        self.check_same_batch(self.first_batch, self.start_step)  # before anything trains on it
 
     # ------------------------------------------------------------------ gradients
     def sync_grads(self) -> list[TimedEvent]:
@@ -322,9 +325,39 @@ class Worker:
         return events
 
     # ------------------------------------------------------------------ training
-    def train(self) -> RankRecord:
+    def draw_batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Step `step`'s batch: make_batch(global_batch) after the global generators are seeded
+        (`rng.seed_batch`), checked as the profiler checks it (a tuple of tensors and one
+        target: a bare tensor or a target of None failed inside split_batch)."""
         from profiler.loader import batch_checked
 
+        rng.seed_batch(self.opts.seed, step)
+        inputs, target = batch_checked(self.mf, self.plan.global_batch)
+        return tuple(inputs), target
+
+    def check_same_batch(self, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], step: int) -> None:
+        """Every rank trains on the same batch: a make_batch that reads a per-process state (a
+        generator other than torch's, random's or numpy's global one, a file position, the
+        rank) gave the stages other rows, and training went wrong without a word."""
+        world = self.env.world_size
+        if world == 1:
+            return
+        mine = torch.tensor([rng.batch_digest(batch)], dtype=torch.int64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        _wait(dist.all_gather(every, mine, async_op=True), self.opts.timeout,
+              f"comparing the ranks' step-{step} batches")
+        digests = [int(t.item()) for t in every]
+        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        if other is not None:
+            raise PipeplanError(
+                f"make_batch({self.plan.global_batch}) gave ranks 0 and {other} different batches "
+                f"at step {step}: every rank calls it once per step after seeding torch's, Python's "
+                "random and numpy's global generators with seed + step, so it must draw only from "
+                "those (or read data that are the same on every rank, in the same order). A "
+                "generator of its own (np.random.default_rng() without a fixed seed, a DataLoader "
+                "with shuffling), the rank or the time gives each stage other rows")
+
+    def train(self) -> RankRecord:
         plan, opts = self.plan, self.opts
         step_ms, comm_ms, idle_ms, opt_ms = [], [], [], []
         self.losses: list[float] = []
@@ -339,10 +372,10 @@ class Worker:
                 for r in self.last_stage_ranks:
                     if r != 0:
                         self.p2p.post_recv(r, 0, "<loss>", grad=False)
-            torch.manual_seed(opts.seed + s)
-            # checked as the profiler checks it (a tuple of tensors and one target): a bare
-            # tensor or a target of None failed inside split_batch
-            inputs, targets = split_batch(batch_checked(self.mf, plan.global_batch), self.b, self.m)
+            batch = self.first_batch if self.first_batch is not None else self.draw_batch(s)
+            self.first_batch = None
+            inputs, targets = split_batch(batch, self.b, self.m)
+            del batch  # the microbatches are copies: the whole batch is not kept through the step
             counters = rng.int_buffers(self.module) if self.stage_group is not None else {}
             self.executor.step = s
             # the first step measures memory (PIPEPLAN_COUNT_MEMORY=every-step: all, for a model

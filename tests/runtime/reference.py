@@ -4,6 +4,9 @@ iteration."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 from profiler.loader import load_model_file
@@ -31,7 +34,10 @@ def reference_train(model_path: str, steps: int, *, seed: int = 0, global_batch:
            else torch.optim.SGD(params, lr=lr, momentum=0.9 if optimizer == "momentum" else 0.0))
     m = global_batch // microbatch_size
     for s in range(steps):
+        # the generators make_batch may draw from, seeded before every step's batch
         torch.manual_seed(seed + s)
+        random.seed(seed + s)
+        np.random.seed(seed + s)
         inputs, target = mf.make_batch(global_batch)
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)

@@ -170,3 +170,23 @@ def test_a_transposed_view_crossing_a_cut_arrives_with_its_strides(run, tmp_path
     got = _train(run, tmp_path, run.plan(model, [2, 2]), model)
     ref = reference_train(str(model), 3)
     assert _diff(got, ref, ref) == 0.0  # bit for bit: the same kernels on the same layouts
+
+
+def test_make_batch_from_numpy_or_a_dataset_cursor_trains_as_one_process(run, tmp_path, monkeypatch):
+    """make_batch drawing from numpy's global generator (it gave each rank other rows: the
+    last stage's targets were not for the first stage's inputs), or walking a dataset in order
+    (the ranks' setup called it once more: step 1 trained on rows 2-9, not 0-7)."""
+    model = MODELS / "data_sources.py"
+    for source in ("numpy", "cursor"):
+        monkeypatch.setenv("PIPEPLAN_TEST_DATA", source)
+        got = _train(run, tmp_path, run.plan(model, 3, [1, 2, 1], name=f"{source}.json"), model)
+        assert _diff(got, reference_train(str(model), 3), got) < TOL, source
+
+
+def test_make_batch_that_differs_between_ranks_is_refused(run, tmp_path, monkeypatch):
+    model = MODELS / "data_sources.py"
+    monkeypatch.setenv("PIPEPLAN_TEST_DATA", "own-rng")
+    rc, _, err, _ = run(run.plan(model, 2), "--model", model, "--steps", 2, "--timeout", 60)
+    assert rc != 0
+    assert "make_batch(8) gave ranks 0 and 1 different batches at step 0" in err, err
+    assert "Traceback" not in err

@@ -1,0 +1,37 @@
+"""An MLP whose make_batch draws its data the way real data code does, chosen by
+PIPEPLAN_TEST_DATA: `numpy` (numpy's global generator, inputs and targets a fixed function of
+each other), `cursor` (a fixed dataset walked in order, as a DataLoader without shuffling:
+state kept between calls) or `own-rng` (a numpy Generator of its own, seeded from the OS: other
+rows on every process)."""
+
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+_W = torch.linspace(-1.0, 1.0, 32).reshape(8, 4)
+_X = torch.from_numpy(np.random.default_rng(123).standard_normal((512, 8)).astype(np.float32))
+_cursor = [0]
+_own = np.random.default_rng()
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def make_batch(batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    source = os.environ.get("PIPEPLAN_TEST_DATA", "numpy")
+    if source == "cursor":
+        i = _cursor[0]
+        _cursor[0] = (i + batch_size) % (512 - batch_size)
+        x = _X[i:i + batch_size].clone()
+    elif source == "own-rng":
+        x = torch.from_numpy(_own.standard_normal((batch_size, 8)).astype(np.float32))
+    else:
+        x = torch.from_numpy(np.random.randn(batch_size, 8).astype(np.float32))
+    return (x,), x @ _W
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
