@@ -99,12 +99,23 @@ def leaf_modules(model: torch.nn.Module, granularity: str) -> set[str]:
 
 
 def _is_block_list(m: torch.nn.Module) -> bool:
+    """A ModuleList / Sequential of at least two blocks: modules with submodules of their own,
+    or modules of the user's own classes holding parameters directly (a block written with
+    nn.Parameter and F.linear; a Sequential of torch.nn layers, Linear, ReLU, ..., is one
+    layer's parts, not blocks)."""
     kids = list(m.children())
     return (
         isinstance(m, torch.nn.ModuleList | torch.nn.Sequential)
         and len(kids) >= 2
-        and sum(1 for k in kids if any(True for _ in k.children())) >= 2
+        and sum(1 for k in kids if _is_block(k)) >= 2
     )
+
+
+def _is_block(k: torch.nn.Module) -> bool:
+    if any(True for _ in k.children()):
+        return True
+    return (not type(k).__module__.startswith("torch.")
+            and any(True for _ in k.parameters(recurse=False)))
 
 
 def natural_blocks(model: torch.nn.Module) -> tuple[list[str], set[str]]:

@@ -232,7 +232,17 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
     for path, m in model.named_modules():
         if path in leaves or any(path.startswith(p + ".") for p in leaves) or not _has_hooks(m):
             continue
-        if path in split:
+        if path in split and path and not (m._backward_hooks or getattr(m, "_backward_pre_hooks", None)):
+            # called through Module.__call__ while tracing: its forward (pre-)hooks are traced
+            # into the graph like the rest of its forward
+            warnings.warn(
+                f"{path} ({type(m).__name__}) has forward hooks and holds modules that are split "
+                "between pipeline stages: the hooks were traced into the graph, so their tensor "
+                "operations run in pipeline training, but their Python side effects (counters, "
+                "prints, attributes they set) ran once, while tracing (put such hooks on the "
+                "blocks or the modules inside)", TracingWarning, stacklevel=3,
+            )
+        elif path in split:
             warnings.warn(
                 f"{path or 'the model'} ({type(m).__name__}) has hooks, but it holds modules that "
                 "are split between pipeline stages, so no stage calls it and its hooks do not run "

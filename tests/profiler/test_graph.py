@@ -541,3 +541,32 @@ def test_an_exported_graph_with_dropout_and_batchnorm_is_kept_and_reproduces_the
         got, _, _ = run_pipeline(lg, [[n] for n in names], (x,), torch.zeros(6, 2),
                                  torch.nn.functional.mse_loss)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_blocks_holding_their_parameters_directly_are_blocks() -> None:
+    """A ModuleList of the user's blocks written with nn.Parameter and F.linear (no submodules)
+    is cut at its blocks, as one of blocks built from nn.Linear is; it was one layer the
+    planner could not cut. A Sequential of torch.nn layers stays one layer's parts."""
+    class Raw(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(torch.nn.functional.linear(x, self.w))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+            self.blocks = torch.nn.ModuleList([Raw() for _ in range(3)])
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    lg = trace(Net(), (torch.randn(2, 4),))
+    assert lg.layer_names() == ["inp", "blocks.0", "blocks.1", "blocks.2", "head"]

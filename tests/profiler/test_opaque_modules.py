@@ -341,3 +341,24 @@ def test_traced_values_in_attributes_and_a_retried_leaf_are_not_refused() -> Non
         warnings.simplefilter("ignore", TracingWarning)  # the head is kept whole, with a warning
         lg = trace(WithCountingHead(), (torch.randn(2, 8),))
     assert lg.layer_names()
+
+
+def test_forward_hooks_on_a_container_split_between_stages_are_traced_not_lost() -> None:
+    """A forward hook on a Sequential of blocks inside the model: tracing calls the container
+    through Module.__call__, so the hook's tensor operations are in the graph (a pipeline run
+    matched one process with a hook that doubles the output); the warning said they did not
+    run."""
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(Plain(), Plain(), Plain())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks(x)
+
+    model = Outer()
+    model.blocks.register_forward_hook(lambda m, a, out: 2 * out)
+    with pytest.warns(TracingWarning, match="hooks were traced into the graph") as seen:
+        lg = trace(model, (torch.randn(2, 8),))
+    assert not any("do not run" in str(w.message) for w in seen)
+    assert lg.layer_names() == ["blocks.0", "blocks.1", "blocks.2"]
