@@ -210,7 +210,7 @@ def simulate_costs(costs: PipelineCosts, schedule: Mapping[int, Sequence[Action]
               for r in schedule if r in stage_of_rank}
     return Simulation(
         events=events, iteration_ms=makespan, busy_ms=busy, comm_ms=comm, idle_ms=idle,
-        bubble_fraction=sum(idle.values()) / total if total > 0 else 0.0,
+        bubble_fraction=max(0.0, sum(idle.values()) / total) if total > 0 else 0.0,  # (no -1e-17)
         peak_inflight=peak, peak_memory_bytes=memory, stage_of_rank=stage_of_rank,
     )
 
@@ -393,7 +393,7 @@ def simulate_generated(costs: PipelineCosts, name: str,
     return Simulation(
         events=[], iteration_ms=makespan, busy_ms=dict(zip(ranks, busy, strict=True)),
         comm_ms=dict(zip(ranks, comm, strict=True)), idle_ms=dict(zip(ranks, idle, strict=True)),
-        bubble_fraction=sum(idle) / total if total > 0 else 0.0,
+        bubble_fraction=max(0.0, sum(idle) / total) if total > 0 else 0.0,
         peak_inflight={ranks[x]: held[shape.memory_slot[x]][0] for x in range(n_slots)},
         peak_memory_bytes={ranks[x]: costs.static_memory_bytes[shape.slots[x][0]]
                            + held[shape.memory_slot[x]][1] for x in range(n_slots)},

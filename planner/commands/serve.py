@@ -117,6 +117,13 @@ def _check_database(db: str) -> None:
     finally:
         if not existed and path.exists() and path.stat().st_size == 0:
             path.unlink()  # only probed: the server creates it
+    from api.storage import Storage
+
+    try:  # the service's tables, created now: a disk too small or full is an error here
+        Storage(db).close()
+    except sqlite3.Error as exc:
+        raise PipeplanError(f"--db {db}: cannot create the service's tables ({exc}); check the "
+                            "disk's free space and the folder's permissions") from None
     try:
         held = lock_database(db)
     except DatabaseInUse as exc:
