@@ -72,7 +72,7 @@ class ModelFile:
     tp_plan: Callable[[Any], Any] | None = None
 
 
-def _where(exc: BaseException, path: Path) -> str:
+def user_line(exc: BaseException, path: Path) -> str:
     """The innermost traceback line inside the user's file, e.g. ' (line 12: x = 1 / 0)'."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
     if not frames:
@@ -91,12 +91,12 @@ def call_user(model_file_path: str | Path, name: str, fn: Callable[..., Any], *a
     except SystemExit as exc:  # sys.exit() in a model function: not the end of the command
         raise PipeplanError(
             f"{path}: {name}({', '.join(map(_describe, args))}) called sys.exit({exc.code!r})"
-            f"{_where(exc, path)}. {name} must return, not exit; fix it in {path.name}."
+            f"{user_line(exc, path)}. {name} must return, not exit; fix it in {path.name}."
         ) from None
     except Exception as exc:  # noqa: BLE001 - any failure in user code is reported, not raised
         raise PipeplanError(
             f"{path}: {name}({', '.join(map(_describe, args))}) raised {type(exc).__name__}: "
-            f"{_first_lines(exc)}{_where(exc, path)}. Fix {name} in {path.name} (try running it by hand)."
+            f"{_first_lines(exc)}{user_line(exc, path)}. Fix {name} in {path.name} (try running it by hand)."
         ) from exc
 
 
@@ -144,14 +144,14 @@ def load_model_file(path: str | Path) -> ModelFile:
     except SystemExit as exc:  # sys.exit() / exit() at module level: not the end of the command
         sys.modules.pop(module_name, None)
         raise PipeplanError(
-            f"{path}: importing the file called sys.exit({exc.code!r}){_where(exc, path)}. A model "
+            f"{path}: importing the file called sys.exit({exc.code!r}){user_line(exc, path)}. A model "
             "file must define build_model, make_batch and loss_fn without exiting; put a script's "
             "own code under `if __name__ == \"__main__\":`"
         ) from None
     except Exception as exc:  # noqa: BLE001
         sys.modules.pop(module_name, None)
         raise PipeplanError(
-            f"{path}: importing the file raised {type(exc).__name__}: {exc}{_where(exc, path)}. "
+            f"{path}: importing the file raised {type(exc).__name__}: {exc}{user_line(exc, path)}. "
             "Fix the module-level code of the file (run `python <file>` to see it)."
         ) from exc
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]

@@ -24,6 +24,7 @@ from profiler.loader import (
     load_model_file,
     loss_checked,
     twice_refused,
+    user_line,
 )
 from profiler.measure import library_workspace_bytes, measure_all
 
@@ -132,8 +133,9 @@ def profile_model_file(
     except Exception as exc:  # noqa: BLE001
         raise PipeplanError(
             f"{mf.path}: build_model()(*make_batch({batch_size})[0]) raised "
-            f"{type(exc).__name__}: {exc}. make_batch's inputs must be the model's positional "
-            "arguments."
+            f"{type(exc).__name__}: {exc}{user_line(exc, Path(mf.path).resolve())}. Fix the model's "
+            "forward there, or, if the inputs are wrong, make_batch's inputs must be the model's "
+            "positional arguments."
         ) from exc
     loss_checked(mf, out, target)
     del out
