@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
-from planner.io import DuplicateKeyError, unique_keys
+from planner.io import DuplicateKeyError, bad_strings, unique_keys
 
 MAX_DEPTH = 32  # a profile is 4 levels deep; extra fields may nest, but not without bound
 
@@ -39,42 +39,11 @@ def _constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows; send finite numbers only")
 
 
-def _bad_text(text: str) -> str | None:
-    if "\x00" in text:
-        return "must not contain the NUL character (\\u0000)"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "must be valid Unicode (a lone surrogate such as \\ud800 is not)"
-    return None
-
-
 def depth_and_nul(doc: Any, max_depth: int = MAX_DEPTH) -> tuple[Loc, str] | None:
     """The first place where `doc` nests deeper than `max_depth` or a string (or key) holds a NUL
-    character or a lone surrogate, with the reason; None if none. Iterative, so any depth is safe
-    to check."""
-    stack: list[tuple[Any, Loc]] = [(doc, ("body",))]
-    while stack:
-        obj, loc = stack.pop()
-        if isinstance(obj, str):
-            bad = _bad_text(obj)
-            if bad:
-                return loc, f"strings {bad}"
-            continue
-        if isinstance(obj, dict):
-            items: Any = obj.items()
-        elif isinstance(obj, list):
-            items = enumerate(obj)
-        else:
-            continue
-        if len(loc) > max_depth:
-            return loc, f"JSON nested deeper than {max_depth} levels"
-        for k, v in items:
-            bad = _bad_text(k) if isinstance(k, str) else None
-            if bad:
-                return loc, f"keys {bad}"
-            stack.append((v, (*loc, k)))
-    return None
+    character or a lone surrogate, with the reason; None if none (`planner.io.bad_strings`,
+    which the command line's files are read with too)."""
+    return bad_strings(doc, ("body",), max_depth)
 
 
 def parse(raw: bytes) -> Any:

@@ -101,6 +101,45 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "must not contain the NUL character (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (a lone surrogate such as \\ud800 is not)"
+    return None
+
+
+def bad_strings(doc: Any, root: tuple[str | int, ...] = (), max_depth: int = 10_000
+                ) -> tuple[tuple[str | int, ...], str] | None:
+    """The first place where `doc` nests deeper than `max_depth` or a string (or key) holds a NUL
+    character or a lone surrogate, with the reason; None if none. Iterative, so any depth is safe
+    to check."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(doc, root)]
+    while stack:
+        obj, loc = stack.pop()
+        if isinstance(obj, str):
+            bad = _bad_text(obj)
+            if bad:
+                return loc, f"strings {bad}"
+            continue
+        if isinstance(obj, dict):
+            items: Any = obj.items()
+        elif isinstance(obj, list):
+            items = enumerate(obj)
+        else:
+            continue
+        if len(loc) > max_depth:
+            return loc, f"JSON nested deeper than {max_depth} levels"
+        for k, v in items:
+            bad = _bad_text(k) if isinstance(k, str) else None
+            if bad:
+                return loc, f"keys {bad}"
+            stack.append((v, (*loc, k)))
+    return None
+
+
 def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     """Load a JSON file into `cls`; missing file, bad JSON and schema errors become PipeplanError."""
     path = Path(path)
@@ -128,6 +167,10 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
         name, file = KINDS[cls.__name__]
         raise PipeplanError(f"{what}: this file is a {KINDS[kind][0]}, not a {name}; give {file}")
     check_numbers(data, what)
+    bad = bad_strings(data)
+    if bad is not None:  # as the service refuses them in a body
+        where = ".".join(map(str, bad[0])) or "the top level"
+        raise PipeplanError(f"{what}: at {where}: {bad[1]}; give the JSON file pipeplan wrote")
     return parse_model(data, cls, what, strict=True)
 
 

@@ -164,6 +164,9 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
                    b'"intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}',
                    "the key 'devices_per_node' appears twice in one object"),
         "deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        # refused by the service in a body; the file was read
+        "nul": (b'{"nodes": [{"name": "a\\u0000b", "devices": 2, "device_memory_gb": 16}], '
+                b'"intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}', "NUL character"),
     }
     for name, (text, message) in clusters.items():
         path = d / f"{name}.json"
