@@ -83,7 +83,8 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     if not total >= MIN_TOTAL_MS:
         raise PipeplanError(f"the profile's layers take {total:.3g} ms in all (forward and backward "
                             f"of one batch of {profile.batch_size}): at least {MIN_TOTAL_MS:g} ms is "
-                            "needed to plan (a pipeline of nothing has no best split). Profile the "
+                            "needed to plan (the search splits the model by its forward and backward "
+                            "times; optimizer steps alone do not make a pipeline). Profile the "
                             "model again (python -m planner profile), or give the layers' times in "
                             "milliseconds")
     reserved = reserved_memory_bytes(profile, cluster)
