@@ -66,6 +66,20 @@ def field_path(path: tuple[str | int, ...]) -> str:
     return ".".join(str(p) for p in path) or "(top level)"
 
 
+# torch's CPU generator (mt19937) keeps 32 bits of a seed: 2**32 trained exactly as 0
+MAX_RUN_SEED = 2**32 - 1
+
+
+def run_seed_arg(text: str) -> int:
+    """argparse type of the runtime's `--seed`: an integer from 0 to MAX_RUN_SEED."""
+    value = seed_arg(text)
+    if value > MAX_RUN_SEED:
+        raise argparse.ArgumentTypeError(
+            f"{text} is out of range: give a seed from 0 to {MAX_RUN_SEED} (torch's generator keeps "
+            "32 bits of a seed, so larger ones repeat smaller ones' models and batches)")
+    return value
+
+
 def seed_arg(text: str) -> int:
     """argparse type of `--seed`: an integer from 0 to MAX_INT (the service's range; torch
     takes seeds below 2**64, and the runtime adds the step to it)."""

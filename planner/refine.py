@@ -174,6 +174,12 @@ def fit(plan: Plan, report: Report) -> Corrections:
         why.append(f"stage(s) {other} are not in this plan")
     if wrong:
         why.append(f"stage(s) {sorted(wrong)} have more rank records than this plan gives them devices")
+    ran = getattr(report, "schedule", None)  # (older reports hold neither)
+    if ran is not None and ran != plan.schedule:
+        why.append(f"it ran schedule {ran}, this plan's is {plan.schedule}")
+    m = getattr(report, "num_microbatches", None)
+    if m is not None and m != plan.num_microbatches:
+        why.append(f"it ran {m} microbatches, this plan has {plan.num_microbatches}")
     if abs(pred - plan.predicted.iteration_ms) > 1e-6 * max(1.0, abs(pred)):
         why.append(f"its predicted iteration is {pred:.6g} ms against this plan's "
                    f"{plan.predicted.iteration_ms:.6g}")

@@ -14,11 +14,12 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import get_args
 
 from planner.errors import PipeplanError
-from planner.formats import Plan
+from planner.formats import OptimizerName, Plan
 from planner.io import check_output, load_model, not_a_file
-from planner.limits import seed_arg
+from planner.limits import MAX_RUN_SEED, run_seed_arg
 from planner.runnable import runnable_plan, unread_keys
 from runtime.options import RunOptions
 
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None,
                    help="optimizer (default: the checkpoint's with --resume, else the one the plan "
                         "was made for)")
-    p.add_argument("--seed", type=seed_arg, default=None,
+    p.add_argument("--seed", type=run_seed_arg, default=None,
                    help="seed of the model and the batches (default 0, or the checkpoint's)")
     p.add_argument("--save", metavar="DIR", help="write the trained state dict (+ optimizer state)")
     p.add_argument("--resume", metavar="DIR", help="continue from a --save directory")
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _same_file(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def _resume_meta(directory: str) -> dict[str, object]:
     """The optimizer, learning rate and seed a checkpoint was trained with (its meta.json)."""
     path = Path(directory) / "meta.json"
@@ -71,8 +76,15 @@ def _resume_meta(directory: str) -> dict[str, object]:
                             "is damaged") from None
     kinds = {"step": int, "lr": (int, float), "seed": int, "optimizer": str}
     bad = [k for k, t in kinds.items() if k in meta and (not isinstance(meta[k], t) or isinstance(meta[k], bool))]
+    if not bad:  # values --save never writes, which failed on every rank after the launch
+        lr, seed = meta.get("lr", 0.0), meta.get("seed", 0)
+        bad = [k for k, ok in (("step", meta.get("step", 0) >= 0),
+                               ("lr", math.isfinite(lr) and 0 <= lr <= MAX_LR),
+                               ("seed", 0 <= seed <= MAX_RUN_SEED),
+                               ("optimizer", meta.get("optimizer", "sgd") in get_args(OptimizerName)))
+               if not ok]
     if "step" not in meta or bad:
-        what = ", ".join(bad) if bad else "no step"
+        what = ", ".join(f"{k} {meta[k]!r}" for k in bad) if bad else "no step"
         raise PipeplanError(f"--resume {directory}: meta.json is not what --save writes ({what}); "
                             "the checkpoint is damaged: resume from another one or start again")
     return meta
@@ -97,10 +109,19 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         check_threads(args.threads)
     if args.lr is not None and not (math.isfinite(args.lr) and 0 <= args.lr <= MAX_LR):
         raise PipeplanError(f"--lr {args.lr:g}: give a learning rate from 0 to {MAX_LR:g}")
-    inputs = (args.plan, args.model)
+    # a checkpoint's files are inputs (--resume) or outputs (--save) as well: a report written
+    # over the model.pt being resumed from destroyed it, with exit code 0
+    from runtime.checkpoint import META_FILE, MODEL_FILE, OPTIMIZER_FILE
+
+    ckpt = [str(Path(d) / f) for d in (args.resume, args.save) if d
+            for f in (MODEL_FILE, OPTIMIZER_FILE, META_FILE)]
+    inputs = (args.plan, args.model, *ckpt)
     writer = os.environ.get("RANK", "0") == "0"  # the launcher, or rank 0: the one that writes
     check_output(args.report, inputs, "--report", probe=writer)
     check_output(args.trace, inputs, "--trace", probe=writer)
+    if args.report and args.trace and _same_file(args.report, args.trace):
+        raise PipeplanError(f"--report and --trace are both {args.trace}: the trace would replace "
+                            "the report; give each its own file")
     if args.save is not None:
         save = Path(args.save)
         if save.exists() and not save.is_dir():
@@ -110,7 +131,7 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
                 f"--save {args.save}: the directory holds files but no checkpoint (no meta.json), "
                 "and --save would overwrite model.pt and optimizer.pt there: give a new or empty "
                 "directory, or one an earlier --save wrote")
-        check_output(save / "model.pt", inputs, "--save", probe=writer)
+        check_output(save / "model.pt", (args.plan, args.model), "--save", probe=writer)  # (in place: allowed)
     granularity = args.granularity or getattr(plan, "granularity", None)
     meta = _resume_meta(args.resume) if args.resume else {}
     optimizer = args.optimizer or meta.get("optimizer") or plan.options.optimizer
@@ -286,6 +307,8 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(exc, PipeplanError) else 1)
+    if error_file is not None:  # the launcher tells a finished rank from one that exited early
+        Path(error_file).with_suffix(".done").touch()
     # done and the process group destroyed: skip the interpreter's teardown, where library
     # threads (gloo's, the store's) can abort the process at exit
     sys.stdout.flush()

@@ -48,7 +48,9 @@ def _read_error(path: Path, rank: int, code: int) -> Failure:
         peer = data.get("peer")
         return Failure(rank, code, data["kind"], data["message"], peer if isinstance(peer, int) else None)
     except (OSError, ValueError, KeyError):
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        how = (f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+               + (" before finishing its steps (os._exit(0) or a similar exit in the model's "
+                  "code?)" if code == 0 else ""))
         return Failure(rank, code, "crash", f"rank {rank} {how} without reporting an error")
 
 
@@ -179,7 +181,9 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
             while True:
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
-                    return []
+                    if all((Path(tmp) / f"rank{r}.done").exists() for r in range(len(procs))):
+                        return []
+                    break  # one exited 0 before finishing its steps
                 if any(c not in (None, 0) for c in codes):
                     failed_at = failed_at or time.time()
                     if all(c is not None for c in codes):
@@ -204,7 +208,9 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
         finally:
             if main_thread:
                 signal.signal(signal.SIGTERM, previous)
-        own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)}
+        # a rank that exited 0 without finishing (no .done file) failed too
+        own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)
+               or (p.returncode == 0 and not (Path(tmp) / f"rank{r}.done").exists())}
         alive = [r for r, p in enumerate(procs) if p.poll() is None]
         _stop(procs)  # the rest: stopped by us, their exit says nothing
         failures = [_read_error(Path(tmp) / f"rank{r}.json", r, code) for r, code in own.items()]

@@ -144,6 +144,14 @@ def test_a_report_that_does_not_fit_the_plan_says_why():
     negative = report.model_copy(update={"iteration_ms": -3.0})
     with pytest.raises(PipeplanError, match="iteration_ms is -3, not a time"):
         fit(plan, negative)
+    # a run of the same stages under another schedule or microbatching (GPipe's run of a 1F1B
+    # plan of the same prediction was fitted: its activation scales x2-4)
+    gpipe = Report.model_validate({**report.model_dump(), "schedule": "gpipe"})
+    with pytest.raises(PipeplanError, match=f"it ran schedule gpipe, this plan's is {plan.schedule}"):
+        fit(plan, gpipe)
+    more = Report.model_validate({**report.model_dump(), "num_microbatches": plan.num_microbatches * 2})
+    with pytest.raises(PipeplanError, match=f"it ran {plan.num_microbatches * 2} microbatches"):
+        fit(plan, more)
 
 
 def test_cli_writes_plan_corrections_cluster_and_profile(tmp_path, capsys):

@@ -115,6 +115,17 @@ def test_a_dead_rank_is_reported(run, fault):
     assert "rank 1 exited with status 17" in err, err
 
 
+def test_a_rank_that_exits_0_mid_run_is_named(run, fault):
+    """Status 0 is not success before the rank's steps are done: the headline named rank 0's
+    lost connection and left the cause to a guess."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [1, 3, 2])  # the faulty layer on rank 1
+    fault("exit0", 1)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 2, "--timeout", 30)
+    assert rc != 0
+    assert "\nerror: rank 1 exited with status 0 before finishing its steps" in "\n" + err, err
+
+
 def test_model_hash_mismatch_is_a_clear_error_before_any_process(run, tmp_path):
     model = tmp_path / "m.py"
     model.write_text((MODELS / "seq_mlp.py").read_text())
@@ -312,6 +323,30 @@ def test_options_that_would_fail_late_or_lose_files_are_refused_before_any_rank(
     rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--save", mine)
     assert rc == 2 and "holds files but no checkpoint" in err and "Traceback" not in err, err
     assert (mine / "model.pt").read_text() == "the user's own" and "running" not in out
+
+    # a checkpoint's files are inputs (--resume) and outputs (--save): a report or trace over
+    # one destroyed it; the report and the trace in one file lost the report
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--save", tmp_path / "ck")
+    assert rc == 0, err
+    kept = (tmp_path / "ck" / "model.pt").read_bytes()
+    for args, message in (
+            (["--resume", tmp_path / "ck", "--report", tmp_path / "ck" / "model.pt"], "writing it would destroy it"),
+            (["--save", tmp_path / "ck", "--trace", tmp_path / "ck" / "meta.json"], "writing it would destroy it"),
+            (["--report", tmp_path / "r.json", "--trace", tmp_path / "r.json"], "give each its own file")):
+        rc, out, err, _ = run(plan, "--model", model, "--steps", 1, *args)
+        assert rc == 2 and message in err and "Traceback" not in err, (args, err)
+    assert (tmp_path / "ck" / "model.pt").read_bytes() == kept and not (tmp_path / "r.json").exists()
+
+
+def test_a_seed_torch_would_cut_to_32_bits_is_refused() -> None:
+    """torch's CPU generator keeps 32 bits: --seed 2**32 trained exactly as --seed 0."""
+    import argparse
+
+    from planner.limits import run_seed_arg
+
+    assert run_seed_arg(str(2**32 - 1)) == 2**32 - 1
+    with pytest.raises(argparse.ArgumentTypeError, match="keeps 32 bits"):
+        run_seed_arg(str(2**32))
 
 
 def test_more_local_ranks_than_the_memory_holds_are_refused(monkeypatch):

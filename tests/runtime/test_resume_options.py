@@ -167,6 +167,14 @@ def test_options_that_would_fail_after_training_are_refused_first(run, tmp_path)
                           (["--resume", tmp_path / "ck"], "meta.json is not what --save writes")):
         rc, _, err, secs = run(plan, "--model", model, "--steps", 1, "--timeout", 60, *args)
         assert rc == 2 and message in err and "Traceback" not in err, (args, err)
+    # values --save never writes (each failed on every rank after the launch, with a traceback)
+    for meta, what in (({"step": 1, "lr": -0.5}, "lr -0.5"), ({"step": 1, "lr": 1e300}, "lr 1e+300"),
+                       ({"step": 1, "optimizer": "rmsprop"}, "optimizer 'rmsprop'"),
+                       ({"step": -4}, "step -4"), ({"step": 1, "seed": -7}, "seed -7")):
+        (tmp_path / "ck" / "meta.json").write_text(json.dumps(meta))
+        rc, _, err, secs = run(plan, "--model", model, "--steps", 1, "--timeout", 60,
+                               "--resume", tmp_path / "ck")
+        assert rc == 2 and f"meta.json is not what --save writes ({what})" in err, (meta, err)
     for args in (["--nproc-per-node", "100000"], ["--rounds", "0"],
                  ["--timeout", "0"], ["--memory-gb", "nan"]):
         assert calibrate([*args, "-o", str(tmp_path / "c.json")]) == 2

@@ -1,7 +1,8 @@
 """A tiny sequential MLP for the runtime tests.
 
 PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's second layer's
-forward: `raise` (an exception), `die` (the process vanishes) or `hang` (sleeps for ever); or,
+forward: `raise` (an exception), `die` (the process vanishes), `exit0` (it vanishes with status 0)
+or `hang` (sleeps for ever); or,
 `import-hang`, while that rank imports this file (before it joins the process group).
 """
 
@@ -28,6 +29,8 @@ class Faulty(nn.Module):
                 raise ValueError("deliberate failure in Faulty.forward")
             if kind == "die":
                 os._exit(17)
+            if kind == "exit0":
+                os._exit(0)
             if kind == "hang":
                 time.sleep(3600)
         return torch.tanh(self.lin(x))
