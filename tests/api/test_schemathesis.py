@@ -30,7 +30,9 @@ def test_schemathesis_all_checks_live_server(tmp_path: Path, keyed: bool) -> Non
     with Server(tmp_path / "pipeplan.db", **env) as server:
         cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(HERE / "schemathesis.toml"),
                "run", f"{server.url}/openapi.json", "--checks", "all", "--max-examples", "25",
-               "--workers", "2", "--request-timeout", "30", "--seed", "14", "--no-color"]
+               # one worker: with two threads, hypothesis's ast.parse of its lambdas hit CPython
+               # 3.11's "AST constructor recursion depth mismatch" (SystemError) in one CI run
+               "--workers", "1", "--request-timeout", "30", "--seed", "14", "--no-color"]
         if keyed:
             cmd += ["-H", "Authorization: Bearer s3cret-ci"]
         out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
