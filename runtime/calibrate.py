@@ -583,6 +583,9 @@ def _rank(args: argparse.Namespace, error_file: str | None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(exc, PipeplanError) else 1)
+    from runtime.launch import finished
+
+    finished(error_file)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

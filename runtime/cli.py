@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
+    from runtime.launch import finished
     from runtime.worker import DistEnv, report_failure, run
 
     env = DistEnv.from_environ()
@@ -307,8 +308,7 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(exc, PipeplanError) else 1)
-    if error_file is not None:  # the launcher tells a finished rank from one that exited early
-        Path(error_file).with_suffix(".done").touch()
+    finished(error_file)
     # done and the process group destroyed: skip the interpreter's teardown, where library
     # threads (gloo's, the store's) can abort the process at exit
     sys.stdout.flush()

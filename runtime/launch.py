@@ -54,6 +54,14 @@ def _read_error(path: Path, rank: int, code: int) -> Failure:
         return Failure(rank, code, "crash", f"rank {rank} {how} without reporting an error")
 
 
+def finished(error_file: str | None) -> None:
+    """In a rank this launcher started, right before its normal exit: the mark that tells a
+    rank that finished from one that exited with status 0 before its work was done (an
+    `os._exit(0)` in the model's code, which counted as success)."""
+    if error_file is not None:
+        Path(error_file).with_suffix(".done").touch()
+
+
 def die_with_launcher() -> None:
     """In a rank this launcher started: ask Linux to end it (SIGTERM) when the launcher dies,
     and end now if it already has. The ranks' connections to each other outlive the
