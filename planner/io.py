@@ -254,8 +254,8 @@ def check_distinct(outputs: list[tuple[str, str | Path | None]]) -> None:
             continue
         key = Path(os.path.realpath(path))
         if key in seen:
-            raise PipeplanError(f"{seen[key]} and {what} are the same file ({path}); give each "
-                                "output a path of its own")
+            raise PipeplanError(f"{seen[key]} and {what} are the same file ({path}): the one "
+                                "written last would replace the other; give each its own file")
         seen[key] = what
 
 

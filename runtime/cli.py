@@ -18,7 +18,7 @@ from typing import get_args
 
 from planner.errors import PipeplanError
 from planner.formats import OptimizerName, Plan
-from planner.io import check_output, load_model, not_a_file
+from planner.io import check_distinct, check_output, load_model, not_a_file
 from planner.limits import MAX_RUN_SEED, run_seed_arg
 from planner.runnable import runnable_plan, unread_keys
 from runtime.options import RunOptions
@@ -57,10 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer granularity of the profile (default: the plan's, else blocks or modules, whichever has the plan's layers)")
     p.add_argument("--trace-info", default=None, help=argparse.SUPPRESS)  # launcher -> ranks
     return p
-
-
-def _same_file(a: str, b: str) -> bool:
-    return Path(a).resolve() == Path(b).resolve()
 
 
 def _resume_meta(directory: str) -> dict[str, object]:
@@ -119,9 +115,7 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     writer = os.environ.get("RANK", "0") == "0"  # the launcher, or rank 0: the one that writes
     check_output(args.report, inputs, "--report", probe=writer)
     check_output(args.trace, inputs, "--trace", probe=writer)
-    if args.report and args.trace and _same_file(args.report, args.trace):
-        raise PipeplanError(f"--report and --trace are both {args.trace}: the trace would replace "
-                            "the report; give each its own file")
+    check_distinct([("--report", args.report), ("--trace", args.trace)])
     if args.save is not None:
         save = Path(args.save)
         if save.exists() and not save.is_dir():

@@ -59,7 +59,12 @@ def finished(error_file: str | None) -> None:
     rank that finished from one that exited with status 0 before its work was done (an
     `os._exit(0)` in the model's code, which counted as success)."""
     if error_file is not None:
-        Path(error_file).with_suffix(".done").touch()
+        _done_file(Path(error_file)).touch()
+
+
+def _done_file(error_file: Path) -> Path:
+    """Where a rank whose error file is `error_file` marks its normal exit (`finished`)."""
+    return error_file.with_suffix(".done")
 
 
 def die_with_launcher() -> None:
@@ -163,6 +168,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
     port = store.port
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
+        error_files = [Path(tmp) / f"rank{rank}.json" for rank in range(world_size)]
         procs = []
         for rank in range(world_size):
             env = dict(os.environ)
@@ -172,7 +178,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "OMP_NUM_THREADS": str(threads),
-                ERROR_FILE_ENV: str(Path(tmp) / f"rank{rank}.json"),
+                ERROR_FILE_ENV: str(error_files[rank]),
                 LAUNCHER_PID_ENV: str(os.getpid()),
             })
             procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env))
@@ -189,7 +195,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
             while True:
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
-                    if all((Path(tmp) / f"rank{r}.done").exists() for r in range(len(procs))):
+                    if all(_done_file(f).exists() for f in error_files):
                         return []
                     break  # one exited 0 before finishing its steps
                 if any(c not in (None, 0) for c in codes):
@@ -199,7 +205,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
                     if time.time() - failed_at > _GRACE_S:
                         for r, c in enumerate(codes):
                             if c not in (None, 0) and r not in seen:
-                                seen[r] = _read_error(Path(tmp) / f"rank{r}.json", r, c)
+                                seen[r] = _read_error(error_files[r], r, c)
                         so_far = list(seen.values())
                         if time.time() - failed_at > _GRACE_S + peer_wait_s or \
                                 any(f.kind != "peer" for f in so_far):
@@ -218,11 +224,11 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
                 signal.signal(signal.SIGTERM, previous)
         # a rank that exited 0 without finishing (no .done file) failed too
         own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)
-               or (p.returncode == 0 and not (Path(tmp) / f"rank{r}.done").exists())}
+               or (p.returncode == 0 and not _done_file(error_files[r]).exists())}
         alive = [r for r, p in enumerate(procs) if p.poll() is None]
         _stop(procs)  # the rest: stopped by us, their exit says nothing
-        failures = [_read_error(Path(tmp) / f"rank{r}.json", r, code) for r, code in own.items()]
-        files = {f.rank: Path(tmp) / f"rank{f.rank}.json" for f in failures}
+        failures = [_read_error(error_files[r], r, code) for r, code in own.items()]
+        files = {f.rank: error_files[f.rank] for f in failures}
         order = {"user": 0, "error": 0, "crash": 1, "peer": 2}
 
         def when(f: Failure) -> float:

@@ -84,7 +84,7 @@ def _check_database(db: str) -> None:
     import sqlite3
     from pathlib import Path
 
-    from api.storage import DatabaseInUse, lock_database
+    from api.storage import DatabaseInUse, Storage, lock_database
     from planner.errors import PipeplanError
 
     if not db.strip():
@@ -104,26 +104,6 @@ def _check_database(db: str) -> None:
                             "the SQLite file's name")
     if not path.parent.is_dir():
         raise PipeplanError(f"--db {db}: the folder {path.parent} does not exist; create it first")
-    existed = path.exists()
-    try:
-        conn = sqlite3.connect(db, timeout=5.0)
-        try:
-            conn.execute("PRAGMA schema_version").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        raise PipeplanError(f"--db {db}: cannot be opened as an SQLite database ({exc}); give "
-                            "another file, or remove this one if it is not needed") from None
-    finally:
-        if not existed and path.exists() and path.stat().st_size == 0:
-            path.unlink()  # only probed: the server creates it
-    from api.storage import Storage
-
-    try:  # the service's tables, created now: a disk too small or full is an error here
-        Storage(db).close()
-    except sqlite3.Error as exc:
-        raise PipeplanError(f"--db {db}: cannot create the service's tables ({exc}); check the "
-                            "disk's free space and the folder's permissions") from None
     try:
         held = lock_database(db)
     except DatabaseInUse as exc:
@@ -131,5 +111,17 @@ def _check_database(db: str) -> None:
     except OSError as exc:
         raise PipeplanError(f"--db {db}: cannot create its lock file {db}.lock ({exc.strerror or exc}); "
                             "give a --db in a folder this user can write") from None
-    if held is not None:
-        held.close()  # the server takes it again at its start
+    existed = path.exists()
+    try:  # the service's tables, created now: what the server's start would fail on fails here
+        Storage(db).close()
+    except sqlite3.OperationalError as exc:  # a disk too small or full, a locked file
+        raise PipeplanError(f"--db {db}: cannot create the service's tables ({exc}); check the "
+                            "disk's free space and the folder's permissions") from None
+    except sqlite3.Error as exc:  # not an SQLite file
+        raise PipeplanError(f"--db {db}: cannot be opened as an SQLite database ({exc}); give "
+                            "another file, or remove this one if it is not needed") from None
+    finally:
+        if not existed and path.exists() and path.stat().st_size == 0:
+            path.unlink()  # nothing created in it
+        if held is not None:
+            held.close()  # the server takes it again at its start

@@ -38,6 +38,13 @@ def test_plan_over_http_survives_restart(tmp_path: Path) -> None:
             assert http.post("/v1/plans", json=plan_body("blocks")).json()["cached"] is True
 
 
+def _slow_job(http: httpx.Client) -> str:
+    """Start a job that keeps the one worker busy (CP-SAT, 20 s time limit); its id."""
+    r = http.post("/v1/plans", json=slow_body())
+    assert r.status_code == 202, r.text
+    return str(r.json()["id"])
+
+
 @pytest.mark.parametrize(("sig", "kind"), [(signal.SIGKILL, "lost"), (signal.SIGTERM, "shutdown")])
 def test_job_running_when_the_server_stops_is_reported_failed(tmp_path: Path, sig: int, kind: str) -> None:
     """Killed: the next server marks the job failed at startup ("lost"). Stopped: the server
@@ -45,9 +52,7 @@ def test_job_running_when_the_server_stops_is_reported_failed(tmp_path: Path, si
     server = Server(tmp_path / "pipeplan.db", sync_wait_s="0", workers=1)
     with server:
         with httpx.Client(base_url=server.url, timeout=60) as http:
-            r = http.post("/v1/plans", json=slow_body())  # CP-SAT, 20 s time limit
-            assert r.status_code == 202, r.text
-            job_id = r.json()["id"]
+            job_id = _slow_job(http)
         server.stop(sig)
     with Server(tmp_path / "pipeplan.db") as restarted:
         job = httpx.get(f"{restarted.url}/v1/jobs/{job_id}").json()
@@ -61,9 +66,7 @@ def test_a_second_server_on_the_same_database_is_refused_and_the_first_keeps_its
     first = Server(tmp_path / "pipeplan.db", sync_wait_s="0", workers=1)
     with first:
         with httpx.Client(base_url=first.url, timeout=60) as http:
-            r = http.post("/v1/plans", json=slow_body())  # CP-SAT, 20 s time limit
-            assert r.status_code == 202, r.text
-            job_id = r.json()["id"]
+            job_id = _slow_job(http)
             second = Server(tmp_path / "pipeplan.db")
             with pytest.raises(RuntimeError, match="another pipeplan server"):
                 second.start()
