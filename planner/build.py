@@ -163,6 +163,7 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
             ),
             recompute=st.recompute,  # the parameters alone (the runtime checks the model it builds)
             param_bytes=table.param_bytes(st.start, st.stop) - table.buffer_bytes(st.start, st.stop),
+            frozen_param_bytes=table.frozen_bytes(st.start, st.stop) - table.buffer_bytes(st.start, st.stop),
         ))
     it = sim.iteration_ms
     solver = {"name": options.method, "status": "HEURISTIC", **candidate.solver}

@@ -534,6 +534,9 @@ class PlanStage(_Open):
     # the profile's parameter bytes of the stage's layers (whole, one replica): the runtime
     # checks the model it builds against it (absent in older plans: not checked)
     param_bytes: NonNegativeInt | None = None
+    # of param_bytes, the parameters that take no gradient (requires_grad=False): checked the
+    # same way, since they change the stage's memory and optimizer step (absent: not checked)
+    frozen_param_bytes: NonNegativeInt | None = None
 
     @model_validator(mode="after")
     def _check(self) -> PlanStage:

@@ -90,6 +90,11 @@ def param_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def frozen_param_bytes(module: torch.nn.Module) -> int:
+    """A layer's `frozen_param_bytes`: of `param_bytes`, the parameters with requires_grad=False."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
+
+
 def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor in a (nested) value."""
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
@@ -377,7 +382,7 @@ def _layer_result(lg: LayerGraph, runners: list[StageRunner],
     out = []
     for layer, run in zip(lg.layers, runners, strict=True):
         params = param_bytes(run.stage)
-        frozen = sum(p.numel() * p.element_size() for p in run.stage.parameters() if not p.requires_grad)
+        frozen = frozen_param_bytes(run.stage)
         buffers = sum(b.numel() * b.element_size() for b in run.stage.buffers())
         fwd = max(0.0, statistics.median(run.fwd) - oh.fwd_ms) if run.fwd else 0.0
         bwd = max(0.0, statistics.median(run.bwd) - oh.bwd_ms) if any(run.bwd) else 0.0

@@ -175,20 +175,27 @@ def parameter_mismatch(plan: Plan, graph: object, model_path: str) -> str | None
     differs: a model file sized by environment variables or other files (a width, a dtype).
     Plans without the figure, and lazy modules not yet materialised, are not checked."""
     from profiler.graph import build_stage
-    from profiler.measure import param_bytes
+    from profiler.measure import frozen_param_bytes, param_bytes
 
     for st in plan.stages:
         if st.param_bytes is None:
             continue
         try:
-            built = sum(param_bytes(build_stage(graph, [name])) for name in st.layers)
+            layers = [build_stage(graph, [name]) for name in st.layers]
+            built = sum(param_bytes(m) for m in layers)
+            frozen = sum(frozen_param_bytes(m) for m in layers)
         except ValueError:  # an UninitializedParameter has no size yet
             return None
+        where = f"the layers of stage {st.index} ({st.layers[0]} … {st.layers[-1]})"
         if built != st.param_bytes:
-            return (f"{model_path} builds a different model than was profiled: the layers of "
-                    f"stage {st.index} ({st.layers[0]} … {st.layers[-1]}) hold {built:,} bytes of "
-                    f"parameters, the profile {st.param_bytes:,} (its size set by environment "
-                    "variables or other files, e.g. a width or a dtype?)")
+            return (f"{model_path} builds a different model than was profiled: {where} hold "
+                    f"{built:,} bytes of parameters, the profile {st.param_bytes:,} (its size set "
+                    "by environment variables or other files, e.g. a width or a dtype?)")
+        if st.frozen_param_bytes is not None and frozen != st.frozen_param_bytes:
+            return (f"{model_path} builds a different model than was profiled: {where} hold "
+                    f"{frozen:,} bytes of frozen parameters (requires_grad=False), the profile "
+                    f"{st.frozen_param_bytes:,}: parameters were frozen or unfrozen since, which "
+                    "changes the stage's gradients, optimizer state and memory")
     return None
 
 

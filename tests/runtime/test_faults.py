@@ -191,6 +191,36 @@ def test_a_model_sized_differently_than_profiled_is_a_clear_error(run, tmp_path,
     assert rc == 0 and "different model" not in err
 
 
+def test_parameters_frozen_since_the_profile_are_a_clear_error(run, tmp_path, monkeypatch):
+    """The same bytes of parameters, but another set frozen than was profiled: the stage's
+    gradients, optimizer state and memory differ from the plan's, and the run said nothing."""
+    import json
+
+    from planner.formats import Cluster, PlanOptions
+    from planner.solve import make_plan
+    from profiler.profile import profile_model_file
+
+    model = MODELS / "seq_mlp.py"
+    monkeypatch.setenv("PIPEPLAN_TEST_FREEZE", "0")
+    profile = profile_model_file(model, 2, warmup=0, repeats=1)
+    n = len(profile.layers)
+    made = make_plan(profile, Cluster(nodes=1, devices_per_node=2, device_memory_gb=1,
+                                      intra_node_gb_per_s=10, inter_node_gb_per_s=10),
+                     PlanOptions(global_batch=8, microbatch_size=2, method="manual",
+                                 split=[n // 2, n - n // 2], optimizer="sgd"))
+    plan = tmp_path / "plan.json"
+    plan.write_text(made.model_dump_json())
+    assert [s["frozen_param_bytes"] for s in json.loads(plan.read_text())["stages"]] == [(8 * 16 + 16) * 4, 0]
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1)
+    assert rc == 0, err
+    monkeypatch.setenv("PIPEPLAN_TEST_FREEZE", "")
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1)
+    assert rc == 2 and "frozen parameters" in err and "stage 0" in err, err
+    assert "Traceback" not in err and "step 1" not in out
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--allow-mismatch")
+    assert rc == 0 and "running anyway" in err
+
+
 def test_world_size_must_match_under_torchrun(run):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, 2)

@@ -4,6 +4,7 @@ PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's s
 forward: `raise` (an exception), `die` (the process vanishes), `exit0` (it vanishes with status 0)
 or `hang` (sleeps for ever); or,
 `import-hang`, while that rank imports this file (before it joins the process group).
+PIPEPLAN_TEST_FREEZE=<i>,<j>,... freezes (requires_grad=False) the parameters of those layers.
 """
 
 import os
@@ -37,8 +38,11 @@ class Faulty(nn.Module):
 
 
 def build_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Faulty(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Faulty(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4))
+    for i in filter(None, os.environ.get("PIPEPLAN_TEST_FREEZE", "").split(",")):
+        model[int(i)].requires_grad_(False)
+    return model
 
 
 def make_batch(batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
