@@ -5,7 +5,10 @@ things a service open to clients needs and uvicorn does not do.
   `header_timeout_s` after it opened (or after its previous response) is answered 408 and
   closed. uvicorn holds such a connection for as long as the client likes (its keep-alive
   timer stops at the first byte), so a client that sends half a request line holds a socket
-  and a file descriptor forever. The body has its own limit (`api.limits`).
+  and a file descriptor forever. The body has its own limit (`api.limits`), which answers 408
+  where a route reads the body; where none does (`GET /healthz` with a `Content-Length` of a
+  megabyte sent a byte at a time, a 404), the connection is closed once the body has not
+  arrived `body_timeout_s` (plus a second) after its headers: uvicorn would keep reading it.
 - **Errors in one shape.** A request that is not valid HTTP gets the JSON error every other
   error gets (`{"detail": ..., "request_id": ...}`), not uvicorn's text/plain 400.
 """
@@ -30,7 +33,9 @@ def _response(status: int, reason: str, detail: str) -> bytes:
 
 class _Protocol(H11Protocol):
     header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
     _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
 
     def _arm(self) -> None:
         if self._header_timer is None:
@@ -40,6 +45,23 @@ class _Protocol(H11Protocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+
+    def _arm_body(self) -> None:
+        if self._body_timer is None:  # a second after the route's own 408 (api.limits)
+            self._body_timer = self.loop.call_later(self.body_timeout_s + 1.0, self._body_late)
+
+    def _disarm_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_late(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        self.logger.warning("request body not received within %g s of its headers: connection "
+                            "closed", self.body_timeout_s)
+        self.transport.close()
 
     def _headers_late(self) -> None:
         self._header_timer = None
@@ -59,10 +81,15 @@ class _Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is h11.IDLE:  # still waiting for the end of the headers
+        state = self.conn.their_state
+        if state is h11.IDLE:  # still waiting for the end of the headers
             self._arm()
         else:
             self._disarm()
+        if state is h11.SEND_BODY:  # the headers are in, the body is not
+            self._arm_body()
+        else:
+            self._disarm_body()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -71,6 +98,7 @@ class _Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -81,6 +109,7 @@ class _Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_class(header_timeout_s: float) -> type[H11Protocol]:
-    """The protocol class to give uvicorn (`http=`), with this header timeout."""
-    return type("PipeplanHTTP", (_Protocol,), {"header_timeout_s": header_timeout_s})
+def protocol_class(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H11Protocol]:
+    """The protocol class to give uvicorn (`http=`), with these timeouts."""
+    return type("PipeplanHTTP", (_Protocol,), {"header_timeout_s": header_timeout_s,
+                                               "body_timeout_s": body_timeout_s})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -343,6 +344,39 @@ def test_headers_that_never_end_are_a_408_and_bad_http_a_json_400(tmp_path: Path
                 assert http.get("/healthz").status_code == 200
                 time.sleep(0.5)
         assert "Traceback" not in server.log.read_text()
+
+
+def test_a_body_trickled_to_a_route_that_never_reads_it_is_cut_off(tmp_path: Path) -> None:
+    """`GET /healthz` answers at once without reading the body its headers announce; uvicorn
+    then kept the connection reading a byte every few seconds for as long as the client liked.
+    The connection is closed once the body is late, and a route that reads the body still
+    answers 408 first."""
+    import socket
+
+    with Server(tmp_path / "pipeplan.db", body_timeout_s="1.5") as server:
+        for head in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n",
+                     b"POST /v1/profiles HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+                s.sendall(head + b"{")
+                t0 = time.monotonic()
+                reply, closed = b"", False
+                s.settimeout(0.25)
+                while not closed and time.monotonic() - t0 < 20:
+                    try:
+                        chunk = s.recv(65536)
+                    except TimeoutError:
+                        with contextlib.suppress(OSError):
+                            s.sendall(b" ")  # a byte at a time, well within any read timeout
+                        continue
+                    except OSError:
+                        chunk = b""
+                    closed = not chunk
+                    reply += chunk
+                elapsed = time.monotonic() - t0
+            assert closed and elapsed < 10, (head, elapsed, reply[:200])
+            status = b"200" if head.startswith(b"GET") else b"408"
+            assert reply.startswith(b"HTTP/1.1 " + status), reply[:300]
 
 
 @pytest.mark.parametrize(("cluster", "status", "where"), [
