@@ -12,6 +12,7 @@ the service touches SQL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -153,32 +154,130 @@ class DatabaseInUse(RuntimeError):
     """Another live server holds the database (`lock_database`)."""
 
 
-def lock_database(path: str) -> IO[str] | None:
-    """Take the server's exclusive lock on the database `path` for as long as the returned file
-    stays open (released when it is closed or the process dies, kill -9 included). A server
-    marks the jobs it finds unfinished at its start as lost: a second server on the same file
-    would do that to the first one's live jobs. Raises DatabaseInUse, naming the holder's pid.
-    A lock file beside the database, `<db>.lock`, not the database itself: closing any
-    descriptor of the database would drop SQLite's own POSIX locks in this process. None
-    where the platform has no flock (Windows)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on Linux or macOS
-        return None
-    f = open(path + ".lock", "a+", encoding="utf-8")  # noqa: SIM115 - held open while serving
+class DatabaseLock:
+    """The locks `lock_database` took; `close()` releases them (and removes the inode's lock
+    file, which nobody else can hold while this lock does)."""
+
+    def __init__(self, files: list[IO[str]], remove: str | None = None) -> None:
+        self.files, self.remove = files, remove
+
+    def close(self) -> None:
+        if self.remove is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.remove)
+            self.remove = None
+        for f in self.files:
+            f.close()
+
+
+def _flock(f: IO[str]) -> bool:
+    import fcntl
+
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.seek(0)
-        holder = f.read().strip()[:20] or "?"
-        f.close()
-        raise DatabaseInUse(f"another pipeplan server (pid {holder}) is using the database "
-                            f"{path}; stop that server first, or give this one another --db") from None
+        return False
+    return True
+
+
+def _holder(f: IO[str]) -> str:
     f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
+    return f.read().strip()[:20] or "?"
+
+
+def _mark(f: IO[str]) -> None:
+    if f.writable():
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+
+
+def _inode_lock(st: os.stat_result) -> tuple[IO[str] | None, str, bool]:
+    """Lock the database's inode: a lock file named by it in the temporary folder, the same for
+    every name of the file (hard links). Returns (the file, its name, whether locked: False
+    when another server holds it, the file then being open to read its pid); (None, name, True)
+    where the folder has no room for it. Opened for writing where this user may, else for
+    reading (flock takes either). The file is removed when the lock is released, so the lock
+    taken counts only while the name still leads to the locked file."""
+    import tempfile
+
+    name = os.path.join(tempfile.gettempdir(), f"pipeplan-db-{st.st_dev}-{st.st_ino}.lock")
+    for _ in range(10):
+        f = None
+        for flags, mode in ((os.O_RDWR, "r+"), (os.O_RDONLY, "r")):
+            try:
+                f = os.fdopen(os.open(name, flags), mode, encoding="utf-8")
+                break
+            except PermissionError:
+                continue
+            except FileNotFoundError:
+                break
+        if f is None:
+            try:
+                f = os.fdopen(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), "r+",
+                              encoding="utf-8")
+            except FileExistsError:
+                continue  # made by another server just now: open it
+            except OSError:
+                return None, name, True
+        if not _flock(f):
+            return f, name, False
+        try:
+            same = os.stat(name).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return f, name, True
+        f.close()  # removed by the server that released it after this opened it: again
+    return None, name, True
+
+
+def lock_database(path: str) -> DatabaseLock | None:
+    """Take the server's exclusive lock on the database `path` for as long as the returned locks
+    are not closed (released when they are, or when the process dies, kill -9 included). A
+    server marks the jobs it finds unfinished at its start as lost: a second server on the same
+    file would do that to the first one's live jobs. Raises DatabaseInUse, naming the holder's
+    pid. Two locks, neither on the database itself (closing any descriptor of the database
+    would drop SQLite's own POSIX locks in this process): `<db>.lock` beside the file the path
+    resolves to (a symbolic link and its target share it), and a lock
+    of its inode in the temporary folder (a hard link shares that one; so does a server whose
+    `<db>.lock` was deleted); the file is created empty if it does not exist. None where the platform has no flock (Windows)."""
+    try:
+        import fcntl  # noqa: F401 - only to learn whether flock exists
+    except ImportError:  # pragma: no cover - not on Linux or macOS
+        return None
+    real = os.path.realpath(path)
+    beside = open(real + ".lock", "a+", encoding="utf-8")  # noqa: SIM115 - held open while serving
+    if not _flock(beside):
+        holder = _holder(beside)
+        beside.close()
+        raise DatabaseInUse(f"another pipeplan server (pid {holder}) is using the database "
+                            f"{path}; stop that server first, or give this one another --db")
+    files = [beside]
+    try:  # an empty file is an empty SQLite database; made now, its inode is locked from the start
+        os.close(os.open(real, os.O_RDONLY | os.O_CREAT, 0o644))
+        st = os.stat(real)
+    except OSError:  # SQLite will say what is wrong with it
+        st = None
+    remove = None
+    if st is not None:
+        inode, name, locked = _inode_lock(st)
+        if not locked:
+            assert inode is not None
+            holder = _holder(inode)
+            inode.close()
+            beside.close()
+            raise DatabaseInUse(
+                f"another pipeplan server (pid {holder}) is using the database {path} under "
+                "another name (a hard link to the same file); stop that server first, or give "
+                "this one another --db")
+        if inode is not None:
+            _mark(inode)
+            files.append(inode)
+            remove = name
+    _mark(beside)
+    return DatabaseLock(files, remove)
 
 
 class Storage:

@@ -104,14 +104,14 @@ def _check_database(db: str) -> None:
                             "the SQLite file's name")
     if not path.parent.is_dir():
         raise PipeplanError(f"--db {db}: the folder {path.parent} does not exist; create it first")
+    existed = path.exists()
     try:
         held = lock_database(db)
     except DatabaseInUse as exc:
         raise PipeplanError(str(exc)) from None
     except OSError as exc:
-        raise PipeplanError(f"--db {db}: cannot create its lock file {db}.lock ({exc.strerror or exc}); "
-                            "give a --db in a folder this user can write") from None
-    existed = path.exists()
+        raise PipeplanError(f"--db {db}: cannot create its lock file {exc.filename or db + '.lock'} "
+                            f"({exc.strerror or exc}); give a --db in a folder this user can write") from None
     try:  # the service's tables, created now: what the server's start would fail on fails here
         Storage(db).close()
     except sqlite3.OperationalError as exc:  # a disk too small or full, a locked file

@@ -275,6 +275,32 @@ def test_serve_refuses_a_database_another_server_uses(tmp_path: Path,
     again.close()
 
 
+def test_serve_refuses_a_database_in_use_under_another_name(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The lock was `<db path as typed>.lock`: a symbolic link, a hard link or a deleted lock
+    file let a second server start on a live database and mark its jobs lost."""
+    from api.storage import lock_database
+
+    db = tmp_path / "p.db"
+    held = lock_database(str(db))  # a new database: created, so its inode is locked too
+    assert held is not None and db.exists()
+    (tmp_path / "alias.db").symlink_to(db)
+    os.link(db, tmp_path / "hard.db")
+    try:
+        for other in ("alias.db", "hard.db"):
+            assert main(["serve", "--port", "1", "--db", str(tmp_path / other)]) == 2
+            err = capsys.readouterr().err
+            assert f"another pipeplan server (pid {os.getpid()})" in err and "Traceback" not in err, err
+        os.unlink(str(db) + ".lock")
+        assert main(["serve", "--port", "1", "--db", str(db)]) == 2
+        assert "another pipeplan server" in capsys.readouterr().err
+    finally:
+        held.close()
+    again = lock_database(str(tmp_path / "hard.db"))
+    assert again is not None
+    again.close()
+
+
 def test_serve_refuses_an_address_it_cannot_listen_on(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Before the server starts (uvicorn logged 7-8 lines and exited 3)."""
