@@ -110,21 +110,61 @@ def install_error_handlers(app: FastAPI) -> None:
         # not a 500 with a traceback
         return Response(status_code=CLIENT_CLOSED)
 
-    @app.exception_handler(sqlite3.OperationalError)
-    async def _database(request: Request, exc: sqlite3.OperationalError) -> JSONResponse:
-        # a full disk, a locked or unreadable file: the server's trouble, not the request's
+    @app.exception_handler(sqlite3.DatabaseError)
+    async def _database(request: Request, exc: sqlite3.DatabaseError) -> JSONResponse:
+        if not unusable_database(exc):
+            return internal_error(request, exc)
+        # a full disk, a locked, corrupt, deleted or unreadable file: the server's trouble, not
+        # the request's
         rid = request_id(request.scope)
         log.error("database error: %s", exc, extra={"request_id": rid})
         return error_response(request, 503, f"the server's database cannot be used now ({exc}); "
                               "the request was not completed; retry later (the server's operator "
                               "should check its disk and database file)", {"Retry-After": "30"})
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # what InternalErrors does not see (the outer middleware's)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        rid = request_id(request.scope)
-        log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
-        return error_response(request, 500, f"internal error ({type(exc).__name__}); the server "
-                              f"logged it with request id {rid}")
+        return internal_error(request, exc)
+
+
+def unusable_database(exc: BaseException) -> bool:
+    """An error of the database itself (full disk, lock, corrupt or replaced file), not of the
+    server's SQL (a constraint, a wrong statement: those are bugs, answered 500)."""
+    return type(exc) is sqlite3.DatabaseError or isinstance(exc, sqlite3.OperationalError)
+
+
+def internal_error(request: Request, exc: BaseException) -> JSONResponse:
+    rid = request_id(request.scope)
+    log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
+    return error_response(request, 500, f"internal error ({type(exc).__name__}); the server "
+                          f"logged it with request id {rid}")
+
+
+class InternalErrors:
+    """A route's unexpected exception answered as the one JSON 500 and logged once, with the
+    request id. Starlette's handler for Exception answers and then raises the exception again,
+    so uvicorn logged a second traceback, without the request id."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            if started:  # too late for an answer: the server closes the connection
+                raise
+            await internal_error(Request(scope), exc)(scope, receive, send)
 
 
 async def _retention(app: FastAPI, settings: Settings, lock: threading.Lock) -> None:
@@ -214,6 +254,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "ETag",
                                                                 "Retry-After"])
     app.add_middleware(GZipMiddleware, minimum_size=settings.gzip_min_bytes)
+    app.add_middleware(InternalErrors)
     app.add_middleware(RequestContext, metrics=metrics)
     install_error_handlers(app)
 

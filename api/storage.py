@@ -154,6 +154,11 @@ class DatabaseInUse(RuntimeError):
     """Another live server holds the database (`lock_database`)."""
 
 
+class DatabaseReplaced(sqlite3.OperationalError):
+    """The database file was deleted or replaced under a running server (`Storage.check_same_file`):
+    the server cannot use it now (answered 503, as a full disk is)."""
+
+
 class DatabaseLock:
     """The locks `lock_database` took; `close()` releases them (and removes the inode's lock
     file, which nobody else can hold while this lock does)."""
@@ -286,12 +291,14 @@ class Storage:
     PARAM = "?"
     BEGIN = "BEGIN IMMEDIATE"  # take the write lock at once: two writers never deadlock on an upgrade
     SCHEMA = SCHEMA
+    BUSY_MS = 30_000  # a query waits this long for another connection's write lock
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._local = threading.local()
         self._all: list[Any] = []
         self._lock = threading.Lock()
+        self._file: tuple[int, int] | None = None  # set once the tables are made
         with self._tx() as cur:
             for stmt in self.SCHEMA:
                 if stmt.startswith("CREATE TABLE"):
@@ -300,6 +307,27 @@ class Storage:
             for stmt in self.SCHEMA:
                 if not stmt.startswith("CREATE TABLE"):
                     cur.execute(stmt)
+        self._file = self._identity()
+
+    def _identity(self) -> tuple[int, int] | None:
+        """The database file's (device, inode); None for a database that is not a file."""
+        try:
+            st = os.stat(self.url)
+        except (OSError, ValueError):
+            return None
+        return st.st_dev, st.st_ino
+
+    def check_same_file(self) -> None:
+        """Raise DatabaseReplaced if the file at the database's path is no longer the one this
+        server opened: deleted (a new connection would create an empty one there) or replaced.
+        Threads that opened it before would go on with the old file, new ones with the new."""
+        if self._file is None:
+            return
+        now = self._identity()
+        if now != self._file:
+            what = "deleted" if now is None or not os.path.exists(self.url) else "replaced by another file"
+            raise DatabaseReplaced(f"the database file {self.url} was {what} while the server ran; "
+                                   "restore it and restart the server")
 
     def _migrate(self, cur: _Cursor) -> None:
         """Add the columns a database written by an older server lacks (SQLite's table_info;
@@ -311,14 +339,14 @@ class Storage:
 
     # ------------------------------------------------------------ connections
     def _connect(self) -> Any:
-        conn = sqlite3.connect(self.url, timeout=30.0, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(self.url, timeout=self.BUSY_MS / 1e3, isolation_level=None, check_same_thread=False)
         self._setup(conn)
         return conn
 
     def _setup(self, conn: Any) -> None:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=30000")
+        conn.execute(f"PRAGMA busy_timeout={self.BUSY_MS}")
         conn.execute("PRAGMA foreign_keys=ON")
 
     def _conn(self) -> Any:
@@ -332,7 +360,8 @@ class Storage:
 
     @contextmanager
     def _tx(self) -> Iterator[_Cursor]:
-        """A write transaction."""
+        """A write transaction (not into a file that replaced the server's database)."""
+        self.check_same_file()
         cur = _Cursor(self._conn().cursor(), self.PARAM)
         cur.execute(self.BEGIN)
         try:
@@ -358,11 +387,22 @@ class Storage:
     def ping(self) -> bool:
         return self._query("SELECT 1") == [(1,)]
 
+    READY_BUSY_MS = 1000  # a readiness probe waits this long for another process's write lock
+
     def writable(self) -> bool:
-        """Whether a write transaction can be taken now (the file is writable, not locked)."""
-        with self._tx() as cur:
-            cur.execute("CREATE TABLE IF NOT EXISTS ready_probe (x INTEGER)")
-            cur.execute("DELETE FROM ready_probe")
+        """Whether the service can use its database now: the file is the one the server opened,
+        holds the service's tables, and takes a write transaction within READY_BUSY_MS (a probe
+        that waited the queries' 30 s held a thread of the server's pool for as long)."""
+        self.check_same_file()
+        conn = self._conn()
+        conn.execute(f"PRAGMA busy_timeout={self.READY_BUSY_MS}")
+        try:
+            with self._tx() as cur:
+                cur.execute("SELECT 1 FROM jobs LIMIT 1")  # "no such table" in a new, empty file
+                cur.execute("CREATE TABLE IF NOT EXISTS ready_probe (x INTEGER)")
+                cur.execute("DELETE FROM ready_probe")
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={self.BUSY_MS}")
         return True
 
     def stored_bytes(self, owner: str) -> int:

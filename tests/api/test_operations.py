@@ -5,11 +5,13 @@ another planner version, and /docs served without a CDN."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
 
 from api import service
@@ -78,6 +80,55 @@ def test_readyz_fails_when_the_database_is_read_only(tmp_path: Path) -> None:
         r = c.get("/readyz")
         assert r.status_code == 503 and r.json()["database"] is False
         assert "read-only" in r.json()["detail"]
+
+
+def test_readyz_and_writes_fail_when_the_database_file_is_deleted_or_replaced(tmp_path: Path) -> None:
+    """`/readyz` answered "ready" after the database files were deleted: its probe's write
+    created a new, empty file, and writes went on into it. Now the file must be the one the
+    server opened and hold the service's tables."""
+    import os
+
+    settings = make_settings(tmp_path)
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/readyz").status_code == 200
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(settings.db + suffix)
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["database"] is False
+        assert "was deleted" in r.json()["detail"], r.json()
+        r = c.post("/v1/profiles", json=profile_doc())
+        assert r.status_code == 503 and "was deleted" in r.json()["detail"]
+        assert r.headers["retry-after"] == "30"
+        open(settings.db, "wb").close()  # a new file at the path: not the database opened
+        r = c.get("/readyz")
+        assert r.status_code == 503 and "replaced by another file" in r.json()["detail"]
+
+
+def test_a_corrupt_database_is_a_503_and_a_bug_a_500_logged_once(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """"database disk image is malformed" (sqlite3.DatabaseError, not OperationalError) was a
+    500; an unexpected exception was answered and then raised again (uvicorn logged it twice,
+    the second time without the request id; TestClient raises it)."""
+    import sqlite3
+
+    with TestClient(create_app(make_settings(tmp_path))) as c:
+        storage = c.app.state.storage
+
+        def corrupt(*a: object, **k: object) -> None:
+            raise sqlite3.DatabaseError("database disk image is malformed")
+
+        def bug(*a: object, **k: object) -> None:
+            raise KeyError("oops")
+
+        storage.list_jobs = corrupt
+        r = c.get("/v1/jobs")
+        assert r.status_code == 503 and "malformed" in r.json()["detail"], r.text
+        storage.list_jobs = bug
+        caplog.clear()
+        r = c.get("/v1/jobs")  # TestClient raises what the app raises
+        assert r.status_code == 500 and "KeyError" in r.json()["detail"] and r.json()["request_id"]
+        assert [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"] == ["unhandled error"]
 
 
 def test_job_list_newest_first_with_status_filter(tmp_path: Path) -> None:
