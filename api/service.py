@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
@@ -199,8 +200,16 @@ def store_profile(storage: Storage, settings: Settings, profile: Profile,
     row = storage.get_profile_by_sha(sha)
     if row is not None:
         return row, False
-    check_quota(storage, settings, owner, len(json.dumps(body)))
-    return storage.put_profile(sha, profile.model.path, len(profile.layers), body, owner)
+    if not settings.quota_stored_bytes:
+        return storage.put_profile(sha, profile.model.path, len(profile.layers), body, owner)
+    with QUOTA_LOCK:  # the check and the write as one: uploads in parallel each passed the check
+        check_quota(storage, settings, owner, len(json.dumps(body)))
+        return storage.put_profile(sha, profile.model.path, len(profile.layers), body, owner)
+
+
+# one server per database (api.storage.lock_database), so a lock of this process orders every
+# check of a quota before the write it allows
+QUOTA_LOCK = threading.Lock()
 
 
 def resolve_profile(storage: Storage, settings: Settings, req: PlanRequest,

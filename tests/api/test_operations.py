@@ -200,6 +200,30 @@ def test_stored_bytes_quota_per_client(tmp_path: Path) -> None:
         assert c.post("/v1/profiles", json=profile_doc(n_layers=12), headers=alice).status_code == 201
 
 
+def test_stored_bytes_quota_holds_for_uploads_in_parallel(tmp_path: Path) -> None:
+    """Twelve different profiles sent at once each passed the quota check before any was
+    written: 2.5x the quota was stored. The check and the write are now one step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.api.server import Server
+
+    quota = 6_000  # room for about four of them
+    docs = [profile_doc(n_layers=8, fwd_ms=1.0 + k / 100, name=f"m{k}") for k in range(12)]
+    with Server(tmp_path / "pipeplan.db", quota_stored_bytes=str(quota)) as server:
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(lambda d: httpx.post(f"{server.url}/v1/profiles", json=d, timeout=60).status_code,
+                                  docs))
+        assert sorted(set(codes)) == [201, 413], codes
+        assert 2 <= codes.count(201) <= 5, codes
+    stored = Storage(str(tmp_path / "pipeplan.db"))
+    try:
+        assert stored.stored_bytes("") <= quota
+    finally:
+        stored.close()
+
+
 def test_cache_key_holds_the_planner_version(client: TestClient, monkeypatch) -> None:
     first = client.post("/v1/plans", json=plan_body("blocks")).json()
     assert client.post("/v1/plans", json=plan_body("blocks")).json()["id"] == first["id"]
