@@ -302,7 +302,7 @@ class JobManager:
                 elif status == "timeout":
                     rows.append({"method": method, "error": timeout_message(method, deadline, limit_s)})
                 elif status == "died":
-                    rows.append({"method": method, "error": f"the solver process died (exit code {value})"})
+                    rows.append({"method": method, "error": f"the solver process died ({value})"})
                 else:
                     rows.append({"method": method, "error": str(value)})
             status, value = "ok", {"rows": rows}
@@ -316,7 +316,9 @@ class JobManager:
             return Outcome("failed", error=timeout_message(method, deadline, limit_s),
                            error_kind="timeout")
         if status == "died":
-            return Outcome("failed", error=f"the solver process died (exit code {value})",
+            log.error("job %s: the solver process died (%s)", task.job_id, value,
+                      extra={"job_id": task.job_id})
+            return Outcome("failed", error=f"the solver process died ({value})",
                            error_kind="internal")
         try:
             return task.on_result(status, value)

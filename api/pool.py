@@ -76,11 +76,29 @@ class WorkerProcess:
         self.conn.close()
         self._lifeline_w.close()
 
+    def _exit_status(self) -> str:
+        """How the process ended, once reaped (its exit code is None until then): "exit code 3",
+        "killed by signal SIGKILL (the out-of-memory killer sends it)"."""
+        self.proc.join(1.0)
+        code = self.proc.exitcode
+        if code is None:
+            return "no exit status yet"
+        if code < 0:
+            import signal
+
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
+            return f"killed by {name}{hint}"
+        return f"exit code {code}"
+
     def run(self, payload: dict[str, Any], deadline_s: float,
             cancelled: Callable[[], bool]) -> tuple[str, Any]:
         """Send one task and wait for its answer: `("ok" | "user" | "internal", value)`, or
         `("timeout", None)` past the deadline, `("cancelled", None)` once `cancelled()` is true,
-        `("died", exit code)` if the process died. Anything but ok/user/internal leaves the
+        `("died", how it ended)` if the process died. Anything but ok/user/internal leaves the
         process unusable (the caller kills it)."""
         self.tasks += 1
         self.conn.send(payload)
@@ -93,9 +111,9 @@ class WorkerProcess:
                 try:
                     return self.conn.recv()
                 except (EOFError, OSError):
-                    return "died", self.proc.exitcode
+                    return "died", self._exit_status()
             if self.proc.sentinel in ready:
-                return "died", self.proc.exitcode
+                return "died", self._exit_status()
             if time.monotonic() > deadline:
                 return "timeout", None
 

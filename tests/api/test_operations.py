@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import re
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -222,6 +223,46 @@ def test_stored_bytes_quota_holds_for_uploads_in_parallel(tmp_path: Path) -> Non
         assert stored.stored_bytes("") <= quota
     finally:
         stored.close()
+
+
+def _grandchildren() -> list[int]:
+    """Processes whose parent is a child of this one (the solvers, under the forkserver)."""
+    import os
+
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    children = {p for p, pp in parent.items() if pp == os.getpid()}
+    return [p for p, pp in parent.items() if pp in children]
+
+
+def test_a_solver_killed_from_outside_is_named_in_the_job(tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """kill -9 of a busy solver (the out-of-memory killer) failed its job with "exit code None"
+    (read before the process was reaped) and logged nothing."""
+    import os
+    import signal
+
+    from tests.api.conftest import slow_body
+
+    with TestClient(create_app(make_settings(tmp_path, sync_wait_s=0.0, workers=1,
+                                             max_time_limit_s=30.0))) as c:
+        job_id = c.post("/v1/plans", json=slow_body()).json()["id"]
+        for _ in range(600):
+            if c.get(f"/v1/jobs/{job_id}").json()["status"] == "running" and _grandchildren():
+                break
+            time.sleep(0.05)
+        for pid in _grandchildren():
+            os.kill(pid, signal.SIGKILL)
+        job = wait_job(c, job_id)
+        assert job["status"] == "failed" and job["error_kind"] == "internal", job
+        assert "killed by SIGKILL" in job["error"], job
+    assert any("solver process died" in r.getMessage() for r in caplog.records)
 
 
 def test_cache_key_holds_the_planner_version(client: TestClient, monkeypatch) -> None:
