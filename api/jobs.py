@@ -209,11 +209,15 @@ class JobManager:
             if self._store(job_id, outcome):
                 del self._unstored[job_id]
 
+    def flush_unstored(self) -> None:
+        """Write the outcomes the database refused before, where it takes writes now."""
+        if self._unstored:
+            with self._finish_lock:
+                self._store_pending()
+
     def unstored_outcome(self, job_id: str) -> Outcome | None:
         """The outcome of a finished job whose write the database refused (None: none)."""
         with self._finish_lock:
-            if self._unstored:
-                self._store_pending()
             return self._unstored.get(job_id)
 
     def _dispatch(self) -> None:

@@ -11,9 +11,10 @@ from fastapi.responses import JSONResponse
 
 from api import service
 from api.deps import JobsDep, SettingsDep, StorageDep
+from api.jobs import JobManager
 from api.routers.common import Limit, Offset, errors
 from api.schemas import JobOut, JobPage
-from api.storage import UNFINISHED
+from api.storage import UNFINISHED, JobRow
 from api.wording import shown_id
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -22,23 +23,33 @@ Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
 @router.get("", response_model=JobPage, responses=errors(422))
-def list_jobs(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
+def list_jobs(storage: StorageDep, jobs: JobsDep, limit: Limit = 20, offset: Offset = 0,
               status: Annotated[Status | None, Query(description="only jobs with this status")] = None
               ) -> JobPage:
     """Jobs, newest first."""
+    jobs.flush_unstored()
     rows, total = storage.list_jobs(limit, offset, status)
-    return JobPage(items=[service.job_out(j) for j in rows], total=total, limit=limit, offset=offset)
+    rows = [_as_kept(j, jobs) for j in rows]
+    shown = [j for j in rows if status is None or j.status == status]
+    return JobPage(items=[service.job_out(j) for j in shown], total=total - (len(rows) - len(shown)),
+                   limit=limit, offset=offset)
+
+
+def _as_kept(job: JobRow, jobs: JobManager) -> JobRow:
+    """A job finished but whose outcome the database refused (a full disk): as kept in memory."""
+    if job.status in UNFINISHED and (done := jobs.unstored_outcome(job.id)) is not None:
+        return replace(job, status=done.status, error=done.error, error_kind=done.error_kind)
+    return job
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=errors(404))
 def get_job(job_id: str, storage: StorageDep, settings: SettingsDep, jobs: JobsDep) -> JSONResponse:
     """A job; while it is unfinished the answer carries Retry-After (when to poll again)."""
+    jobs.flush_unstored()
     job = storage.get_job(job_id)
     if job is None:
         raise HTTPException(404, detail=f"no job with id {shown_id(job_id)}")
-    if job.status in UNFINISHED and (done := jobs.unstored_outcome(job_id)) is not None:
-        # finished, but the database refused to record it (a full disk): its outcome as kept
-        job = replace(job, status=done.status, error=done.error, error_kind=done.error_kind)
+    job = _as_kept(job, jobs)
     headers = {"Retry-After": str(settings.poll_after_s)} if job.status in UNFINISHED else {}
     return JSONResponse(service.job_out(job).model_dump(mode="json"), headers=headers)
 
