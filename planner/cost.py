@@ -39,6 +39,17 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class SharedTensor:
+    """A tensor held by several layers (the profile's `shared_parameters`): its first holder,
+    the others, its bytes and kind ("trained", "frozen" or "buffer")."""
+
+    first: int
+    others: tuple[int, ...]
+    nbytes: int
+    kind: str
+
+
+@dataclass(frozen=True)
 class LayerTable:
     """Prefix sums over the profile's layers (index i = sum of layers 0..i-1) and its tensors,
     so a stage's totals are O(1). Values are at the profile's batch size and speed 1."""
@@ -67,6 +78,11 @@ class LayerTable:
     # counted in `param_prefix_bytes` and `frozen_prefix_bytes` as well: a device holds them
     # once, like a frozen parameter (no gradient, optimizer state or all-reduce)
     buffer_prefix_bytes: tuple[int, ...] | None = None
+    # tensors several layers hold (tied weights, a module called at two depths): counted in the
+    # prefix sums at their first holder only (a lower bound of any stage's state, which the
+    # bound's DPs may use), and added back by `param_bytes` & co. to a stage that holds one
+    # without its first holder: exact for a stage, each tensor once
+    shared: tuple[SharedTensor, ...] = ()
     # one optimizer step, per optimizer name: prefix sums of the layers' `optimizer_ms` (speed
     # 1; independent of the batch); empty where the profile has none
     optimizer_prefix_ms: tuple[tuple[str, tuple[float, ...]], ...] = ()
@@ -165,19 +181,30 @@ class LayerTable:
 
     def param_bytes(self, start: int, stop: int) -> int:
         """The model state a device of a stage of these layers holds: parameters and buffers
-        (`layer_table`; `buffer_bytes` of it are buffers)."""
-        return self.param_prefix_bytes[stop] - self.param_prefix_bytes[start]
+        (`layer_table`; `buffer_bytes` of it are buffers), a tensor several hold once."""
+        return (self.param_prefix_bytes[stop] - self.param_prefix_bytes[start]
+                + self._shared_back(start, stop, "all"))
 
     def frozen_bytes(self, start: int, stop: int) -> int:
         """Of `param_bytes`, what takes no gradient (nor optimizer state, nor all-reduce):
         frozen parameters and buffers."""
         z = self.frozen_prefix_bytes
-        return 0 if z is None else z[stop] - z[start]
+        return (0 if z is None else z[stop] - z[start]) + self._shared_back(start, stop, "frozen")
 
     def buffer_bytes(self, start: int, stop: int) -> int:
         """Of `param_bytes`, the layers' buffers."""
         z = self.buffer_prefix_bytes
-        return 0 if z is None else z[stop] - z[start]
+        return (0 if z is None else z[stop] - z[start]) + self._shared_back(start, stop, "buffer")
+
+    def _shared_back(self, start: int, stop: int, which: str) -> int:
+        """Bytes of the shared tensors that layers start..stop-1 hold but that the prefix sums
+        count at a first holder outside them."""
+        out = 0
+        for t in self.shared:
+            if (which == "all" or (which == "frozen" and t.kind != "trained") or t.kind == which) \
+                    and not start <= t.first < stop and any(start <= i < stop for i in t.others):
+                out += t.nbytes
+        return out
 
     def activation_bytes(self, start: int, stop: int) -> int:
         return self.activation_prefix_bytes[stop] - self.activation_prefix_bytes[start]
@@ -311,13 +338,24 @@ def layer_table(profile: Profile) -> LayerTable:
     activation = [x.activation_bytes for x in layers]
     activation[-1] += loss_activation_bytes(profile)
     buffers = [int(getattr(x, "buffer_bytes", 0) or 0) for x in layers]
-    frozen = [int(getattr(x, "frozen_param_bytes", 0) or 0) + b for x, b in zip(layers, buffers, strict=True)]
+    params = [int(x.param_bytes) for x in layers]
+    frozen_params = [int(getattr(x, "frozen_param_bytes", 0) or 0) for x in layers]
+    shared = shared_tensors(profile)
+    for t in shared:  # counted at the first holder only (`LayerTable.shared`)
+        for i in t.others:
+            if t.kind == "buffer":
+                buffers[i] -= t.nbytes
+            else:
+                params[i] -= t.nbytes
+                if t.kind == "frozen":
+                    frozen_params[i] -= t.nbytes
+    frozen = [z + b for z, b in zip(frozen_params, buffers, strict=True)]
     return LayerTable(
         batch_size=profile.batch_size,
         names=tuple(x.name for x in layers),
         fwd_prefix_ms=_prefix(fwd),
         bwd_prefix_ms=_prefix([x.bwd_ms for x in layers]),
-        param_prefix_bytes=_prefix([x.param_bytes + b for x, b in zip(layers, buffers, strict=True)]),
+        param_prefix_bytes=_prefix([p + b for p, b in zip(params, buffers, strict=True)]),
         activation_prefix_bytes=_prefix(activation),
         tensors=tuple(profile_tensors(profile)),
         bwd_weight_prefix_ms=_prefix([layer_bwd_weight_ms(x) for x in layers]),
@@ -330,7 +368,40 @@ def layer_table(profile: Profile) -> LayerTable:
         frozen_prefix_bytes=_prefix(frozen) if any(frozen) else None,
         buffer_prefix_bytes=_prefix(buffers) if any(buffers) else None,
         optimizer_prefix_ms=optimizer_prefixes(layers),
+        shared=tuple(shared),
     )
+
+
+def shared_tensors(profile: Profile) -> list[SharedTensor]:
+    """The profile's `shared_parameters` the cost model can count once per stage: entries with
+    their bytes (profiles before them have none: each holder counts the tensor, as before)
+    that every holder's own figures contain, together with the entries before them; others
+    are ignored."""
+    raw = getattr(profile, "shared_parameters", None)
+    if not isinstance(raw, list):
+        return []
+    index = {x.name: i for i, x in enumerate(profile.layers)}
+    left = []  # what each layer's figures hold that no entry kept so far takes
+    for x in profile.layers:
+        frozen = int(getattr(x, "frozen_param_bytes", 0) or 0)
+        left.append({"trained": int(x.param_bytes) - frozen, "frozen": frozen,
+                     "buffer": int(getattr(x, "buffer_bytes", 0) or 0)})
+    out = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            continue
+        names, nbytes = entry.get("layers"), entry.get("bytes")
+        if not isinstance(names, list) or not isinstance(nbytes, int) or isinstance(nbytes, bool) \
+                or nbytes <= 0 or not all(isinstance(n, str) and n in index for n in names):
+            continue
+        holders = sorted({index[n] for n in names})
+        kind = "buffer" if entry.get("buffer") is True else "frozen" if entry.get("frozen") is True else "trained"
+        if len(holders) < 2 or any(left[i][kind] < nbytes for i in holders):
+            continue
+        for i in holders[1:]:
+            left[i][kind] -= nbytes
+        out.append(SharedTensor(holders[0], tuple(holders[1:]), nbytes, kind))
+    return out
 
 
 def optimizer_prefixes(layers: Sequence[object]) -> tuple[tuple[str, tuple[float, ...]], ...]:

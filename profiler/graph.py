@@ -79,6 +79,9 @@ class Layer:
 class SharedParameter:
     keys: list[str]  # state-dict keys (in different layers) that name one tensor
     layers: list[str]
+    bytes: int = 0  # the tensor's size, held once by a stage with several of `layers`
+    frozen: bool = False  # a parameter with requires_grad=False
+    buffer: bool = False  # a buffer, not a parameter
 
 
 @dataclass
@@ -373,7 +376,11 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
     for tid, refs in by_id.items():
         layer_set = list(dict.fromkeys(lname for lname, _ in refs))
         if len(layer_set) > 1:
-            shared.append(SharedParameter(list(dict.fromkeys(k for _, k in refs)), layer_set))
+            t = tensor_of[tid]
+            is_param = isinstance(t, torch.nn.Parameter)
+            shared.append(SharedParameter(list(dict.fromkeys(k for _, k in refs)), layer_set,
+                                          t.numel() * t.element_size(),
+                                          is_param and not t.requires_grad, not is_param))
             # a buffer only read (a constant, a positional table) is the same in every stage
             if not isinstance(tensor_of[tid], torch.nn.Parameter) and (changed is None or tid in changed):
                 shared_buffers.setdefault(tuple(layer_set), []).append(refs[0][1])

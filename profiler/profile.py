@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from planner.errors import PipeplanError, first_line
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
@@ -140,12 +141,21 @@ def profile_model_file(
     loss_checked(mf, out, target)
     del out
     try:  # one training step as written, so that its own errors read as the user's
-        loss = loss_checked(mf, model(*inputs), target)
+        out = model(*inputs)
+        loss = loss_checked(mf, out, target)
         if not loss.requires_grad:
             raise PipeplanError(
                 f"{mf.path}: the loss does not depend on any parameter that requires a gradient "
                 "(the model has none, all of them are frozen, or its output is detached), so "
                 "there is nothing to train: give the model trainable weights")
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
+            raise PipeplanError(
+                f"{mf.path}: the model's forward returns a {type(out).__name__!r} object whose tensors "
+                "torch's pytree utilities cannot see (a dataclass or a class of its own), so the "
+                "output cannot be handed between stages or differentiated: return a tensor, or a "
+                "tuple, list, dict or namedtuple of tensors (or register the class with "
+                "torch.utils._pytree.register_dataclass)")
+        del out
         loss.backward()
     except PipeplanError:
         raise
@@ -204,7 +214,8 @@ def profile_model_file(
         ),
         granularity=granularity,
         trace_method=lg.method,
-        shared_parameters=[{"keys": s.keys, "layers": s.layers} for s in lg.shared_parameters],
+        shared_parameters=[{"keys": s.keys, "layers": s.layers, "bytes": s.bytes, "frozen": s.frozen,
+                            "buffer": s.buffer} for s in lg.shared_parameters],
         warmup=warmup,
         repeats=repeats,
         seed=seed,

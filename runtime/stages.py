@@ -170,7 +170,8 @@ def check_layers(plan: Plan, names: list[str], model_path: str, granularity: str
 
 def parameter_mismatch(plan: Plan, graph: object, model_path: str) -> str | None:
     """Where a stage's layers, built now, hold other parameter bytes than the profile said
-    (`PlanStage.param_bytes`, counted per layer as the profiler does): a message naming the
+    (`PlanStage.param_bytes`: a tensor two of them hold counted once; older plans counted it
+    per layer, as the profiler does, and are checked that way): a message naming the
     first such stage, else None. The file's hash and layer names can match while the model
     differs: a model file sized by environment variables or other files (a width, a dtype).
     Plans without the figure, and lazy modules not yet materialised, are not checked."""
@@ -181,12 +182,16 @@ def parameter_mismatch(plan: Plan, graph: object, model_path: str) -> str | None
         if st.param_bytes is None:
             continue
         try:
-            layers = [build_stage(graph, [name]) for name in st.layers]
-            built = sum(param_bytes(m) for m in layers)
-            frozen = sum(frozen_param_bytes(m) for m in layers)
+            stage = build_stage(graph, list(st.layers))  # a tensor two of its layers hold, once
+            built, frozen = param_bytes(stage), frozen_param_bytes(stage)
+            # plans made before tied tensors were counted once per stage counted them per layer
+            layers = [build_stage(graph, [name]) for name in st.layers] if built != st.param_bytes else []
+            per_layer = sum(param_bytes(m) for m in layers)
         except ValueError:  # an UninitializedParameter has no size yet
             return None
         where = f"the layers of stage {st.index} ({st.layers[0]} … {st.layers[-1]})"
+        if layers and per_layer == st.param_bytes:
+            built, frozen = per_layer, sum(frozen_param_bytes(m) for m in layers)
         if built != st.param_bytes:
             return (f"{model_path} builds a different model than was profiled: {where} hold "
                     f"{built:,} bytes of parameters, the profile {st.param_bytes:,} (its size set "

@@ -1,0 +1,106 @@
+"""Tensors several layers hold (tied embedding and head, a module called at two depths, a
+shared buffer): a stage holds each once, with one gradient and one optimizer state, however
+many of its layers hold it; stages that each hold one of those layers each hold it. The
+profile lists them (`shared_parameters`, with their bytes); the planner counted them once per
+layer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.build import evaluate
+from planner.cost import layer_table
+from planner.formats import Profile
+from planner.search import solve
+from tests.planner.cpsat_reference import brute_force
+from tests.planner.test_frozen_params import _least_memory_gb
+from tests.planner.test_search import random_instance
+
+REL = 1e-9
+
+
+def _with_shared(profile: Profile, rng: random.Random, count: int = 2
+                 ) -> tuple[Profile, list[tuple[set[int], int, str]]]:
+    """`profile` with `count` tensors each held by 2-3 random layers (their bytes added to each
+    holder's figures, as the profiler measures a layer); also the tensors as (holders, bytes,
+    kind) for the reference."""
+    layers = [x.model_copy() for x in profile.layers]
+    tensors, entries = [], []
+    for _ in range(count):
+        holders = set(rng.sample(range(len(layers)), min(len(layers), rng.choice([2, 3]))))
+        nbytes = rng.choice([1, 4, 16]) * 1_000_000
+        kind = rng.choice(["trained", "trained", "frozen", "buffer"])
+        for i in holders:
+            x = layers[i]
+            if kind == "buffer":
+                layers[i] = x.model_copy(update={"buffer_bytes": (x.buffer_bytes or 0) + nbytes})
+            else:
+                frozen = (x.frozen_param_bytes or 0) + (nbytes if kind == "frozen" else 0)
+                layers[i] = x.model_copy(update={"param_bytes": x.param_bytes + nbytes,
+                                                 "frozen_param_bytes": frozen or None})
+        tensors.append((holders, nbytes, kind))
+        entries.append({"keys": [f"t{len(entries)}"], "layers": [layers[i].name for i in sorted(holders)],
+                        "bytes": nbytes, "frozen": kind == "frozen", "buffer": kind == "buffer"})
+    doc = {**profile.model_dump(mode="json"), "layers": [x.model_dump(mode="json") for x in layers],
+           "shared_parameters": entries}
+    return Profile.model_validate(doc), tensors
+
+
+def test_a_stage_holds_each_shared_tensor_once() -> None:
+    """Every span of layers, against the sum over the distinct tensors it holds."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        base, _, _ = random_instance(seed, mixed=False)
+        profile, tensors = _with_shared(base, rng, count=rng.choice([1, 2, 3]))
+        table, plain = layer_table(profile), layer_table(base)
+        L = table.num_layers
+        for a in range(L):
+            for b in range(a + 1, L + 1):
+                held = [(n, kind) for holders, n, kind in tensors if holders & set(range(a, b))]
+                assert table.param_bytes(a, b) == plain.param_bytes(a, b) + sum(n for n, _ in held)
+                assert table.frozen_bytes(a, b) == plain.frozen_bytes(a, b) + sum(
+                    n for n, k in held if k != "trained")
+                assert table.buffer_bytes(a, b) == plain.buffer_bytes(a, b) + sum(
+                    n for n, k in held if k == "buffer")
+                # what the bound's DPs read: never above a stage's state
+                assert table.param_prefix_bytes[b] - table.param_prefix_bytes[a] <= table.param_bytes(a, b)
+
+
+def test_entries_the_layers_figures_do_not_contain_are_ignored() -> None:
+    """A profile whose entry names an unknown layer, has no bytes, or more bytes than a holder
+    holds (a hand edit, an older profiler) is counted per layer, as before."""
+    base, _, _ = random_instance(3, mixed=False)
+    names = [x.name for x in base.layers]
+    small = min(x.param_bytes for x in base.layers[:2])
+    for entry in ({"layers": names[:2]}, {"layers": names[:2], "bytes": True},
+                  {"layers": [names[0], "nope"], "bytes": 1}, {"layers": names[:2], "bytes": small + 1},
+                  {"layers": names[:1], "bytes": 1}, {"layers": names[:2], "bytes": -5}, "junk"):
+        doc = {**base.model_dump(mode="json"), "shared_parameters": [entry]}
+        table, plain = layer_table(Profile.model_validate(doc)), layer_table(base)
+        assert table.param_bytes(0, len(names)) == plain.param_bytes(0, len(names)), entry
+
+
+def test_shared_tensors_equal_brute_force() -> None:
+    """On the least memory where the exhaustive search finds a plan, and 30 % more: the plan is
+    the exhaustive optimum under `evaluate()` and the bound is never above it (the bound's DPs
+    count a shared tensor at its first holder only)."""
+    checked = 0
+    for seed in range(12):
+        profile, cluster, options = random_instance(seed, mixed=False)
+        profile, _ = _with_shared(profile, random.Random(500 + seed))
+        least = _least_memory_gb(profile, cluster, options)
+        if least is None:
+            continue
+        for gb in (least, 1.3 * least):
+            cl = cluster.model_copy(update={"device_memory_gb": gb})
+            ref = brute_force(profile, cl, options, [options.microbatch_size])
+            assert ref.candidate is not None
+            cand = solve(profile, cl, options)
+            ev = evaluate(layer_table(profile), cl, cand, options)
+            assert ev.fits, f"seed {seed} at {gb} GB"
+            assert float(cand.solver["bound"]) <= ref.iteration_ms * (1 + REL), f"seed {seed}: bound above the optimum"
+            assert ev.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL), f"seed {seed} at {gb} GB"
+            checked += 1
+    assert checked >= 10
