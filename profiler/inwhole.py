@@ -124,11 +124,18 @@ class InWholeRunner:
         marks = [self._b_mark(i) for i in range(self.n)] + [_noop]  # the last: calibration
         self.hooks = [0] * (self.n + 1)  # hook calls made by layer i's forward, per pass
 
+        # the layer that marks each gradient node this pass: a layer handing on a tensor it was
+        # given (a block that returns its input) hooks the node of the layer that made it, and
+        # would take that layer's backward; the nodes are held so their ids stay theirs
+        self._marked: dict[int, tuple[int, Any]] = {}
+
         def hook(value: Any, i: int) -> Any:
             self.hooks[i] += 1
             for t in (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    _register(t, marks[i])
+                    node = t.grad_fn if t.grad_fn is not None else t
+                    if self._marked.setdefault(id(node), (i, node))[0] == i:
+                        _register(t, marks[i])
             return value
 
         self._hook = hook
@@ -189,6 +196,7 @@ class InWholeRunner:
         for p in self.params:
             if p.grad is not None:
                 p.grad.zero_()
+        self._marked.clear()  # (the probes above are gone: their ids may be reused)
         out = self.gm(*self.inputs)
         leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         grads = [torch.ones_like(t) for t in leaves]
@@ -196,6 +204,7 @@ class InWholeRunner:
         if leaves:
             torch.autograd.backward(leaves, grads)
         end = self.clock.mark()
+        self._marked.clear()
         if keep:
             fwd = self._attribute(self._f)
             entered = [0] * (self.n + 1)

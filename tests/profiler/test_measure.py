@@ -252,3 +252,44 @@ def test_a_model_returning_features_its_logits_were_computed_from(tmp_path) -> N
     WholeRunner(model, (x,), t, ns["loss_fn"], torch.device("cpu")).once(keep=True)
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, want[n], rtol=0, atol=1e-7), n
+
+
+IDENTITY_MODEL = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, active):
+        super().__init__()
+        self.lin = nn.Linear(512, 512)
+        self.active = active
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) if self.active else x  # inactive: hands its input on
+
+
+def build_model():
+    return nn.Sequential(Block(True), Block(True), Block(False), Block(True), nn.Linear(512, 4))
+
+
+def make_batch(b):
+    return (torch.randn(b, 512),), torch.randn(b, 4)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+'''
+
+
+def test_a_block_that_returns_its_input_takes_no_backward_from_the_block_before(tmp_path) -> None:
+    """The default timing hooks the gradient node of every tensor a layer hands on; a block that
+    returns its input unchanged hooked the node of the block before it, and took that block's
+    whole backward (0.67 ms against 0.00 for the block that computed it)."""
+    path = tmp_path / "identity.py"
+    path.write_text(IDENTITY_MODEL)
+    profile = profile_model_file(path, batch_size=64, warmup=1, repeats=5, clock="thread", threads=1)
+    bwd = {x.name: x.bwd_ms for x in profile.layers}
+    assert len(bwd) == 5, bwd
+    heavy, identity = bwd[profile.layers[1].name], bwd[profile.layers[2].name]
+    assert heavy > 0.05 and identity < 0.2 * heavy, bwd
