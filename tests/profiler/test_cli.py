@@ -139,3 +139,42 @@ def test_a_model_with_nothing_to_train_is_a_clear_error(tmp_path, body) -> None:
     path.write_text(GOOD.replace("return torch.nn.Linear(4, 2)", body))
     r = _profile([str(path), "--batch-size", "4", "-o", str(tmp_path / "p.json")])
     assert r.returncode == 2 and "nothing to train" in r.stderr and "in-place" not in r.stderr, r.stderr
+
+
+DATACLASS_OUT = """
+import dataclasses
+import torch
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return Out(self.lin(x))
+
+
+def build_model():
+    return M()
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 2)
+def loss_fn(out, y):
+    return ((out.logits - y) ** 2).mean()
+"""
+
+
+def test_an_output_pytree_cannot_see_into_is_a_clear_error(tmp_path) -> None:
+    """A forward returning a dataclass trains by hand; the profiler then said "the model ran
+    once, then raised RuntimeError: `inputs` argument to `grad()` cannot be empty ... it must
+    run the same way each time"."""
+    path = tmp_path / "dc.py"
+    path.write_text(DATACLASS_OUT)
+    r = _profile([str(path), "--batch-size", "4", "-o", str(tmp_path / "p.json")])
+    assert r.returncode == 2 and "returns a 'Out' object whose tensors" in r.stderr, r.stderr
+    assert "namedtuple" in r.stderr and "same way each time" not in r.stderr
