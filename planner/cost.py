@@ -509,8 +509,18 @@ def peak_inflight(schedule: str, num_microbatches: int, stage_replicas: Sequence
 
 
 def lower_bound_ms(table: LayerTable, num_microbatches: int, scale: float, total_speed: float) -> float:
-    """Perfect balance, no bubble, no communication: `m * scale * sum(fwd + bwd) / sum(speed)`."""
-    return num_microbatches * scale * table.compute_ms(0, table.num_layers) / total_speed
+    """Perfect balance, no bubble, no communication: `m * scale * sum(fwd + bwd) / sum(speed)`,
+    each layer's work the least of its profiled ways to run (whole, or t x its time on one of
+    t tensor-parallel devices: a profile's shards may take less than 1/t of the layer)."""
+    work = table.compute_ms(0, table.num_layers)
+    if table.tp:
+        per_layer = [table.compute_ms(i, i + 1) for i in range(table.num_layers)]
+        for tt in table.tp:
+            for i in range(table.num_layers):
+                shard = tt.span("fwd_prefix_ms", i, i + 1) + tt.span("bwd_prefix_ms", i, i + 1)
+                per_layer[i] = min(per_layer[i], tt.degree * shard)
+        work = sum(per_layer)
+    return num_microbatches * scale * work / total_speed
 
 
 # ---------------------------------------------------------------- a whole candidate

@@ -122,3 +122,18 @@ def test_manual_tp_cli(tmp_path, capsys):
     tp = [e for e in events if e.get("cat") == "tp"]
     assert len(tp) == 2 * 2 * 4  # 2 stages x (F + B) x 4 microbatches, on each replica's first rank
     assert {e["tid"] for e in tp} == {0, 2}
+
+
+def test_the_work_bound_holds_where_shards_take_less_than_their_share() -> None:
+    """`predicted.lower_bound_ms` counted every layer's whole time: a profile whose shards take
+    a tenth of the layer on two devices (no TP all-reduce) had plans at 0.2 of that bound."""
+    from planner.solve import make_plan
+
+    doc = _profile().model_dump(mode="json")
+    for x in doc["layers"]:
+        x["tp"] = [{**x["tp"][0], "fwd_ms": x["fwd_ms"] / 10, "bwd_ms": x["bwd_ms"] / 10,
+                    "allreduce_bytes_fwd": 0, "allreduce_bytes_bwd": 0}]
+    plan = make_plan(Profile.model_validate(doc), _cluster(mem_gb=80.0),
+                     PlanOptions(global_batch=16, microbatch_size=4, time_limit_s=5))
+    assert any(st.tp == 2 for st in plan.stages)
+    assert plan.predicted.lower_bound_ms <= plan.predicted.iteration_ms
