@@ -150,7 +150,8 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
                 fwd_ms=costs.fwd_ms[s], bwd_ms=costs.bwd_ms[s],
                 compute_ms=costs.fwd_ms[s] + costs.bwd_ms[s],
                 memory_bytes=math.ceil(ev.stage_memory_bytes[s]),
-                memory_limit_bytes=int(costs.memory_limit_bytes[s]),
+                # rounded up as the memory is: a stage that fits never shows more than its limit
+                memory_limit_bytes=math.ceil(costs.memory_limit_bytes[s]),
                 allreduce_ms=costs.allreduce_ms[s],
                 optimizer_ms=costs.optimizer_ms[s] if costs.optimizer_ms is not None else 0.0,
                 static_memory_bytes=costs.static_memory_bytes[s],

@@ -57,3 +57,20 @@ def test_gpipe_plan_memory_counts_all_microbatches() -> None:
                                      split=[2, 2], schedule="gpipe"))
     assert one.stages[0].predicted.memory_bytes == 2 * 2 * 10**6
     assert gp.stages[0].predicted.memory_bytes == 8 * 2 * 10**6
+
+
+def test_a_stage_that_fits_never_shows_more_memory_than_its_limit() -> None:
+    """Memory rounded up and the limit down: 1000000001 bytes on a limit of 1000000000 beside
+    `fits_memory: true`."""
+    from planner.formats import Cluster, PlanOptions, Profile
+    from planner.solve import make_plan
+
+    profile = Profile.model_validate({
+        "model": {"path": "x", "sha256": "0"}, "device": {"type": "cpu", "name": "x"}, "batch_size": 8,
+        "layers": [{"name": "l0", "fwd_ms": 1.0, "bwd_ms": 2.0, "param_bytes": 0,
+                    "activation_bytes": 8000000004, "output_bytes": 0}]})
+    cluster = Cluster(nodes=1, devices_per_node=1, device_memory_gb=1.0000000006,
+                      intra_node_gb_per_s=10, inter_node_gb_per_s=1)
+    plan = make_plan(profile, cluster, PlanOptions(global_batch=1, microbatch_size=1, optimizer="sgd"))
+    st = plan.stages[0].predicted
+    assert plan.predicted.fits_memory and st.memory_bytes <= st.memory_limit_bytes, st
