@@ -611,6 +611,10 @@ class Plan(_Open):
                                      f"later ones ({later})")
         if self.microbatch_size * self.num_microbatches != self.global_batch:
             raise ValueError("microbatch_size x num_microbatches must equal global_batch")
+        if self.num_microbatches > MAX_MICROBATCHES:  # as plan makes them: 10**6 took 100 s and 2.8 GB
+            raise ValueError(f"{self.num_microbatches} microbatches per iteration; at most "
+                             f"{MAX_MICROBATCHES} are planned, simulated or run: make the plan "
+                             "again with a larger microbatch size")
         if self.rank_actions is None and self.generator is None:
             raise ValueError("a plan needs rank_actions or a schedule generator")
         return self

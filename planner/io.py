@@ -53,7 +53,8 @@ def describe_validation_error(exc: ValidationError, most: int = 12) -> str:
         if err["type"] == "extra_forbidden" and path:
             extra.setdefault(".".join(path[:-1]) or "(top level)", []).append(path[-1])
             continue
-        lines.append(f"  {'.'.join(path) or '(top level)'}: {err['msg']}")
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix of a validator's message
+        lines.append(f"  {'.'.join(path) or '(top level)'}: {msg}")
     for where, names in extra.items():
         lines.append(f"  {where}: unknown field(s) {', '.join(names)}")
     lines = list(dict.fromkeys(lines))
@@ -70,7 +71,12 @@ def parse_model(data: object, cls: type[M], what: str, strict: bool = False) -> 
             return cls.model_validate_json(json.dumps(data), strict=True)
         return cls.model_validate(data)
     except ValidationError as exc:
-        raise PipeplanError(f"{what} is not a valid {cls.__name__}:\n{describe_validation_error(exc)}") from None
+        raise PipeplanError(f"{what} is not a valid {cls.__name__}:{_lines(describe_validation_error(exc))}") from None
+
+
+def _lines(described: str) -> str:
+    """A description after a colon: on the same line if it is one problem, else below it."""
+    return " " + described.strip() if "\n" not in described else "\n" + described
 
 
 def not_a_file(path: str | Path) -> str:

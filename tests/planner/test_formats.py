@@ -118,12 +118,11 @@ def test_validation_errors_describe_the_form_the_value_was_meant_to_take() -> No
         bad = {"nodes": [{"name": "a", "devices": 2, "device_memory_gb": 1, **node}], **base}
         with pytest.raises(PipeplanError) as got:
             parse_model(bad, Cluster, "cluster")
-        lines = str(got.value).splitlines()[1:]
-        assert lines == [f"  {message}"], lines
+        assert str(got.value) == f"cluster is not a valid Cluster: {message}"  # one problem, one line
     with pytest.raises(PipeplanError) as got:
         parse_model({**base, "nodes": 1, "devices_per_node": 1, "device_memory_gb": 1,
                      "model": {}, "layers": [], "batch_size": 1}, Cluster, "cluster")
-    assert str(got.value).splitlines()[1:] == ["  (top level): unknown field(s) model, layers, batch_size"]
+    assert str(got.value).endswith(": (top level): unknown field(s) model, layers, batch_size")
 
 
 def test_finite_losses_keep_a_diverged_run_reportable() -> None:

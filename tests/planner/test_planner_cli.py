@@ -227,13 +227,16 @@ def test_simulate_refuses_an_incomplete_or_negative_plan(files: dict[str, Path],
     static["stages"][0]["predicted"]["static_memory_bytes"] = "abc"
     text = json.loads(json.dumps(plan))  # a type the simulator indexed into
     text["stages"][0]["predicted"]["sends"] = "x"
+    many = json.loads(json.dumps(plan))  # 10**6 microbatches simulated for 100 s in 2.8 GB
+    many.update(num_microbatches=10**6, microbatch_size=1, global_batch=10**6)
     for name, edited, message in (("cut", cut, "invalid schedule"),
                                   ("neg", neg, "predicted.fwd_ms: Input should be greater than or equal to 0"),
                                   ("far", far, "stage 0 sends to stage 99"),
                                   ("back", back, "sends only to later ones (none: it is the last stage)"),
                                   ("text", text, "sends: str, not a list of {to, bytes, ms}"),
                                   ("negms", negms, "sends[0].ms: -100.0 is not a number of 0 or more"),
-                                  ("static", static, "static_memory_bytes: 'abc' is not a number of 0 or more")):
+                                  ("static", static, "static_memory_bytes: 'abc' is not a number of 0 or more"),
+                                  ("many", many, "at most 100000 are planned, simulated or run")):
         path = files["dir"] / f"{name}.json"
         path.write_text(json.dumps(edited))
         capsys.readouterr()
