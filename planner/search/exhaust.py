@@ -24,9 +24,10 @@ Not under ZB-H1: how many W's a stage may defer depends on the busiest stage's 1
 on its own memory, so recomputing a stage that fits can let it or another stage defer more,
 and recomputing one stage can make another fit. There every set of the stages that may
 recompute is simulated at every placement (`recompute_sets`: 2^S per placement, on small
-instances; where the work does not cover them, nothing is proven). Not with `--powers-of-two`
-(the DP lists at most m replicas per stage, where more, rounded up to a power of two, can be
-the only allowed plan): the planner does not run this there (`search._exhaust_all`).
+instances; where the work does not cover them, nothing is proven). With `--powers-of-two`
+it proves nothing (the DP lists at most m replicas per stage, where more, rounded up to a
+power of two, can be the only allowed plan): the planner takes its plans only
+(`search._exhaust_all`).
 """
 
 from __future__ import annotations

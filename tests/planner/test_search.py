@@ -235,6 +235,30 @@ def test_powers_of_two_replicas() -> None:
     assert free.solver["objective"] <= cand.solver["objective"] * (1 + REL)
 
 
+def test_powers_of_two_keep_the_plans_that_give_an_idle_layer_a_device() -> None:
+    """A 0-ms layer of 1.5 GB on two fast 6-GB devices and one slow 40-GB one: the best plan
+    puts it alone on the slow device (one replica a stage: powers of two). With
+    `--powers-of-two` the planner skipped the step that finds such plans: 2416.7 ms against
+    150.4."""
+    from tests.planner.helpers import chain_profile
+
+    n = 24
+    params = [50_000_000] * n
+    params[12] = 1_500_000_000
+    fwd = [1.0] * n
+    fwd[12] = 0.0
+    profile = chain_profile(fwd, params=params, act=[50_000_000] * n, out=[1_000_000] * n)
+    cluster = Cluster.model_validate({
+        "nodes": [{"name": "fast", "devices": 2, "device_memory_gb": 6, "speed": 2.0},
+                  {"name": "slow", "devices": 1, "device_memory_gb": 40, "speed": 0.01}],
+        "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10, "latency_us": 10})
+    options = PlanOptions(global_batch=64, microbatch_size=8, optimizer="momentum")
+    free = solve(profile, cluster, options)
+    assert all(len(st.devices) == 1 for st in free.stages) and len(free.stages) == 3
+    two = solve(profile, cluster, options.model_copy(update={"powers_of_two": True}))
+    assert two.solver["objective"] == pytest.approx(free.solver["objective"], rel=REL)
+
+
 def test_a_plan_whenever_one_fits_tight_memory() -> None:
     """Memory so tight that only uneven replicas fit (e.g. 4, 2, 1, 1: few microbatches in
     flight per device), which no baseline tries."""
