@@ -190,3 +190,13 @@ def test_make_batch_that_differs_between_ranks_is_refused(run, tmp_path, monkeyp
     assert rc != 0
     assert "make_batch(8) gave ranks 0 and 1 different batches at step 0" in err, err
     assert "Traceback" not in err
+
+
+def test_a_tensor_the_runtime_cannot_send_across_a_cut_is_named(run, tmp_path):
+    """A complex tensor crossing a stage boundary stopped every rank with a traceback ending
+    "ValueError: torch.complex64 is not in list" (a tensor of 9 dimensions: "cannot be sent",
+    naming no tensor)."""
+    model = MODELS / "complex_cut.py"
+    rc, out, err, _ = run(run.plan(model, [1, 2]), "--model", model, "--steps", 1, "--timeout", 30)
+    assert rc == 2 and "crosses a stage boundary" in err and "complex64" in err, err
+    assert "Traceback" not in err and "not in list" not in err
