@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from pydantic import ValidationError
 
 from planner.errors import PipeplanError, first_line
 from planner.formats import DeviceInfo, LayerProfile, Measured, ModelRef, Profile
@@ -187,44 +188,52 @@ def profile_model_file(
             "the model many times: it must run the same way each time") from exc
     layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
     whole_ms = whole.fwd_ms + whole.bwd_ms
-    return Profile(
-        model=ModelRef(path=mf.path, sha256=mf.sha256),
-        device=DeviceInfo(type=dev.type, name=device_name(dev), workspace_bytes=workspace),
-        batch_size=batch_size,
-        dtype=_dtype(model),
-        layers=[
-            LayerProfile(
-                name=m.name, kind=m.kind, fwd_ms=m.fwd_ms, bwd_ms=m.bwd_ms,
-                param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
-                output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
-                bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
-                frozen_param_bytes=m.frozen_param_bytes or None, optimizer_ms=m.optimizer_ms,
-                **(dataclasses.asdict(m.split_bytes) if m.split_bytes is not None else {}),
-            )
-            for m in layers
-        ],
-        edges=lg.edges(),
-        measured=Measured(
-            fwd_ms=whole.fwd_ms, bwd_ms=whole.bwd_ms, peak_memory_bytes=whole.peak_memory_bytes,
-            activation_bytes=whole.activation_bytes, loss_ms=whole.loss_ms,
-            loss_activation_bytes=whole.loss_activation_bytes,
-            loss_workspace_bytes=whole.loss_workspace_bytes,
-            layer_sum_ratio=(layer_sum / whole_ms) if whole_ms > 0 else None,
-            stage_overhead_fwd_ms=overhead.fwd_ms, stage_overhead_bwd_ms=overhead.bwd_ms,
-        ),
-        granularity=granularity,
-        trace_method=lg.method,
-        shared_parameters=[{"keys": s.keys, "layers": s.layers, "bytes": s.bytes, "frozen": s.frozen,
-                            "buffer": s.buffer} for s in lg.shared_parameters],
-        warmup=warmup,
-        repeats=repeats,
-        seed=seed,
-        layer_timing=layer_timing,
-        threads=torch.get_num_threads(),
-        clock=clock if dev.type == "cpu" else "cuda-events",
-        torch_version=torch.__version__,
-        profiler_wall_s=round(time.perf_counter() - started, 3),
-    )
+    try:
+        return Profile(
+            model=ModelRef(path=mf.path, sha256=mf.sha256),
+            device=DeviceInfo(type=dev.type, name=device_name(dev), workspace_bytes=workspace),
+            batch_size=batch_size,
+            dtype=_dtype(model),
+            layers=[
+                LayerProfile(
+                    name=m.name, kind=m.kind, fwd_ms=m.fwd_ms, bwd_ms=m.bwd_ms,
+                    param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
+                    output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
+                    bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
+                    frozen_param_bytes=m.frozen_param_bytes or None, optimizer_ms=m.optimizer_ms,
+                    **(dataclasses.asdict(m.split_bytes) if m.split_bytes is not None else {}),
+                )
+                for m in layers
+            ],
+            edges=lg.edges(),
+            measured=Measured(
+                fwd_ms=whole.fwd_ms, bwd_ms=whole.bwd_ms, peak_memory_bytes=whole.peak_memory_bytes,
+                activation_bytes=whole.activation_bytes, loss_ms=whole.loss_ms,
+                loss_activation_bytes=whole.loss_activation_bytes,
+                loss_workspace_bytes=whole.loss_workspace_bytes,
+                layer_sum_ratio=(layer_sum / whole_ms) if whole_ms > 0 else None,
+                stage_overhead_fwd_ms=overhead.fwd_ms, stage_overhead_bwd_ms=overhead.bwd_ms,
+            ),
+            granularity=granularity,
+            trace_method=lg.method,
+            shared_parameters=[{"keys": s.keys, "layers": s.layers, "bytes": s.bytes, "frozen": s.frozen,
+                                "buffer": s.buffer} for s in lg.shared_parameters],
+            warmup=warmup,
+            repeats=repeats,
+            seed=seed,
+            layer_timing=layer_timing,
+            threads=torch.get_num_threads(),
+            clock=clock if dev.type == "cpu" else "cuda-events",
+            torch_version=torch.__version__,
+            profiler_wall_s=round(time.perf_counter() - started, 3),
+        )
+    except ValidationError as exc:  # the passes' figures contradict each other
+        first = str(exc.errors()[0]["msg"]).removeprefix("Value error, ").split(";")[0]
+        raise PipeplanError(
+            f"{mf.path}: the passes that measured the model saw different layers ({first}): "
+            "its forward computes differently from one run to the next (a branch taken on "
+            "random numbers, e.g. stochastic depth with Python's random, or on a counter); "
+            "profile it with that switched off (a fixed branch)") from None
 
 
 def check_tp_plan(path: str | Path, batch_size: int, seed: int = 0) -> None:

@@ -178,3 +178,29 @@ def test_an_output_pytree_cannot_see_into_is_a_clear_error(tmp_path) -> None:
     r = _profile([str(path), "--batch-size", "4", "-o", str(tmp_path / "p.json")])
     assert r.returncode == 2 and "returns a 'Out' object whose tensors" in r.stderr, r.stderr
     assert "namedtuple" in r.stderr and "same way each time" not in r.stderr
+
+
+def test_a_model_that_runs_differently_each_pass_is_a_clear_error(tmp_path) -> None:
+    """Stochastic depth drawn from Python's random (seeded here so that the passes differ):
+    the per-layer figures contradicted each other and the profiler printed pydantic's
+    ValidationError traceback, saying "give the profile pipeplan wrote"."""
+    source = (
+        "import random\nimport torch\nfrom torch import nn\nrandom.seed(1)\n"
+        "class B(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        if self.training and random.random() < 0.5:\n            return x\n"
+        "        return x + torch.tanh(self.fc(x))\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.blocks = nn.ModuleList([B() for _ in range(4)])\n        self.head = nn.Linear(8, 2)\n"
+        "    def forward(self, x):\n        for b in self.blocks:\n            x = b(x)\n        return self.head(x)\n"
+        "def build_model():\n    return M()\n"
+        "def make_batch(n):\n    return (torch.randn(n, 8),), torch.randn(n, 2)\n"
+        "def loss_fn(o, y):\n    return nn.functional.mse_loss(o, y)\n")
+    path = tmp_path / "stochastic_depth.py"
+    path.write_text(source)
+    r = _profile([str(path), "--batch-size", "2", "--warmup", "0", "--repeats", "1", "--threads", "1",
+                  "-o", str(tmp_path / "p.json")])
+    assert r.returncode == 2 and "saw different layers" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "ValidationError" not in r.stderr
