@@ -118,6 +118,14 @@ def _is_block(k: torch.nn.Module) -> bool:
             and any(True for _ in k.parameters(recurse=False)))
 
 
+def _opaque(m: torch.nn.Module, path: str) -> bool:
+    """A module torch.fx calls whole rather than tracing into (a torch.nn built-in such as
+    nn.TransformerEncoder, whose inner layers were taken for blocks: the encoder stayed one
+    node, counted as glue, and the whole model became one layer named after its head)."""
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+    return not isinstance(m, containers) and fx.Tracer().is_leaf_module(m, path)
+
+
 def natural_blocks(model: torch.nn.Module) -> tuple[list[str], set[str]]:
     """(block paths, paths of their ancestors). Fallback: the root's children are the blocks."""
     blocks: list[str] = []
@@ -130,6 +138,8 @@ def natural_blocks(model: torch.nn.Module) -> tuple[list[str], set[str]]:
             found = True
         else:
             for name, child in m.named_children():
+                if _opaque(child, f"{prefix}{name}"):
+                    continue  # traced whole (a torch.nn built-in): no stage runs a part of it
                 found |= visit(child, f"{prefix}{name}.")
         if found:
             ancestors.add(prefix[:-1])

@@ -570,3 +570,26 @@ def test_blocks_holding_their_parameters_directly_are_blocks() -> None:
 
     lg = trace(Net(), (torch.randn(2, 4),))
     assert lg.layer_names() == ["inp", "blocks.0", "blocks.1", "blocks.2", "head"]
+
+
+def test_a_torch_built_in_holding_layers_is_one_layer_named_for_itself() -> None:
+    """nn.TransformerEncoder holds a ModuleList of layers, taken for the blocks; torch.fx calls
+    the encoder whole, so its node counted as glue and the whole model became one layer named
+    after its head ("h", kind Linear, with the encoder's parameters)."""
+    from torch import nn
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.h = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.h(self.enc(x).mean(1))
+
+    model = M()
+    lg = trace(model, (torch.randn(2, 5, 16),))
+    assert [layer.name for layer in lg.layers] == ["enc", "h"]
+    stage = build_stage(lg, ["enc"])
+    assert sum(p.numel() for p in stage.parameters()) == sum(p.numel() for p in model.enc.parameters())
