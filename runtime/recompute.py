@@ -6,7 +6,8 @@ Internal module. The blocks are built from the same traced graph as the stage an
 parameters and buffers (the same tensor objects: the optimizer, the all-reduce and the
 checkpoint files see the stage module as before); hooks and custom autograd Functions run as
 written, and checkpoint's saved random state makes the recomputed forward draw the same
-random numbers as the first.
+random numbers from torch as the first; Python's and numpy's global generators are put back
+the same way (a recomputed forward drawing from them drew other numbers).
 
 A block's forward may also read state its forwards change: buffers changed in place (a step
 counter, running statistics) and plain Python attributes (`self.n += 1`). By the time the
@@ -38,6 +39,25 @@ _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
 
 def _atom(v: object) -> bool:
     return isinstance(v, _ATOMS) or (isinstance(v, tuple) and all(isinstance(x, _ATOMS) for x in v))
+
+
+def _generators() -> tuple[object, object]:
+    """The states of Python's and numpy's global generators (a forward drawing from them:
+    a random scale, stochastic depth)."""
+    import random
+
+    import numpy as np
+
+    return random.getstate(), np.random.get_state()
+
+
+def _set_generators(states: tuple[object, object]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states[0])  # type: ignore[arg-type]
+    np.random.set_state(states[1])  # type: ignore[arg-type]
 
 
 class Snapshot:
@@ -149,7 +169,8 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
     outputs = list(stage.output_keys)  # type: ignore[attr-defined]
     states = {id(b): BlockState(b) for b in blocks}
 
-    def run_block(block: nn.Module, values: Values, found: Snapshot | None) -> Values:
+    def run_block(block: nn.Module, values: Values, found: Snapshot | None,
+                  drawn: tuple[object, object] | None = None) -> Values:
         state = states[id(block)]
         if torch._C._current_graph_task_id() == -1 or found is None:  # not a recomputation
             out = block(values)
@@ -157,9 +178,13 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
                 state.learn(found)
             return out
         # a recomputation: it runs on the state the forward found, and then the state is put
-        # back as it is now (its forward and the later microbatches' have moved it already)
+        # back as it is now (its forward and the later microbatches' have moved it already);
+        # so do Python's and numpy's global generators (checkpoint restores torch's only)
         now = state.capture(every=True)
         state.restore(found)
+        drawn_now = _generators() if drawn is not None else None
+        if drawn is not None:
+            _set_generators(drawn)
         try:
             report = forward.on_recompute  # type: ignore[attr-defined]
             if report is None:
@@ -176,6 +201,8 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
                 return block(values)
         finally:
             state.restore(now)
+            if drawn_now is not None:
+                _set_generators(drawn_now)
 
     def forward(feed: Values) -> Values:
         env = dict(feed)
@@ -187,7 +214,8 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
                     st = t.untyped_storage()
                     kept.setdefault(st.data_ptr(), st.nbytes())
             found = states[id(block)].capture() if torch.is_grad_enabled() else None
-            env.update(checkpoint(run_block, block, args, found, use_reentrant=False))
+            drawn = _generators() if found is not None else None
+            env.update(checkpoint(run_block, block, args, found, drawn, use_reentrant=False))
         forward.kept = kept  # type: ignore[attr-defined]
         return {k: env[k] for k in outputs}
 

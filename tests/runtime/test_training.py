@@ -144,6 +144,24 @@ def test_a_recomputed_block_runs_on_the_state_its_forward_found(run, tmp_path, s
     _check(run, model, plan, 3, tmp_path, optimizer="momentum")
 
 
+def test_a_recomputed_block_draws_from_python_and_numpy_what_its_forward_drew(run, tmp_path):
+    """checkpoint restores torch's generators only: a block scaling by `random.uniform` (and
+    adding numpy noise) recomputed with other numbers, so its gradient was not that of the
+    forward that made the loss (step 1's loss and the weights differed by 0.04)."""
+    model = MODELS / "py_random_scale.py"
+    got = []
+    for k, recompute in enumerate(([False, False], [True, False])):
+        plan = run.plan(model, [3, 2], recompute=recompute, global_batch=8, microbatch_size=2,
+                        name=f"plan{k}.json")
+        rc, _, err, _ = run(plan, "--model", model, "--steps", 3, "--save", tmp_path / f"ck{k}",
+                            "--timeout", 60)
+        assert rc == 0, err
+        got.append(torch.load(tmp_path / f"ck{k}" / "model.pt"))
+    assert got[0].keys() == got[1].keys()
+    for key in got[0]:
+        assert torch.equal(got[0][key], got[1][key]), key
+
+
 def test_a_large_tensor_first_changed_by_a_later_forward_stops_recomputation_clearly(run, tmp_path,
                                                                                       monkeypatch):
     # small tensors are copied by every forward; a larger one only once a forward is seen to
