@@ -54,13 +54,13 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
         f"\n\n{plan.schedule} · {plan.num_microbatches} microbatches of {plan.microbatch_size} "
         f"(global batch {plan.global_batch}) · {plan.world_size} of {plan.cluster.num_devices} devices"
         + (f" ({unused} unused)" if unused else "")
-        + f"\npredicted iteration {pr.iteration_ms:.2f} ms · throughput "
+        + f"\npredicted iteration {_ms(pr.iteration_ms)} ms · throughput "
         f"{pr.throughput_samples_per_s:.1f} samples/s · bubble {max(pr.bubble_fraction, 0.0):.1%}"
-        + (f"\nlower bound {sv.bound:.2f} ms (the search's: no plan is faster) · work bound "
+        + (f"\nlower bound {_ms(sv.bound) if sv.bound is not None else ''} ms (the search's: no plan is faster) · work bound "
            if sv.bound is not None and bounded else
            "\nlower bound of the throughput objective: none (the search bounds iteration time) · "
            "work bound " if not bounded else "\nlower bound (work) ")
-        + f"{pr.lower_bound_ms:.2f} ms (the model's work over every device) · predicted / work bound "
+        + f"{_ms(pr.lower_bound_ms)} ms (the model's work over every device) · predicted / work bound "
         f"{pr.ratio_to_lower_bound:.3f}"
         f"\nmethod {sv.name} · status {sv.status}{gap} · wall {sv.wall_s:.2f} s"
     )
@@ -69,6 +69,12 @@ def format_plan(plan: Plan, max_stages: int = 64) -> str:
                  "spent (this machine is much slower or busier than the budget assumes): "
                  "another run may give another plan")
     return text
+
+
+def _ms(x: float) -> str:
+    """Milliseconds to 2 decimals, or 3 significant digits below 0.01 (a work bound of 0.004 ms
+    over 60,000 devices printed as 0.00)."""
+    return f"{x:.2f}" if x == 0 or abs(x) >= 0.01 else f"{x:.3g}"
 
 
 def format_simulation(sim: Simulation, max_ranks: int = 32) -> str:

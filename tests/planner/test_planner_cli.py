@@ -381,3 +381,10 @@ def test_a_file_of_another_kind_is_named_as_such(files: dict[str, Path],
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "Field required" not in err, err
+
+
+def test_small_times_in_the_plan_summary_keep_their_digits() -> None:
+    """A work bound of 0.004 ms (a tiny model over 60,000 devices) printed as "0.00 ms"."""
+    from planner.report_table import _ms
+
+    assert [_ms(x) for x in (0.0043, 12.345, 0.0, 0.01)] == ["0.0043", "12.35", "0.00", "0.01"]
