@@ -83,6 +83,11 @@ class LayerTable:
     # bound's DPs may use), and added back by `param_bytes` & co. to a stage that holds one
     # without its first holder: exact for a stage, each tensor once
     shared: tuple[SharedTensor, ...] = ()
+    # the same for activations: a tensor several layers save (a tanh's output that the next
+    # Linear saves as its input) is kept once by a stage holding them (`activation_bytes`);
+    # `layer_activation` keeps each layer's own figure (a recomputed block holds all of it)
+    shared_saved: tuple[SharedTensor, ...] = ()
+    layer_activation: tuple[int, ...] = ()
     # one optimizer step, per optimizer name: prefix sums of the layers' `optimizer_ms` (speed
     # 1; independent of the batch); empty where the profile has none
     optimizer_prefix_ms: tuple[tuple[str, tuple[float, ...]], ...] = ()
@@ -148,6 +153,9 @@ class LayerTable:
         return sum(t.nbytes for t in self.tensors if start <= t.producer < stop and t.consumers[-1] >= stop)
 
     def layer_activation_bytes(self, i: int) -> int:
+        """What layer i saves when it runs alone (a recomputed block), shared tensors included."""
+        if self.layer_activation:
+            return self.layer_activation[i]
         return self.activation_prefix_bytes[i + 1] - self.activation_prefix_bytes[i]
 
     def recompute_bytes(self, start: int, stop: int) -> tuple[int, int]:
@@ -200,14 +208,15 @@ class LayerTable:
         """Bytes of the shared tensors that layers start..stop-1 hold but that the prefix sums
         count at a first holder outside them."""
         out = 0
-        for t in self.shared:
-            if (which == "all" or (which == "frozen" and t.kind != "trained") or t.kind == which) \
+        for t in self.shared_saved if which == "saved" else self.shared:
+            if (which in ("all", "saved") or (which == "frozen" and t.kind != "trained") or t.kind == which) \
                     and not start <= t.first < stop and any(start <= i < stop for i in t.others):
                 out += t.nbytes
         return out
 
     def activation_bytes(self, start: int, stop: int) -> int:
-        return self.activation_prefix_bytes[stop] - self.activation_prefix_bytes[start]
+        return (self.activation_prefix_bytes[stop] - self.activation_prefix_bytes[start]
+                + self._shared_back(start, stop, "saved"))
 
     def cut_bytes(self) -> list[int]:
         """`result[i]` = bytes of every non-input tensor produced at or before layer i and used
@@ -337,6 +346,11 @@ def layer_table(profile: Profile) -> LayerTable:
     fwd[-1] += loss_ms(profile)
     activation = [x.activation_bytes for x in layers]
     activation[-1] += loss_activation_bytes(profile)
+    raw_activation = tuple(activation)
+    saved = shared_saved_tensors(profile)
+    for t in saved:  # counted at the first layer saving it only (`LayerTable.shared_saved`)
+        for i in t.others:
+            activation[i] -= t.nbytes
     buffers = [int(getattr(x, "buffer_bytes", 0) or 0) for x in layers]
     params = [int(x.param_bytes) for x in layers]
     frozen_params = [int(getattr(x, "frozen_param_bytes", 0) or 0) for x in layers]
@@ -369,7 +383,35 @@ def layer_table(profile: Profile) -> LayerTable:
         buffer_prefix_bytes=_prefix(buffers) if any(buffers) else None,
         optimizer_prefix_ms=optimizer_prefixes(layers),
         shared=tuple(shared),
+        shared_saved=tuple(saved),
+        layer_activation=raw_activation if saved else (),
     )
+
+
+def shared_saved_tensors(profile: Profile) -> list[SharedTensor]:
+    """The profile's `shared_saved` entries (a tensor several layers save for backward, with
+    its bytes) that every saving layer's `activation_bytes` contains, together with the
+    entries before them; others are ignored (each layer counts the tensor, as before)."""
+    raw = getattr(profile, "shared_saved", None)
+    if not isinstance(raw, list):
+        return []
+    index = {x.name: i for i, x in enumerate(profile.layers)}
+    left = [int(x.activation_bytes) for x in profile.layers]
+    out = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            continue
+        names, nbytes = entry.get("layers"), entry.get("bytes")
+        if not isinstance(names, list) or not isinstance(nbytes, int) or isinstance(nbytes, bool) \
+                or nbytes <= 0 or not all(isinstance(n, str) and n in index for n in names):
+            continue
+        savers = sorted({index[n] for n in names})
+        if len(savers) < 2 or any(left[i] < nbytes for i in savers):
+            continue
+        for i in savers[1:]:
+            left[i] -= nbytes
+        out.append(SharedTensor(savers[0], tuple(savers[1:]), nbytes, "saved"))
+    return out
 
 
 def shared_tensors(profile: Profile) -> list[SharedTensor]:

@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -487,6 +487,10 @@ class SplitBytes:
     weight_grad_bytes: int  # gradients B keeps for W
     weight_grad_output_bytes: int  # the part of those that is the layer's outputs' gradients
     saved_input_bytes: int  # of the layer's activation_bytes, its own inputs
+    # of the tensors the layer hands on or reads (graph tensor ids), those it saves for its
+    # backward, with their storages' bytes: where two layers save one (a tanh's output the next
+    # Linear saves as its input), a stage holding both keeps it once (`profile.shared_saved`)
+    saved_keys: dict[str, int] = field(default_factory=dict)
 
 
 def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
@@ -503,10 +507,12 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
     feed, out, saved = _forward_fresh(stage, values, list(stage.parameters()) + list(stage.buffers()))
     inputs = {_storage_key(v)[0] for v in feed.values() if isinstance(v, torch.Tensor)}
     saved_inputs = sum(n for ptr, n in saved.items() if ptr in inputs)
+    keys = {k: saved[ptr] for k, v in [*feed.items(), *(out.items() if isinstance(out, dict) else ())]
+            if isinstance(v, torch.Tensor) and (ptr := _storage_key(v)[0]) in saved}
     targets = _grad_targets(out)
     leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     if not targets or not weights:
-        return SplitBytes(0, 0, saved_inputs)
+        return SplitBytes(0, 0, saved_inputs, keys)
     grads = [torch.ones_like(t) for t in targets]
     _, pending = backward_input(targets, grads, leaves, weights)
     outputs = {_storage_key(g)[0] for g in grads}
@@ -519,7 +525,7 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
                     if ptr not in saved and ptr not in skip:
                         held.setdefault(ptr, nbytes)
     return SplitBytes(sum(held.values()), sum(n for ptr, n in held.items() if ptr in outputs),
-                      saved_inputs)
+                      saved_inputs, keys)
 
 
 def measure_split_bytes(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, SplitBytes]:

@@ -201,7 +201,8 @@ def profile_model_file(
                     output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
                     bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
                     frozen_param_bytes=m.frozen_param_bytes or None, optimizer_ms=m.optimizer_ms,
-                    **(dataclasses.asdict(m.split_bytes) if m.split_bytes is not None else {}),
+                    **({k: v for k, v in dataclasses.asdict(m.split_bytes).items() if k != "saved_keys"}
+                       if m.split_bytes is not None else {}),
                 )
                 for m in layers
             ],
@@ -218,6 +219,7 @@ def profile_model_file(
             trace_method=lg.method,
             shared_parameters=[{"keys": s.keys, "layers": s.layers, "bytes": s.bytes, "frozen": s.frozen,
                                 "buffer": s.buffer} for s in lg.shared_parameters],
+            shared_saved=shared_saved(lg, layers),
             warmup=warmup,
             repeats=repeats,
             seed=seed,
@@ -234,6 +236,18 @@ def profile_model_file(
             "its forward computes differently from one run to the next (a branch taken on "
             "random numbers, e.g. stochastic depth with Python's random, or on a counter); "
             "profile it with that switched off (a fixed branch)") from None
+
+
+def shared_saved(lg: LayerGraph, layers: list[Any]) -> list[dict[str, Any]]:
+    """The tensors that several layers save for their backward (the producer as its output,
+    readers as their input): each with the layers and the least bytes any of them counted."""
+    saved = {m.name: (m.split_bytes.saved_keys if m.split_bytes is not None else {}) for m in layers}
+    out = []
+    for t in lg.tensors.values():
+        savers = [n for n in dict.fromkeys([t.producer, *t.consumers]) if t.id in saved.get(n, {})]
+        if len(savers) > 1:
+            out.append({"tensor": t.id, "layers": savers, "bytes": min(saved[n][t.id] for n in savers)})
+    return out
 
 
 def check_tp_plan(path: str | Path, batch_size: int, seed: int = 0) -> None:

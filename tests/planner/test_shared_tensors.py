@@ -104,3 +104,65 @@ def test_shared_tensors_equal_brute_force() -> None:
             assert ev.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL), f"seed {seed} at {gb} GB"
             checked += 1
     assert checked >= 10
+
+
+def _with_shared_saved(profile: Profile, rng: random.Random, count: int = 2
+                       ) -> tuple[Profile, list[tuple[set[int], int]]]:
+    """`profile` with `count` tensors each saved by 2-3 random layers (their bytes added to each
+    saver's activation_bytes, as the profiler measures a layer alone), and the tensors."""
+    layers = [x.model_copy() for x in profile.layers]
+    tensors, entries = [], []
+    for k in range(count):
+        savers = set(rng.sample(range(len(layers)), min(len(layers), rng.choice([2, 3]))))
+        nbytes = rng.choice([1, 4, 16]) * 1_000_000
+        for i in savers:
+            layers[i] = layers[i].model_copy(update={"activation_bytes": layers[i].activation_bytes + nbytes})
+        tensors.append((savers, nbytes))
+        entries.append({"tensor": f"t{k}", "layers": [layers[i].name for i in sorted(savers)], "bytes": nbytes})
+    doc = {**profile.model_dump(mode="json"), "layers": [x.model_dump(mode="json") for x in layers],
+           "shared_saved": entries}
+    return Profile.model_validate(doc), tensors
+
+
+def test_a_stage_keeps_each_tensor_its_layers_save_once() -> None:
+    """A tanh's output that the next Linear saves as its input: each layer alone counts it, a
+    stage holding both keeps it once (every span against the distinct tensors it saves); a
+    layer alone still counts all it saves (what a recomputed block holds)."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        base, _, _ = random_instance(seed, mixed=False)
+        profile, tensors = _with_shared_saved(base, rng, count=rng.choice([1, 2, 3]))
+        table, plain = layer_table(profile), layer_table(base)
+        L = table.num_layers
+        for a in range(L):
+            for b in range(a + 1, L + 1):
+                held = sum(n for savers, n in tensors if savers & set(range(a, b)))
+                assert table.activation_bytes(a, b) == plain.activation_bytes(a, b) + held
+                assert table.activation_prefix_bytes[b] - table.activation_prefix_bytes[a] <= table.activation_bytes(a, b)
+        for i in range(L):
+            assert table.layer_activation_bytes(i) == plain.layer_activation_bytes(i) + sum(
+                n for savers, n in tensors if i in savers)
+
+
+def test_shared_saved_tensors_equal_brute_force() -> None:
+    """The plan is the exhaustive optimum under `evaluate()` on the least memory that fits and
+    30 % more, and the bound (whose DPs count a saved tensor at its first saver) is never above
+    it."""
+    checked = 0
+    for seed in range(12):
+        profile, cluster, options = random_instance(seed, mixed=False)
+        profile, _ = _with_shared_saved(profile, random.Random(700 + seed))
+        least = _least_memory_gb(profile, cluster, options)
+        if least is None:
+            continue
+        for gb in (least, 1.3 * least):
+            cl = cluster.model_copy(update={"device_memory_gb": gb})
+            ref = brute_force(profile, cl, options, [options.microbatch_size])
+            assert ref.candidate is not None
+            cand = solve(profile, cl, options)
+            ev = evaluate(layer_table(profile), cl, cand, options)
+            assert ev.fits, f"seed {seed} at {gb} GB"
+            assert float(cand.solver["bound"]) <= ref.iteration_ms * (1 + REL), f"seed {seed}: bound above the optimum"
+            assert ev.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL), f"seed {seed} at {gb} GB"
+            checked += 1
+    assert checked >= 10

@@ -107,3 +107,19 @@ def test_a_tied_weight_is_held_once_per_stage_and_predicted(run, tmp_path, monke
     held = [st.param_bytes for st in plan.stages]
     assert held == ([per_layer[0] - tied] if len(split) == 1 else per_layer)
     _runs_as_predicted(run, tmp_path, plan, model)
+
+
+def test_a_tensor_two_layers_save_is_kept_once_and_predicted(run, tmp_path) -> None:
+    """Each Tanh saves its output and the next Linear saves it as its input: a stage holding
+    both keeps it once, and the prediction (which counted it once per layer, 1.6x the measured
+    activations here) matches every rank's measured peak."""
+    from runtime_paths import MODELS
+
+    model = MODELS / "tanh_chain.py"
+    profile = profile_model_file(model, batch_size=4, warmup=0, repeats=1)
+    assert len(profile.layers) == 7 and len(profile.shared_saved) == 3, profile.shared_saved
+    cluster = Cluster.model_validate({"nodes": 1, "devices_per_node": 2, "device_memory_gb": 1,
+                                      "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1})
+    plan = make_plan(profile, cluster, PlanOptions(global_batch=8, microbatch_size=2, method="manual",
+                                                   split=[4, 3], optimizer="adam"))
+    _runs_as_predicted(run, tmp_path, plan, model)
