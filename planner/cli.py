@@ -48,11 +48,34 @@ def main(argv: list[str] | None = None) -> int:
     except PipeplanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        where = _user_frame(exc)
+        print("interrupted" + (f" while running {where} (your code: is it waiting or looping "
+                               "there?)" if where else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: not an error of ours
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """`file:line (function)` of the innermost frame of `exc`'s traceback in a file outside
+    pipeplan, Python and its installed packages (a model file that hangs at import or in
+    build_model): what a user stopping a command that seems stuck needs to know."""
+    import os
+    import sysconfig
+    import traceback
+
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    packages = {os.path.abspath(p) for p in sysconfig.get_paths().values()}
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or any(path.startswith(p + os.sep) for p in packages):
+            continue
+        if path.startswith(own + os.sep) and not path.startswith(os.path.join(own, "examples") + os.sep):
+            continue
+        found = f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return found

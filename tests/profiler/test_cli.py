@@ -204,3 +204,29 @@ def test_a_model_that_runs_differently_each_pass_is_a_clear_error(tmp_path) -> N
                   "-o", str(tmp_path / "p.json")])
     assert r.returncode == 2 and "saw different layers" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "ValidationError" not in r.stderr
+
+
+def test_stopping_a_command_stuck_in_the_model_file_names_where(tmp_path) -> None:
+    """A build_model that never returns: Ctrl-C printed "interrupted" alone, not where."""
+    import signal
+    import time
+
+    marker = tmp_path / "building"
+    path = tmp_path / "stuck.py"
+    path.write_text(GOOD.replace("def build_model():\n",
+                                 f"def build_model():\n    open({str(marker)!r}, 'w').close()\n"
+                                 "    import time\n    time.sleep(600)\n"))
+    p = subprocess.Popen([sys.executable, "-m", "planner", "profile", str(path), "-o", str(tmp_path / "p.json")],
+                         cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        end = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < end and p.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and f"{path}:" in err and "(build_model)" in err, err
