@@ -392,18 +392,13 @@ def shared_saved_tensors(profile: Profile) -> list[SharedTensor]:
     """The profile's `shared_saved` entries (a tensor several layers save for backward, with
     its bytes) that every saving layer's `activation_bytes` contains, together with the
     entries before them; others are ignored (each layer counts the tensor, as before)."""
-    raw = getattr(profile, "shared_saved", None)
-    if not isinstance(raw, list):
-        return []
+    raw = profile.shared_saved or []
     index = {x.name: i for i, x in enumerate(profile.layers)}
     left = [int(x.activation_bytes) for x in profile.layers]
     out = []
     for entry in raw:
-        if not isinstance(entry, dict):
-            continue
-        names, nbytes = entry.get("layers"), entry.get("bytes")
-        if not isinstance(names, list) or not isinstance(nbytes, int) or isinstance(nbytes, bool) \
-                or nbytes <= 0 or not all(isinstance(n, str) and n in index for n in names):
+        names, nbytes = entry.layers, entry.bytes
+        if not nbytes or not all(n in index for n in names):
             continue
         savers = sorted({index[n] for n in names})
         if len(savers) < 2 or any(left[i] < nbytes for i in savers):
@@ -419,9 +414,7 @@ def shared_tensors(profile: Profile) -> list[SharedTensor]:
     their bytes (profiles before them have none: each holder counts the tensor, as before)
     that every holder's own figures contain, together with the entries before them; others
     are ignored."""
-    raw = getattr(profile, "shared_parameters", None)
-    if not isinstance(raw, list):
-        return []
+    raw = profile.shared_parameters or []
     index = {x.name: i for i, x in enumerate(profile.layers)}
     left = []  # what each layer's figures hold that no entry kept so far takes
     for x in profile.layers:
@@ -430,14 +423,11 @@ def shared_tensors(profile: Profile) -> list[SharedTensor]:
                      "buffer": int(getattr(x, "buffer_bytes", 0) or 0)})
     out = []
     for entry in raw:
-        if not isinstance(entry, dict):
-            continue
-        names, nbytes = entry.get("layers"), entry.get("bytes")
-        if not isinstance(names, list) or not isinstance(nbytes, int) or isinstance(nbytes, bool) \
-                or nbytes <= 0 or not all(isinstance(n, str) and n in index for n in names):
+        names, nbytes = entry.layers, entry.bytes
+        if not nbytes or not all(n in index for n in names):
             continue
         holders = sorted({index[n] for n in names})
-        kind = "buffer" if entry.get("buffer") is True else "frozen" if entry.get("frozen") is True else "trained"
+        kind = "buffer" if entry.buffer else "frozen" if entry.frozen else "trained"
         if len(holders) < 2 or any(left[i][kind] < nbytes for i in holders):
             continue
         for i in holders[1:]:

@@ -175,6 +175,26 @@ class Measured(_OpenFinite):
     loss_workspace_bytes: NonNegativeInt | None = None
 
 
+class SharedParameter(_Open):
+    """A tensor several layers hold (a tied weight, a module called twice, a shared buffer):
+    a stage holding several of `layers` holds it once (`planner.cost.shared_tensors`)."""
+
+    keys: list[str] = Field(default_factory=list)  # its names in the model's state_dict
+    layers: list[str]
+    bytes: NonNegativeInt | None = None  # None (profiles before it): counted per layer
+    frozen: bool | None = None  # requires_grad=False
+    buffer: bool | None = None  # a buffer, not a parameter
+
+
+class SharedSaved(_Open):
+    """A tensor several layers save for their backward (a Tanh's output that the next Linear
+    saves as its input): a stage holding several of `layers` keeps it once."""
+
+    tensor: str | None = None  # the graph tensor (an edge's `tensor`)
+    layers: list[str]
+    bytes: NonNegativeInt
+
+
 class Profile(_Open):
     schema_version: SchemaVersion = SCHEMA_VERSION
     model: ModelRef
@@ -184,6 +204,8 @@ class Profile(_Open):
     layers: list[LayerProfile] = Field(min_length=1)
     edges: list[Edge] = Field(default_factory=list)
     measured: Measured | None = None
+    shared_parameters: list[SharedParameter] | None = None
+    shared_saved: list[SharedSaved] | None = None
 
     @model_validator(mode="after")
     def _check_graph(self) -> Profile:

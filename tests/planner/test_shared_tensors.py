@@ -70,16 +70,22 @@ def test_a_stage_holds_each_shared_tensor_once() -> None:
 
 def test_entries_the_layers_figures_do_not_contain_are_ignored() -> None:
     """A profile whose entry names an unknown layer, has no bytes, or more bytes than a holder
-    holds (a hand edit, an older profiler) is counted per layer, as before."""
+    holds (a hand edit, an older profiler) is counted per layer, as before; one of the wrong
+    types is refused as the rest of the format is."""
+    from pydantic import ValidationError
+
     base, _, _ = random_instance(3, mixed=False)
     names = [x.name for x in base.layers]
     small = min(x.param_bytes for x in base.layers[:2])
-    for entry in ({"layers": names[:2]}, {"layers": names[:2], "bytes": True},
-                  {"layers": [names[0], "nope"], "bytes": 1}, {"layers": names[:2], "bytes": small + 1},
-                  {"layers": names[:1], "bytes": 1}, {"layers": names[:2], "bytes": -5}, "junk"):
+    for entry in ({"layers": names[:2]}, {"layers": [names[0], "nope"], "bytes": 1},
+                  {"layers": names[:2], "bytes": small + 1}, {"layers": names[:1], "bytes": 1},
+                  {"layers": names[:2], "bytes": 0}):
         doc = {**base.model_dump(mode="json"), "shared_parameters": [entry]}
         table, plain = layer_table(Profile.model_validate(doc)), layer_table(base)
         assert table.param_bytes(0, len(names)) == plain.param_bytes(0, len(names)), entry
+    for bad in ("junk", [{"layers": names[:2], "bytes": -5}], [{"bytes": 4}]):
+        with pytest.raises(ValidationError):
+            Profile.model_validate({**base.model_dump(mode="json"), "shared_parameters": bad})
 
 
 def test_shared_tensors_equal_brute_force() -> None:

@@ -98,7 +98,7 @@ def test_a_tied_weight_is_held_once_per_stage_and_predicted(run, tmp_path, monke
     model = EXAMPLES / "gpt.py"
     profile = profile_model_file(model, batch_size=4, warmup=0, repeats=1)
     tied = 4096 * 32 * 4  # vocabulary x width, float32
-    assert [(e["bytes"], e["frozen"], e["buffer"]) for e in profile.shared_parameters] == [(tied, False, False)]
+    assert [(e.bytes, e.frozen, e.buffer) for e in profile.shared_parameters or []] == [(tied, False, False)]
     cluster = Cluster.model_validate({"nodes": 1, "devices_per_node": 2, "device_memory_gb": 1,
                                       "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1})
     plan = make_plan(profile, cluster, PlanOptions(global_batch=8, microbatch_size=2, method="manual",
@@ -117,7 +117,7 @@ def test_a_tensor_two_layers_save_is_kept_once_and_predicted(run, tmp_path) -> N
 
     model = MODELS / "tanh_chain.py"
     profile = profile_model_file(model, batch_size=4, warmup=0, repeats=1)
-    assert len(profile.layers) == 7 and len(profile.shared_saved) == 3, profile.shared_saved
+    assert len(profile.layers) == 7 and len(profile.shared_saved or []) == 3, profile.shared_saved
     cluster = Cluster.model_validate({"nodes": 1, "devices_per_node": 2, "device_memory_gb": 1,
                                       "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1})
     plan = make_plan(profile, cluster, PlanOptions(global_batch=8, microbatch_size=2, method="manual",
