@@ -491,6 +491,9 @@ class SplitBytes:
     # backward, with their storages' bytes: where two layers save one (a tanh's output the next
     # Linear saves as its input), a stage holding both keeps it once (`profile.shared_saved`)
     saved_keys: dict[str, int] = field(default_factory=dict)
+    # per key of `saved_keys`, the storage its value has in the whole model's forward: a layer
+    # that hands its input on unchanged makes two keys of one storage (`measure_split_bytes`)
+    saved_storages: dict[str, int] = field(default_factory=dict)
 
 
 def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
@@ -531,7 +534,11 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
 def measure_split_bytes(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, SplitBytes]:
     """Per layer name: `split_bytes` (one pass each, untimed)."""
     values = layer_values(lg, inputs)
-    return {name: split_bytes(build_stage(lg, [name]), values) for name in lg.layer_names()}
+    out = {name: split_bytes(build_stage(lg, [name]), values) for name in lg.layer_names()}
+    for sb in out.values():
+        sb.saved_storages = {k: _storage_key(values[k])[0] for k in sb.saved_keys
+                             if isinstance(values.get(k), torch.Tensor)}
+    return out
 
 
 def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],

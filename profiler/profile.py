@@ -201,7 +201,8 @@ def profile_model_file(
                     output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
                     bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
                     frozen_param_bytes=m.frozen_param_bytes or None, optimizer_ms=m.optimizer_ms,
-                    **({k: v for k, v in dataclasses.asdict(m.split_bytes).items() if k != "saved_keys"}
+                    **({k: v for k, v in dataclasses.asdict(m.split_bytes).items()
+                        if k not in ("saved_keys", "saved_storages")}
                        if m.split_bytes is not None else {}),
                 )
                 for m in layers
@@ -240,14 +241,21 @@ def profile_model_file(
 
 def shared_saved(lg: LayerGraph, layers: list[Any]) -> list[dict[str, Any]]:
     """The tensors that several layers save for their backward (the producer as its output,
-    readers as their input): each with the layers and the least bytes any of them counted."""
-    saved = {m.name: (m.split_bytes.saved_keys if m.split_bytes is not None else {}) for m in layers}
-    out = []
-    for t in lg.tensors.values():
-        savers = [n for n in dict.fromkeys([t.producer, *t.consumers]) if t.id in saved.get(n, {})]
-        if len(savers) > 1:
-            out.append({"tensor": t.id, "layers": savers, "bytes": min(saved[n][t.id] for n in savers)})
-    return out
+    readers as their input, also through a layer that hands it on unchanged or a view of its
+    storage): each with the layers and the least bytes any of them counted. Keyed by the
+    storage the value has in the whole model's forward (what memory holds once)."""
+    del lg  # (the layers' own records say all)
+    by_storage: dict[object, dict[str, Any]] = {}
+    for m in layers:
+        sb = m.split_bytes
+        if sb is None:
+            continue
+        for key, nbytes in sb.saved_keys.items():
+            where = sb.saved_storages.get(key, ("key", key))
+            entry = by_storage.setdefault(where, {"tensor": key, "layers": {}})
+            entry["layers"][m.name] = min(nbytes, entry["layers"].get(m.name, nbytes))
+    return [{"tensor": e["tensor"], "layers": list(e["layers"]), "bytes": min(e["layers"].values())}
+            for e in by_storage.values() if len(e["layers"]) > 1]
 
 
 def check_tp_plan(path: str | Path, batch_size: int, seed: int = 0) -> None:

@@ -293,3 +293,17 @@ def test_a_block_that_returns_its_input_takes_no_backward_from_the_block_before(
     assert len(bwd) == 5, bwd
     heavy, identity = bwd[profile.layers[1].name], bwd[profile.layers[2].name]
     assert heavy > 0.05 and identity < 0.2 * heavy, bwd
+
+
+def test_tensors_several_layers_save_add_up_to_the_whole_models_activations(tmp_path) -> None:
+    """Each Linear saves its input, the tanh before it saves the same tensor as its output, and
+    a block that hands its input on unchanged passes it to the next: with each tensor several
+    layers save counted once (`shared_saved`), the layers add up to what the whole model saves
+    (the per-layer sum was 1.75x it)."""
+    path = tmp_path / "identity.py"
+    path.write_text(IDENTITY_MODEL)
+    profile = profile_model_file(path, batch_size=64, warmup=0, repeats=1, threads=1)
+    per_layer = sum(x.activation_bytes for x in profile.layers)
+    once = per_layer - sum(e.bytes * (len(e.layers) - 1) for e in profile.shared_saved or [])
+    assert profile.measured is not None and per_layer > profile.measured.activation_bytes
+    assert once == profile.measured.activation_bytes, (per_layer, once, profile.shared_saved)
