@@ -215,6 +215,11 @@ class JobManager:
             with self._finish_lock:
                 self._store_pending()
 
+    def unstored_ids(self) -> list[str]:
+        """The jobs whose outcome the database refused so far (kept in memory)."""
+        with self._finish_lock:
+            return list(self._unstored)
+
     def unstored_outcome(self, job_id: str) -> Outcome | None:
         """The outcome of a finished job whose write the database refused (None: none)."""
         with self._finish_lock:

@@ -95,6 +95,8 @@ class _Protocol(H11Protocol):
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm()  # the next request's headers (uvicorn's keep-alive closes an idle one)
+            if self.conn.their_state is h11.SEND_BODY:  # a pipelined request read from the buffer
+                self._arm_body()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -198,38 +198,31 @@ def _mark(f: IO[str]) -> None:
         f.flush()
 
 
-def _inode_lock(st: os.stat_result) -> tuple[IO[str] | None, str, bool]:
-    """Lock the database's inode: a lock file named by it in the temporary folder, the same for
-    every name of the file (hard links). Returns (the file, its name, whether locked: False
-    when another server holds it, the file then being open to read its pid); (None, name, True)
-    where the folder has no room for it. Opened for writing where this user may, else for
-    reading (flock takes either). The file is removed when the lock is released, so the lock
-    taken counts only while the name still leads to the locked file."""
-    import tempfile
+def _inode_lock(folder: str, st: os.stat_result) -> tuple[IO[str] | None, str, bool]:
+    """Lock the database's inode: a hidden lock file named by it in the database's own folder,
+    the same for every name the file has there (hard links). Returns (the file, its name,
+    whether locked: False when another server holds it, the file then being open to read its
+    pid); (None, name, True) where none can be made (not a regular file there, no room). Never
+    follows a symbolic link. The file is removed when the lock is released, so the lock taken
+    counts only while the name still leads to the locked file."""
+    import stat
 
-    name = os.path.join(tempfile.gettempdir(), f"pipeplan-db-{st.st_dev}-{st.st_ino}.lock")
+    name = os.path.join(folder, f".pipeplan-db-{st.st_dev}-{st.st_ino}.lock")
     for _ in range(10):
-        f = None
-        for flags, mode in ((os.O_RDWR, "r+"), (os.O_RDONLY, "r")):
-            try:
-                f = os.fdopen(os.open(name, flags), mode, encoding="utf-8")
-                break
-            except PermissionError:
-                continue
-            except FileNotFoundError:
-                break
-        if f is None:
-            try:
-                f = os.fdopen(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), "r+",
-                              encoding="utf-8")
-            except FileExistsError:
-                continue  # made by another server just now: open it
-            except OSError:
-                return None, name, True
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            continue
+        except OSError:  # a link or a folder in its place, a read-only folder: no inode lock
+            return None, name, True
+        f = os.fdopen(fd, "r+", encoding="utf-8")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            f.close()
+            return None, name, True
         if not _flock(f):
             return f, name, False
         try:
-            same = os.stat(name).st_ino == os.fstat(f.fileno()).st_ino
+            same = os.stat(name, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -245,9 +238,10 @@ def lock_database(path: str) -> DatabaseLock | None:
     file would do that to the first one's live jobs. Raises DatabaseInUse, naming the holder's
     pid. Two locks, neither on the database itself (closing any descriptor of the database
     would drop SQLite's own POSIX locks in this process): `<db>.lock` beside the file the path
-    resolves to (a symbolic link and its target share it), and a lock
-    of its inode in the temporary folder (a hard link shares that one; so does a server whose
-    `<db>.lock` was deleted); the file is created empty if it does not exist. None where the platform has no flock (Windows)."""
+    resolves to (a symbolic link and its target share it), and a lock of its inode in the same
+    folder (a hard link there shares that one; so does a server whose `<db>.lock` was deleted;
+    a hard link in another folder is not seen); the file is created empty if it does not exist.
+    None where the platform has no flock (Windows)."""
     try:
         import fcntl  # noqa: F401 - only to learn whether flock exists
     except ImportError:  # pragma: no cover - not on Linux or macOS
@@ -259,20 +253,27 @@ def lock_database(path: str) -> DatabaseLock | None:
         beside.close()
         raise DatabaseInUse(f"another pipeplan server (pid {holder}) is using the database "
                             f"{path}; stop that server first, or give this one another --db")
-    files = [beside]
+    try:
+        return _lock_inode(path, real, beside)
+    except BaseException:
+        beside.close()
+        raise
+
+
+def _lock_inode(path: str, real: str, beside: IO[str]) -> DatabaseLock:
+    """`lock_database` once `<db>.lock` is held: the inode's lock, then both marked."""
     try:  # an empty file is an empty SQLite database; made now, its inode is locked from the start
         os.close(os.open(real, os.O_RDONLY | os.O_CREAT, 0o644))
         st = os.stat(real)
     except OSError:  # SQLite will say what is wrong with it
         st = None
-    remove = None
+    files, remove = [beside], None
     if st is not None:
-        inode, name, locked = _inode_lock(st)
+        inode, name, locked = _inode_lock(os.path.dirname(real), st)
         if not locked:
             assert inode is not None
             holder = _holder(inode)
             inode.close()
-            beside.close()
             raise DatabaseInUse(
                 f"another pipeplan server (pid {holder}) is using the database {path} under "
                 "another name (a hard link to the same file); stop that server first, or give "
@@ -339,6 +340,7 @@ class Storage:
 
     # ------------------------------------------------------------ connections
     def _connect(self) -> Any:
+        self.check_same_file()  # else sqlite3 makes a new, empty file where the database was
         conn = sqlite3.connect(self.url, timeout=self.BUSY_MS / 1e3, isolation_level=None, check_same_thread=False)
         self._setup(conn)
         return conn

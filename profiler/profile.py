@@ -233,10 +233,10 @@ def profile_model_file(
     except ValidationError as exc:  # the passes' figures contradict each other
         first = str(exc.errors()[0]["msg"]).removeprefix("Value error, ").split(";")[0]
         raise PipeplanError(
-            f"{mf.path}: the passes that measured the model saw different layers ({first}): "
-            "its forward computes differently from one run to the next (a branch taken on "
-            "random numbers, e.g. stochastic depth with Python's random, or on a counter); "
-            "profile it with that switched off (a fixed branch)") from None
+            f"{mf.path}: the passes that measured the model disagree ({first}): most often its "
+            "forward computes differently from one run to the next (a branch taken on random "
+            "numbers, e.g. stochastic depth with Python's random, or on a counter); profile it "
+            "with that switched off (a fixed branch)") from None
 
 
 def shared_saved(lg: LayerGraph, layers: list[Any]) -> list[dict[str, Any]]:

@@ -30,9 +30,13 @@ def list_jobs(storage: StorageDep, jobs: JobsDep, limit: Limit = 20, offset: Off
     jobs.flush_unstored()
     rows, total = storage.list_jobs(limit, offset, status)
     rows = [_as_kept(j, jobs) for j in rows]
-    shown = [j for j in rows if status is None or j.status == status]
-    return JobPage(items=[service.job_out(j) for j in shown], total=total - (len(rows) - len(shown)),
-                   limit=limit, offset=offset)
+    if status in UNFINISHED and (kept := jobs.unstored_ids()):
+        # finished, but stored as unfinished until the database takes the write (a full disk):
+        # not listed as unfinished, nor counted so on any page (they are not under their final
+        # status either until the write goes through)
+        rows = [j for j in rows if j.status == status]
+        total -= sum(1 for i in kept if (row := storage.get_job(i)) is not None and row.status == status)
+    return JobPage(items=[service.job_out(j) for j in rows], total=total, limit=limit, offset=offset)
 
 
 def _as_kept(job: JobRow, jobs: JobManager) -> JobRow:

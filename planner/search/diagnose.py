@@ -61,7 +61,10 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
             f"{sharded}) but the largest device has {format_bytes(biggest)}: no plan can fit. "
             f"Give devices with more memory, a smaller microbatch size{more_tp} or an optimizer "
             "with less state (sgd)")
-    params = sum(min([table.param_bytes(i, i + 1)]
+    # each layer's own state, a tensor several layers hold at its first holder only (the
+    # prefix sums): what the model holds at least, once, whatever its stages
+    own = [table.param_prefix_bytes[i + 1] - table.param_prefix_bytes[i] for i in range(L)]
+    params = sum(min([own[i]]
                      + [t * table.at_degree(t).span("param_prefix_bytes", i, i + 1)
                         for t in degrees if t > 1]) for i in range(L))
     total_static = stage_memory_bytes(params, 0, 0, 0, options.optimizer,

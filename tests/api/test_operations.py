@@ -101,6 +101,23 @@ def test_readyz_and_writes_fail_when_the_database_file_is_deleted_or_replaced(tm
         r = c.post("/v1/profiles", json=profile_doc())
         assert r.status_code == 503 and "was deleted" in r.json()["detail"]
         assert r.headers["retry-after"] == "30"
+        # a read on a thread with no connection yet: sqlite3 made a new empty file there
+        import threading
+
+        from api.storage import DatabaseReplaced
+
+        got: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                c.app.state.storage.list_jobs(10, 0)
+            except BaseException as exc:  # noqa: BLE001 - what the read raised, checked below
+                got.append(exc)
+
+        t = threading.Thread(target=read)
+        t.start()
+        t.join()
+        assert len(got) == 1 and isinstance(got[0], DatabaseReplaced) and not os.path.exists(settings.db)
         open(settings.db, "wb").close()  # a new file at the path: not the database opened
         r = c.get("/readyz")
         assert r.status_code == 503 and "replaced by another file" in r.json()["detail"]

@@ -388,3 +388,34 @@ def test_small_times_in_the_plan_summary_keep_their_digits() -> None:
     from planner.report_table import _ms
 
     assert [_ms(x) for x in (0.0043, 12.345, 0.0, 0.01)] == ["0.0043", "12.35", "0.00", "0.01"]
+
+
+def test_the_inode_lock_never_follows_a_link_nor_stops_a_server(tmp_path: Path) -> None:
+    """The inode's lock file lived in the shared temporary folder under a predictable name: a
+    link planted there made the server write its pid into the link's target, a folder there
+    kept it from starting, and no usable temporary folder stopped it too. It is now a hidden
+    file in the database's folder, opened without following links; one that cannot be made is
+    no lock, not an error."""
+    from api.storage import lock_database
+
+    db = tmp_path / "p.db"
+    db.touch()
+    st = db.stat()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    name = tmp_path / f".pipeplan-db-{st.st_dev}-{st.st_ino}.lock"
+    name.symlink_to(victim)
+    held = lock_database(str(db))
+    assert held is not None
+    held.close()
+    assert victim.read_text() == "keep me" and name.is_symlink()
+    name.unlink()
+    name.mkdir()
+    held = lock_database(str(db))
+    assert held is not None
+    held.close()
+    name.rmdir()
+    held = lock_database(str(db))  # the normal case: the hidden file while held, gone after
+    assert held is not None and name.is_file()
+    held.close()
+    assert not name.exists()

@@ -172,3 +172,31 @@ def test_shared_saved_tensors_equal_brute_force() -> None:
             assert ev.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL), f"seed {seed} at {gb} GB"
             checked += 1
     assert checked >= 10
+
+
+def test_no_plan_message_counts_a_shared_tensor_once() -> None:
+    """The "no plan can fit" check summed the layers' own figures: a frozen weight tied between
+    the first and last layer counted twice, and the frozen credit was dropped (18 GB claimed
+    where the model's state takes 5)."""
+    from planner.errors import PipeplanError
+    from planner.formats import Cluster, PlanOptions
+    from planner.solve import make_plan
+
+    GB = 10**9
+    sizes = {"emb": 1.0, "a": 2.0, "b": 0.5, "head": 1.0}
+    layers = [dict(name=n, fwd_ms=1.0, bwd_ms=1.0, param_bytes=int(g * GB), frozen_param_bytes=int(g * GB),
+                   activation_bytes=1000, output_bytes=1000) for n, g in sizes.items()]
+    layers[2]["frozen_param_bytes"] = 0  # something to train
+    names = list(sizes)
+    profile = Profile.model_validate({
+        "model": {"path": "x", "sha256": "0"}, "device": {"type": "cpu", "name": "x"}, "batch_size": 8,
+        "layers": layers, "edges": [{"src": a, "dst": b, "bytes": 1000} for a, b in zip(names, names[1:], strict=False)],
+        "shared_parameters": [{"layers": ["emb", "head"], "bytes": GB, "frozen": True}]})
+    table = layer_table(profile)
+    assert table.param_bytes(0, 4) == 3.5 * GB and table.frozen_bytes(0, 4) == 3 * GB
+    cluster = Cluster(nodes=1, devices_per_node=2, device_memory_gb=2.4, intra_node_gb_per_s=10,
+                      inter_node_gb_per_s=10)
+    with pytest.raises(PipeplanError) as got:
+        make_plan(profile, cluster, PlanOptions(global_batch=8, microbatch_size=8, optimizer="adam"))
+    # 3 GB frozen once + 0.5 GB trained x (1 + gradient + 2 Adam states) = 5 GB
+    assert "take 5.00 GB" in str(got.value), got.value

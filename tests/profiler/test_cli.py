@@ -202,7 +202,7 @@ def test_a_model_that_runs_differently_each_pass_is_a_clear_error(tmp_path) -> N
     path.write_text(source)
     r = _profile([str(path), "--batch-size", "2", "--warmup", "0", "--repeats", "1", "--threads", "1",
                   "-o", str(tmp_path / "p.json")])
-    assert r.returncode == 2 and "saw different layers" in r.stderr, r.stderr
+    assert r.returncode == 2 and "passes that measured the model disagree" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "ValidationError" not in r.stderr
 
 
