@@ -14,6 +14,7 @@ many devices a cluster declares) before pydantic builds anything proportional to
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -200,9 +201,8 @@ def store_profile(storage: Storage, settings: Settings, profile: Profile,
     row = storage.get_profile_by_sha(sha)
     if row is not None:
         return row, False
-    if not settings.quota_stored_bytes:
-        return storage.put_profile(sha, profile.model.path, len(profile.layers), body, owner)
-    with QUOTA_LOCK:  # the check and the write as one: uploads in parallel each passed the check
+    # the check and the write as one: uploads in parallel each passed the check
+    with QUOTA_LOCK if settings.quota_stored_bytes else contextlib.nullcontext():
         check_quota(storage, settings, owner, len(json.dumps(body)))
         return storage.put_profile(sha, profile.model.path, len(profile.layers), body, owner)
 

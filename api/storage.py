@@ -326,7 +326,7 @@ class Storage:
             return
         now = self._identity()
         if now != self._file:
-            what = "deleted" if now is None or not os.path.exists(self.url) else "replaced by another file"
+            what = "deleted" if now is None else "replaced by another file"
             raise DatabaseReplaced(f"the database file {self.url} was {what} while the server ran; "
                                    "restore it and restart the server")
 
@@ -395,8 +395,7 @@ class Storage:
         """Whether the service can use its database now: the file is the one the server opened,
         holds the service's tables, and takes a write transaction within READY_BUSY_MS (a probe
         that waited the queries' 30 s held a thread of the server's pool for as long)."""
-        self.check_same_file()
-        conn = self._conn()
+        conn = self._conn()  # (it and `_tx` check the file is the one opened)
         conn.execute(f"PRAGMA busy_timeout={self.READY_BUSY_MS}")
         try:
             with self._tx() as cur:

@@ -49,6 +49,13 @@ class SharedTensor:
     kind: str
 
 
+def _held_back(tensors: tuple[SharedTensor, ...], kinds: tuple[str, ...], start: int, stop: int) -> int:
+    """Bytes of the shared tensors of `kinds` that layers start..stop-1 hold but that the
+    prefix sums count at a first holder outside them."""
+    return sum(t.nbytes for t in tensors if t.kind in kinds and not start <= t.first < stop
+               and any(start <= i < stop for i in t.others))
+
+
 @dataclass(frozen=True)
 class LayerTable:
     """Prefix sums over the profile's layers (index i = sum of layers 0..i-1) and its tensors,
@@ -191,32 +198,22 @@ class LayerTable:
         """The model state a device of a stage of these layers holds: parameters and buffers
         (`layer_table`; `buffer_bytes` of it are buffers), a tensor several hold once."""
         return (self.param_prefix_bytes[stop] - self.param_prefix_bytes[start]
-                + self._shared_back(start, stop, "all"))
+                + _held_back(self.shared, ("trained", "frozen", "buffer"), start, stop))
 
     def frozen_bytes(self, start: int, stop: int) -> int:
         """Of `param_bytes`, what takes no gradient (nor optimizer state, nor all-reduce):
         frozen parameters and buffers."""
         z = self.frozen_prefix_bytes
-        return (0 if z is None else z[stop] - z[start]) + self._shared_back(start, stop, "frozen")
+        return (0 if z is None else z[stop] - z[start]) + _held_back(self.shared, ("frozen", "buffer"), start, stop)
 
     def buffer_bytes(self, start: int, stop: int) -> int:
         """Of `param_bytes`, the layers' buffers."""
         z = self.buffer_prefix_bytes
-        return (0 if z is None else z[stop] - z[start]) + self._shared_back(start, stop, "buffer")
-
-    def _shared_back(self, start: int, stop: int, which: str) -> int:
-        """Bytes of the shared tensors that layers start..stop-1 hold but that the prefix sums
-        count at a first holder outside them."""
-        out = 0
-        for t in self.shared_saved if which == "saved" else self.shared:
-            if (which in ("all", "saved") or (which == "frozen" and t.kind != "trained") or t.kind == which) \
-                    and not start <= t.first < stop and any(start <= i < stop for i in t.others):
-                out += t.nbytes
-        return out
+        return (0 if z is None else z[stop] - z[start]) + _held_back(self.shared, ("buffer",), start, stop)
 
     def activation_bytes(self, start: int, stop: int) -> int:
         return (self.activation_prefix_bytes[stop] - self.activation_prefix_bytes[start]
-                + self._shared_back(start, stop, "saved"))
+                + _held_back(self.shared_saved, ("saved",), start, stop))
 
     def cut_bytes(self) -> list[int]:
         """`result[i]` = bytes of every non-input tensor produced at or before layer i and used
@@ -390,44 +387,35 @@ def layer_table(profile: Profile) -> LayerTable:
 
 def shared_saved_tensors(profile: Profile) -> list[SharedTensor]:
     """The profile's `shared_saved` entries (a tensor several layers save for backward, with
-    its bytes) that every saving layer's `activation_bytes` contains, together with the
-    entries before them; others are ignored (each layer counts the tensor, as before)."""
-    raw = profile.shared_saved or []
-    index = {x.name: i for i, x in enumerate(profile.layers)}
-    left = [int(x.activation_bytes) for x in profile.layers]
-    out = []
-    for entry in raw:
-        names, nbytes = entry.layers, entry.bytes
-        if not nbytes or not all(n in index for n in names):
-            continue
-        savers = sorted({index[n] for n in names})
-        if len(savers) < 2 or any(left[i] < nbytes for i in savers):
-            continue
-        for i in savers[1:]:
-            left[i] -= nbytes
-        out.append(SharedTensor(savers[0], tuple(savers[1:]), nbytes, "saved"))
-    return out
+    its bytes) the cost model can count once per stage (`_counted_once`)."""
+    return _counted_once(profile, [(e.layers, e.bytes, "saved") for e in profile.shared_saved or []],
+                         [{"saved": int(x.activation_bytes)} for x in profile.layers])
 
 
 def shared_tensors(profile: Profile) -> list[SharedTensor]:
-    """The profile's `shared_parameters` the cost model can count once per stage: entries with
-    their bytes (profiles before them have none: each holder counts the tensor, as before)
-    that every holder's own figures contain, together with the entries before them; others
-    are ignored."""
-    raw = profile.shared_parameters or []
-    index = {x.name: i for i, x in enumerate(profile.layers)}
-    left = []  # what each layer's figures hold that no entry kept so far takes
+    """The profile's `shared_parameters` the cost model can count once per stage
+    (`_counted_once`; profiles before their bytes have none: each holder counts the tensor)."""
+    entries = [(e.layers, e.bytes, "buffer" if e.buffer else "frozen" if e.frozen else "trained")
+               for e in profile.shared_parameters or []]
+    left = []
     for x in profile.layers:
         frozen = int(getattr(x, "frozen_param_bytes", 0) or 0)
         left.append({"trained": int(x.param_bytes) - frozen, "frozen": frozen,
                      "buffer": int(getattr(x, "buffer_bytes", 0) or 0)})
+    return _counted_once(profile, entries, left)
+
+
+def _counted_once(profile: Profile, entries: list[tuple[list[str], int | None, str]],
+                  left: list[dict[str, int]]) -> list[SharedTensor]:
+    """Of `entries` (layer names, bytes, kind), those that every holder's own figures contain
+    (`left[i][kind]`: what layer i's figures hold that no entry kept so far takes), as
+    SharedTensors; others are ignored (each holder counts the tensor, as before)."""
+    index = {x.name: i for i, x in enumerate(profile.layers)}
     out = []
-    for entry in raw:
-        names, nbytes = entry.layers, entry.bytes
+    for names, nbytes, kind in entries:
         if not nbytes or not all(n in index for n in names):
             continue
         holders = sorted({index[n] for n in names})
-        kind = "buffer" if entry.buffer else "frozen" if entry.frozen else "trained"
         if len(holders) < 2 or any(left[i][kind] < nbytes for i in holders):
             continue
         for i in holders[1:]:
@@ -544,15 +532,24 @@ def lower_bound_ms(table: LayerTable, num_microbatches: int, scale: float, total
     """Perfect balance, no bubble, no communication: `m * scale * sum(fwd + bwd) / sum(speed)`,
     each layer's work the least of its profiled ways to run (whole, or t x its time on one of
     t tensor-parallel devices: a profile's shards may take less than 1/t of the layer)."""
-    work = table.compute_ms(0, table.num_layers)
-    if table.tp:
-        per_layer = [table.compute_ms(i, i + 1) for i in range(table.num_layers)]
-        for tt in table.tp:
+    work = sum(least_layer_ms(table, [tt.degree for tt in table.tp])[0]) if table.tp else \
+        table.compute_ms(0, table.num_layers)
+    return num_microbatches * scale * work / total_speed
+
+
+def least_layer_ms(table: LayerTable, degrees: Sequence[int]) -> tuple[list[float], list[float]]:
+    """Per layer, over running it whole or on one of t TP devices for t in `degrees`: the
+    least device time of its forward and backward (t x the shard's) and the least time."""
+    work = [table.compute_ms(i, i + 1) for i in range(table.num_layers)]
+    latency = list(work)
+    for t in degrees:
+        if t > 1:
+            tt = table.at_degree(t)
             for i in range(table.num_layers):
                 shard = tt.span("fwd_prefix_ms", i, i + 1) + tt.span("bwd_prefix_ms", i, i + 1)
-                per_layer[i] = min(per_layer[i], tt.degree * shard)
-        work = sum(per_layer)
-    return num_microbatches * scale * work / total_speed
+                work[i] = min(work[i], t * shard)
+                latency[i] = min(latency[i], shard)
+    return work, latency
 
 
 # ---------------------------------------------------------------- a whole candidate

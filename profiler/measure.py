@@ -491,8 +491,8 @@ class SplitBytes:
     # backward, with their storages' bytes: where two layers save one (a tanh's output the next
     # Linear saves as its input), a stage holding both keeps it once (`profile.shared_saved`)
     saved_keys: dict[str, int] = field(default_factory=dict)
-    # per key of `saved_keys`, the storage its value has in the whole model's forward: a layer
-    # that hands its input on unchanged makes two keys of one storage (`measure_split_bytes`)
+    # per key of `saved_keys`, the storage its value has in the whole model's forward (the
+    # `values` given): a layer that hands its input on unchanged makes two keys of one storage
     saved_storages: dict[str, int] = field(default_factory=dict)
 
 
@@ -512,10 +512,11 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
     saved_inputs = sum(n for ptr, n in saved.items() if ptr in inputs)
     keys = {k: saved[ptr] for k, v in [*feed.items(), *(out.items() if isinstance(out, dict) else ())]
             if isinstance(v, torch.Tensor) and (ptr := _storage_key(v)[0]) in saved}
+    storages = {k: _storage_key(values[k])[0] for k in keys if isinstance(values.get(k), torch.Tensor)}
     targets = _grad_targets(out)
     leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     if not targets or not weights:
-        return SplitBytes(0, 0, saved_inputs, keys)
+        return SplitBytes(0, 0, saved_inputs, keys, storages)
     grads = [torch.ones_like(t) for t in targets]
     _, pending = backward_input(targets, grads, leaves, weights)
     outputs = {_storage_key(g)[0] for g in grads}
@@ -528,17 +529,13 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
                     if ptr not in saved and ptr not in skip:
                         held.setdefault(ptr, nbytes)
     return SplitBytes(sum(held.values()), sum(n for ptr, n in held.items() if ptr in outputs),
-                      saved_inputs, keys)
+                      saved_inputs, keys, storages)
 
 
 def measure_split_bytes(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, SplitBytes]:
     """Per layer name: `split_bytes` (one pass each, untimed)."""
     values = layer_values(lg, inputs)
-    out = {name: split_bytes(build_stage(lg, [name]), values) for name in lg.layer_names()}
-    for sb in out.values():
-        sb.saved_storages = {k: _storage_key(values[k])[0] for k in sb.saved_keys
-                             if isinstance(values.get(k), torch.Tensor)}
-    return out
+    return {name: split_bytes(build_stage(lg, [name]), values) for name in lg.layer_names()}
 
 
 def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],

@@ -220,7 +220,7 @@ def profile_model_file(
             trace_method=lg.method,
             shared_parameters=[{"keys": s.keys, "layers": s.layers, "bytes": s.bytes, "frozen": s.frozen,
                                 "buffer": s.buffer} for s in lg.shared_parameters],
-            shared_saved=shared_saved(lg, layers),
+            shared_saved=shared_saved(layers),
             warmup=warmup,
             repeats=repeats,
             seed=seed,
@@ -239,12 +239,11 @@ def profile_model_file(
             "with that switched off (a fixed branch)") from None
 
 
-def shared_saved(lg: LayerGraph, layers: list[Any]) -> list[dict[str, Any]]:
+def shared_saved(layers: list[Any]) -> list[dict[str, Any]]:
     """The tensors that several layers save for their backward (the producer as its output,
     readers as their input, also through a layer that hands it on unchanged or a view of its
     storage): each with the layers and the least bytes any of them counted. Keyed by the
     storage the value has in the whole model's forward (what memory holds once)."""
-    del lg  # (the layers' own records say all)
     by_storage: dict[object, dict[str, Any]] = {}
     for m in layers:
         sb = m.split_bytes

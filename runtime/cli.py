@@ -75,7 +75,7 @@ def _resume_meta(directory: str) -> dict[str, object]:
     if not bad:  # values --save never writes, which failed on every rank after the launch
         lr, seed = meta.get("lr", 0.0), meta.get("seed", 0)
         bad = [k for k, ok in (("step", meta.get("step", 0) >= 0),
-                               ("lr", math.isfinite(lr) and 0 <= lr <= MAX_LR),
+                               ("lr", lr_ok(lr)),
                                ("seed", 0 <= seed <= MAX_RUN_SEED),
                                ("optimizer", meta.get("optimizer", "sgd") in get_args(OptimizerName)))
                if not ok]
@@ -87,6 +87,11 @@ def _resume_meta(directory: str) -> dict[str, object]:
 
 
 MAX_LR = 1e6  # beyond it a typo; above float32's range the optimizer step itself fails
+
+
+def lr_ok(lr: float) -> bool:
+    """A learning rate the runtime takes (`--lr`, a checkpoint's meta.json): 0 to MAX_LR."""
+    return math.isfinite(lr) and 0 <= lr <= MAX_LR
 MIN_TIMEOUT_S = 1.0  # --timeout below this fails the rendezvous itself
 MAX_TIMEOUT_S = 1e7  # ~115 days; 1e14 overflowed the process group's timedelta on every rank
 
@@ -103,7 +108,7 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         from profiler.profile import check_threads
 
         check_threads(args.threads)
-    if args.lr is not None and not (math.isfinite(args.lr) and 0 <= args.lr <= MAX_LR):
+    if args.lr is not None and not lr_ok(args.lr):
         raise PipeplanError(f"--lr {args.lr:g}: give a learning rate from 0 to {MAX_LR:g}")
     # a checkpoint's files are inputs (--resume) or outputs (--save) as well: a report written
     # over the model.pt being resumed from destroyed it, with exit code 0

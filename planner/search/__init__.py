@@ -75,7 +75,13 @@ import numpy as np
 
 from planner.baselines import solve_blocks, solve_params, solve_uniform
 from planner.build import evaluate, resolve_microbatch
-from planner.cost import LayerTable, layer_table, microbatch_scale, stage_memory_bytes
+from planner.cost import (
+    LayerTable,
+    layer_table,
+    least_layer_ms,
+    microbatch_scale,
+    stage_memory_bytes,
+)
 from planner.cpsat import place_stages
 from planner.errors import PipeplanError
 from planner.formats import Cluster, PlanOptions, Profile
@@ -558,16 +564,7 @@ def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: 
     m = options.global_batch // b
     scale = microbatch_scale(table.batch_size, b)
     speeds = [d.speed for d in cluster.devices()]
-    L = table.num_layers
-    per_layer = [table.compute_ms(i, i + 1) for i in range(L)]
-    work, latency = list(per_layer), list(per_layer)
-    for t in degrees:
-        if t > 1:
-            tt = table.at_degree(t)
-            for i in range(L):
-                shard = tt.span("fwd_prefix_ms", i, i + 1) + tt.span("bwd_prefix_ms", i, i + 1)
-                work[i] = min(work[i], t * shard)
-                latency[i] = min(latency[i], shard)
+    work, latency = least_layer_ms(table, degrees)
     return max(m * scale * sum(work) / sum(speeds), scale * sum(latency) / max(speeds))
 
 

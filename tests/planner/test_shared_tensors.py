@@ -7,6 +7,7 @@ layer."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -88,14 +89,14 @@ def test_entries_the_layers_figures_do_not_contain_are_ignored() -> None:
             Profile.model_validate({**base.model_dump(mode="json"), "shared_parameters": bad})
 
 
-def test_shared_tensors_equal_brute_force() -> None:
-    """On the least memory where the exhaustive search finds a plan, and 30 % more: the plan is
-    the exhaustive optimum under `evaluate()` and the bound is never above it (the bound's DPs
-    count a shared tensor at its first holder only)."""
+def _equals_brute_force(add: Callable[[Profile, random.Random], tuple[Profile, object]], seed0: int) -> None:
+    """Random instances with shared tensors added (`add`), on the least memory where the
+    exhaustive search finds a plan and on 30 % more: the plan is the exhaustive optimum under
+    `evaluate()` and the bound is never above it."""
     checked = 0
     for seed in range(12):
         profile, cluster, options = random_instance(seed, mixed=False)
-        profile, _ = _with_shared(profile, random.Random(500 + seed))
+        profile, _ = add(profile, random.Random(seed0 + seed))
         least = _least_memory_gb(profile, cluster, options)
         if least is None:
             continue
@@ -110,6 +111,13 @@ def test_shared_tensors_equal_brute_force() -> None:
             assert ev.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL), f"seed {seed} at {gb} GB"
             checked += 1
     assert checked >= 10
+
+
+def test_shared_tensors_equal_brute_force() -> None:
+    """On the least memory where the exhaustive search finds a plan, and 30 % more: the plan is
+    the exhaustive optimum under `evaluate()` and the bound is never above it (the bound's DPs
+    count a shared tensor at its first holder only)."""
+    _equals_brute_force(_with_shared, 500)
 
 
 def _with_shared_saved(profile: Profile, rng: random.Random, count: int = 2
@@ -154,24 +162,7 @@ def test_shared_saved_tensors_equal_brute_force() -> None:
     """The plan is the exhaustive optimum under `evaluate()` on the least memory that fits and
     30 % more, and the bound (whose DPs count a saved tensor at its first saver) is never above
     it."""
-    checked = 0
-    for seed in range(12):
-        profile, cluster, options = random_instance(seed, mixed=False)
-        profile, _ = _with_shared_saved(profile, random.Random(700 + seed))
-        least = _least_memory_gb(profile, cluster, options)
-        if least is None:
-            continue
-        for gb in (least, 1.3 * least):
-            cl = cluster.model_copy(update={"device_memory_gb": gb})
-            ref = brute_force(profile, cl, options, [options.microbatch_size])
-            assert ref.candidate is not None
-            cand = solve(profile, cl, options)
-            ev = evaluate(layer_table(profile), cl, cand, options)
-            assert ev.fits, f"seed {seed} at {gb} GB"
-            assert float(cand.solver["bound"]) <= ref.iteration_ms * (1 + REL), f"seed {seed}: bound above the optimum"
-            assert ev.iteration_ms == pytest.approx(ref.iteration_ms, rel=REL), f"seed {seed} at {gb} GB"
-            checked += 1
-    assert checked >= 10
+    _equals_brute_force(_with_shared_saved, 700)
 
 
 def test_no_plan_message_counts_a_shared_tensor_once() -> None:
