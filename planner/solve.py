@@ -72,12 +72,13 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     """Run `options.method`, then cost, schedule and simulate its candidate into a Plan.
     A plan that does not fit in device memory raises a PipeplanError saying what it needs."""
     t0 = time.perf_counter()
-    b = options.microbatch_size or profile.batch_size
-    if options.global_batch // b > MAX_MICROBATCHES:  # (given sizes: PlanOptions checks them)
-        raise PipeplanError(f"global batch {options.global_batch} / microbatch size {b} (the "
-                            f"profile's batch) is {options.global_batch // b} microbatches per "
-                            f"iteration; at most {MAX_MICROBATCHES} are planned: give a larger "
-                            "--microbatch-size")
+    if not options.microbatch_sizes and not options.microbatch_size:  # (given sizes: PlanOptions checks them)
+        b, m = resolve_microbatch(profile, options)
+        if m > MAX_MICROBATCHES:
+            raise PipeplanError(f"global batch {options.global_batch} / microbatch size {b} (the "
+                                f"largest divisor of it up to the profile's batch, {profile.batch_size}) "
+                                f"is {m} microbatches per iteration; at most {MAX_MICROBATCHES} are "
+                                "planned: give a larger --microbatch-size")
     table = layer_table(profile)
     total = table.compute_ms(0, table.num_layers)
     if not total >= MIN_TOTAL_MS:

@@ -74,3 +74,19 @@ def test_a_stage_that_fits_never_shows_more_memory_than_its_limit() -> None:
     plan = make_plan(profile, cluster, PlanOptions(global_batch=1, microbatch_size=1, optimizer="sgd"))
     st = plan.stages[0].predicted
     assert plan.predicted.fits_memory and st.memory_bytes <= st.memory_limit_bytes, st
+
+
+def test_the_microbatch_limit_counts_the_sizes_the_plan_would_use() -> None:
+    """Given sizes decide how many microbatches there are, not the profile's batch (a global batch
+    of 2**20 with sizes 65536 / 131072 was refused as 131072 microbatches of the profile's 8); with
+    no size, the default size (the largest divisor up to the profile's batch) does: a prime global
+    batch is as many microbatches of 1 (it passed as 100003 // 8 and failed later)."""
+    from planner.errors import PipeplanError
+
+    p = chain_profile([1.0, 2.0, 3.0], batch_size=8)
+    c = cluster(nodes=1, per_node=2, memory_gb=1e6)
+    plan = make_plan(p, c, PlanOptions(global_batch=2**20, microbatch_sizes=[65536, 131072],
+                                       method="cpsat", time_limit_s=2))
+    assert plan.num_microbatches in (8, 16)
+    with pytest.raises(PipeplanError, match="100003 microbatches per iteration"):
+        make_plan(p, c, PlanOptions(global_batch=100003, method="uniform"))
