@@ -3,7 +3,12 @@
 From a plan and the report of running it (`python -m runtime ... --report`):
 - **compute**: per stage, `fwd_scale = measured / predicted` forward time per microbatch (mean
   over the stage's replicas), `bwd_scale` likewise; applied to every layer of the stage (and to
-  the loss on the last stage), so the stage costs what the run measured wherever it lands;
+  the loss on the last stage; to the layers' B and W of a split backward and to their figures
+  at every tensor-parallel degree), so the stage costs what the run measured wherever it lands.
+  The scales are of the layers' own work: a tensor-parallel stage's all-reduces (the cluster's
+  links) are taken out of the measured time first, and so is, in a recomputed stage's
+  backward, its forward run again (once, twice where the backward is split into B and W),
+  priced at the forward's scale;
 - **per-message overhead** (`cluster.p2p_overhead_us`): with the measured stage times in the
   plan's costs, the delay every pipeline message pays on top of its link's latency and
   bandwidth is fitted (bisection: the simulator is monotone in it) so that the simulated
@@ -32,7 +37,7 @@ from pydantic import BaseModel
 
 from planner.cost import PipelineCosts, Send, link_gb_per_s, link_kind, link_latency_us
 from planner.errors import PipeplanError
-from planner.formats import GB, Cluster, Plan, Profile, Report
+from planner.formats import GB, Cluster, LayerProfile, Plan, Profile, Report
 from planner.schedules import plan_actions
 from planner.simulator import costs_from_plan, simulate_costs
 
@@ -119,6 +124,63 @@ def _bisect(f: object, lo: float, hi: float, target: float, iters: int = 50) -> 
     return (lo + hi) / 2
 
 
+def _split(plan: Plan) -> set[int]:
+    """The stages whose backward the plan's schedule splits into B and W."""
+    return {a.stage for acts in plan_actions(plan).values() for a in acts if a.kind == "W"}
+
+
+def _recomputed(costs: PipelineCosts, s: int) -> bool:
+    return bool(costs.recompute and costs.recompute[s])
+
+
+def _tp_comm(costs: PipelineCosts, s: int) -> tuple[float, float]:
+    """(forward, backward) TP all-reduce ms inside stage s's times (0 without TP)."""
+    return ((costs.tp_comm_fwd_ms[s] if costs.tp_comm_fwd_ms else 0.0),
+            (costs.tp_comm_bwd_ms[s] if costs.tp_comm_bwd_ms else 0.0))
+
+
+def _layer_scale(measured: float, fixed: float, predicted: float) -> float:
+    """The factor on a stage's own work (`predicted` of it, plus `fixed` priced apart) that
+    makes it the `measured` time; 1 where nothing was measured or predicted; at least 1 %
+    (a run faster than its fixed part alone explains little about the layers)."""
+    if not (measured > 0 and predicted > 0):
+        return 1.0
+    return max((measured - fixed) / predicted, 0.01)
+
+
+def _measured_backward(costs: PipelineCosts, s: int, split: bool) -> tuple[float, float]:
+    """(predicted backward per microbatch as the run measures it — B + W where split —, times
+    the forward runs in it again: 1 for a recomputed stage, 2 if also split, else 0)."""
+    b, w = costs.bwd_split(s)
+    total = b + w if split else costs.bwd_ms[s]
+    return total, (2 if split else 1) * _recomputed(costs, s)
+
+
+def _corrected_costs(base: PipelineCosts, stages: list[StageCorrection], compute: float = 1.0
+                     ) -> PipelineCosts:
+    """`base` with each stage's layers' work scaled (`fwd_scale`, `bwd_scale`, x `compute`):
+    its TP all-reduces stay as they are, a recomputed stage's forward in its backward follows
+    the forward's scale; the optimizer steps the run measured."""
+    fwd, bwd, inp, wgt = [], [], [], []
+    for s, c in enumerate(stages):
+        fs, bs = c.fwd_scale * compute, c.bwd_scale * compute
+        f = base.fwd_ms[s]
+        tpf, tpb = _tp_comm(base, s)
+        fwd.append((f - tpf) * fs + tpf)
+        b, w = base.bwd_split(s)
+        if _recomputed(base, s):  # (no TP: refused with recomputation)
+            parts = [(x - f) * bs + f * fs for x in (base.bwd_ms[s], b, w)]
+        else:
+            full = base.bwd_ms[s]
+            k = ((full - tpb) * bs + tpb) / full if full > 0 else bs
+            parts = [x * k for x in (full, b, w)]
+        bwd.append(parts[0])
+        inp.append(parts[1])
+        wgt.append(parts[2])
+    return dataclasses.replace(base, fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), bwd_input_ms=tuple(inp),
+                               bwd_weight_ms=tuple(wgt), optimizer_ms=_optimizer_ms(stages))
+
+
 def _optimizer_ms(stages: list[StageCorrection]) -> tuple[float, ...] | None:
     opt = tuple(s.optimizer_ms for s in stages)
     return opt if any(opt) else None
@@ -191,10 +253,17 @@ def fit(plan: Plan, report: Report) -> Corrections:
                             "takes: give the report of a run of more than one step")
     stages = []
     devices = plan.cluster.devices()
+    base = costs_from_plan(plan)
+    split = _split(plan)
     for st in plan.stages:
         ranks = by_stage[st.index]
         p = st.predicted
         fwd, bwd = _mean([r.fwd_ms_per_microbatch for r in ranks]), _mean([r.bwd_ms_per_microbatch for r in ranks])
+        tpf, tpb = _tp_comm(base, st.index)
+        f = base.fwd_ms[st.index]
+        pred_bwd, again = _measured_backward(base, st.index, st.index in split)
+        fwd_scale = _layer_scale(fwd, tpf, f - tpf)
+        bwd_scale = _layer_scale(bwd, tpb + again * f * fwd_scale, pred_bwd - tpb - again * f)
         opt = [float(x) for r in ranks if (x := getattr(r, "optimizer_ms", None)) is not None]
         # the framework's reserve (cuBLAS workspaces) is in both the prediction and the peak
         static = (float(getattr(p, "static_memory_bytes", 0.0) or 0.0)
@@ -204,8 +273,8 @@ def fit(plan: Plan, report: Report) -> Corrections:
         act_meas = float(max(peaks)) - static if peaks else None
         stages.append(StageCorrection(
             index=st.index, layers=list(st.layers),
-            predicted_fwd_ms=p.fwd_ms, measured_fwd_ms=fwd, fwd_scale=_ratio(fwd, p.fwd_ms),
-            predicted_bwd_ms=p.bwd_ms, measured_bwd_ms=bwd, bwd_scale=_ratio(bwd, p.bwd_ms),
+            predicted_fwd_ms=p.fwd_ms, measured_fwd_ms=fwd, fwd_scale=fwd_scale,
+            predicted_bwd_ms=pred_bwd, measured_bwd_ms=bwd, bwd_scale=bwd_scale,
             predicted_activation_bytes=act_pred, measured_activation_bytes=act_meas,
             memory_scale=_ratio(act_meas or 0.0, act_pred) if act_meas and act_pred > 0 else 1.0,
             predicted_optimizer_ms=float(getattr(p, "optimizer_ms", 0.0) or 0.0),
@@ -213,20 +282,12 @@ def fit(plan: Plan, report: Report) -> Corrections:
             step_to_profile=min(devices[d].speed for d in st.devices) * getattr(st, "tp", 1),
         ))
     _check_work_within_iteration(plan, report, stages)
-    base = costs_from_plan(plan)
     schedule = plan_actions(plan)
-    measured = dataclasses.replace(
-        base, fwd_ms=tuple(s.predicted_fwd_ms * s.fwd_scale for s in stages),
-        bwd_ms=tuple(s.predicted_bwd_ms * s.bwd_scale for s in stages),
-        optimizer_ms=_optimizer_ms(stages))
     messages = any(snd.nbytes > 0 for snd in base.sends.values())
     target = report.iteration_ms
 
     def sim(overhead_us: float, compute: float = 1.0) -> float:
-        c = _with_overhead(plan, measured, overhead_us)
-        if compute != 1.0:
-            c = dataclasses.replace(c, fwd_ms=tuple(x * compute for x in c.fwd_ms),
-                                    bwd_ms=tuple(x * compute for x in c.bwd_ms))
+        c = _with_overhead(plan, _corrected_costs(base, stages, compute), overhead_us)
         return simulate_costs(c, schedule).iteration_ms
 
     compute_scale = 1.0
@@ -300,15 +361,24 @@ def corrected_profile(profile: Profile, corrections: Corrections, optimizer: str
         raise PipeplanError(f"the profile has layers the plan does not ({', '.join(unknown[:3])}"
                             f"{'…' if len(unknown) > 3 else ''}): give the profile the plan was made from")
     steps = _corrected_steps(profile, corrections, optimizer)
-    layers = [x.model_copy(update={
-        **({"optimizer_ms": steps[x.name]} if x.name in steps else {}),
-        "fwd_ms": x.fwd_ms * scale[x.name].fwd_scale,
-        "bwd_ms": x.bwd_ms * scale[x.name].bwd_scale,
-        "activation_bytes": round(x.activation_bytes * scale[x.name].memory_scale),
-        **{k: round(getattr(x, k) * scale[x.name].memory_scale)
-           for k in ("weight_grad_bytes", "weight_grad_output_bytes", "saved_input_bytes")
-           if getattr(x, k, None) is not None},
-    }) for x in profile.layers]
+    def corrected(x: LayerProfile) -> LayerProfile:
+        c = scale[x.name]
+        tp = None if x.tp is None else [t.model_copy(update={
+            "fwd_ms": t.fwd_ms * c.fwd_scale, "bwd_ms": t.bwd_ms * c.bwd_scale,
+            "activation_bytes": round(t.activation_bytes * c.memory_scale)}) for t in x.tp]
+        return x.model_copy(update={
+            **({"optimizer_ms": steps[x.name]} if x.name in steps else {}),
+            "fwd_ms": x.fwd_ms * c.fwd_scale,
+            **{k: getattr(x, k) * c.bwd_scale for k in ("bwd_ms", "bwd_input_ms", "bwd_weight_ms")
+               if getattr(x, k, None) is not None},
+            "activation_bytes": round(x.activation_bytes * c.memory_scale),
+            **{k: round(getattr(x, k) * c.memory_scale)
+               for k in ("weight_grad_bytes", "weight_grad_output_bytes", "saved_input_bytes")
+               if getattr(x, k, None) is not None},
+            **({"tp": tp} if tp is not None else {}),
+        })
+
+    layers = [corrected(x) for x in profile.layers]
     update: dict[str, object] = {"layers": layers}
     if profile.measured is not None:
         last = scale[profile.layers[-1].name]
@@ -343,9 +413,8 @@ def _scaled_fields(predicted: object, scale: float) -> dict[str, float]:
 def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Plan:
     """The same stages and schedule with the corrected costs and prediction (what refine writes
     when it has no profile to re-plan with)."""
-    costs = costs_from_plan(plan)
-    fwd = tuple(s.predicted_fwd_ms * s.fwd_scale for s in corrections.stages)
-    bwd = tuple(s.predicted_bwd_ms * s.bwd_scale for s in corrections.stages)
+    costs = _corrected_costs(costs_from_plan(plan), corrections.stages)
+    fwd, bwd = costs.fwd_ms, costs.bwd_ms
     mem = [c.memory_scale for c in corrections.stages]
 
     def scaled(values: tuple[float, ...] | None) -> tuple[float, ...] | None:
@@ -354,8 +423,7 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
     # every per-microbatch byte count scales alike: what a forward keeps, the W hold (split
     # backward) and a recomputed block's transient
     costs = _with_overhead(plan, dataclasses.replace(
-        costs, fwd_ms=fwd, bwd_ms=bwd, optimizer_ms=_optimizer_ms(corrections.stages),
-        activation_bytes_per_microbatch=scaled(costs.activation_bytes_per_microbatch),
+        costs, activation_bytes_per_microbatch=scaled(costs.activation_bytes_per_microbatch),
         weight_hold_bytes_per_microbatch=scaled(costs.weight_hold_bytes_per_microbatch),
         transient_bytes=scaled(costs.transient_bytes),
         loss_transient_bytes=scaled(costs.loss_transient_bytes)), corrections.p2p_overhead_us_after)
@@ -369,6 +437,8 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
                  for (s, t), snd in costs.sends.items() if s == st.index]
         stages.append(st.model_copy(update={"predicted": p.model_copy(update={
             "fwd_ms": fwd[st.index], "bwd_ms": bwd[st.index], "compute_ms": fwd[st.index] + bwd[st.index],
+            **({"bwd_input_ms": costs.bwd_input_ms[st.index], "bwd_weight_ms": costs.bwd_weight_ms[st.index]}
+               if p.bwd_input_ms is not None and costs.bwd_input_ms and costs.bwd_weight_ms else {}),
             "optimizer_ms": c.optimizer_ms,
             "activation_bytes_per_microbatch": act, "memory_bytes": int(memory),
             **_scaled_fields(p, c.memory_scale),
@@ -392,7 +462,7 @@ def format_corrections(c: Corrections) -> str:
              f"before ({100 * (c.predicted_iteration_ms_before / c.measured_iteration_ms - 1):+.1f}%), "
              f"{c.predicted_iteration_ms_after:.2f} ms with the corrections "
              f"({100 * (c.predicted_iteration_ms_after / c.measured_iteration_ms - 1):+.1f}%)",
-             "stage  fwd ms/mb predicted -> measured (x)   bwd ms/mb predicted -> measured (x)   activation bytes (x)"]
+             "stage  fwd ms/mb predicted -> measured (x layers)   bwd ms/mb predicted -> measured (x layers)   activation bytes (x)"]
     for s in c.stages:
         lines.append(f"{s.index:5d}  {s.predicted_fwd_ms:8.3f} -> {s.measured_fwd_ms:8.3f} (x{s.fwd_scale:.3f})"
                      f"      {s.predicted_bwd_ms:8.3f} -> {s.measured_bwd_ms:8.3f} (x{s.bwd_scale:.3f})"

@@ -15,7 +15,7 @@ from helpers import chain_profile, cluster
 from planner.cli import main
 from planner.cost import Send
 from planner.errors import PipeplanError
-from planner.formats import Cluster, Plan, PlanOptions, RankReport, Report
+from planner.formats import Cluster, Plan, PlanOptions, Profile, RankReport, Report
 from planner.refine import corrected_cluster, corrected_plan, corrected_profile, fit
 from planner.schedules import plan_actions
 from planner.simulator import costs_from_plan, simulate_costs
@@ -294,3 +294,72 @@ def test_a_rank_that_computes_longer_than_the_iteration_is_a_contradiction(field
     with pytest.raises(PipeplanError, match="contradicts itself: stage 1's ranks report") as got:
         fit(plan, report.model_copy(update={"ranks": ranks}))
     assert "latency" not in str(got.value)
+
+
+def _rich_profile() -> Profile:
+    """Six layers with B and W measured apart, saved inputs (recomputation) and figures at TP
+    degree 2 (whose all-reduces the cluster's links price)."""
+    base = chain_profile([1.0, 2.0, 1.5, 0.5, 1.0, 2.0], out=[4000] * 6).model_dump()
+    for i, x in enumerate(base["layers"]):
+        x["bwd_input_ms"], x["bwd_weight_ms"] = 0.4 * x["bwd_ms"], 0.6 * x["bwd_ms"]
+        x["saved_input_bytes"] = 40
+        x["tp"] = [{"degree": 2, "fwd_ms": 0.6 * x["fwd_ms"], "bwd_ms": 0.55 * x["bwd_ms"],
+                    "param_bytes": 500, "activation_bytes": 60, "allreduce_bytes_fwd": 8000 + 100 * i,
+                    "allreduce_bytes_bwd": 8000, "allreduces_fwd": 2, "allreduces_bwd": 2}]
+    return Profile.model_validate(base)
+
+
+def _truly(profile: Profile, plan: Plan, fwd: tuple, bwd: tuple) -> Profile:
+    """The machine: each stage's layers take `fwd[s]` / `bwd[s]` times their profiled work, at
+    every TP degree, B and W alike (the loss with the last stage's forward)."""
+    of = {n: st.index for st in plan.stages for n in st.layers}
+    layers = []
+    for x in profile.layers:
+        a, b = fwd[of[x.name]], bwd[of[x.name]]
+        layers.append(x.model_copy(update={
+            "fwd_ms": x.fwd_ms * a, "bwd_ms": x.bwd_ms * b, "bwd_input_ms": x.bwd_input_ms * b,
+            "bwd_weight_ms": x.bwd_weight_ms * b,
+            "tp": [t.model_copy(update={"fwd_ms": t.fwd_ms * a, "bwd_ms": t.bwd_ms * b}) for t in x.tp]}))
+    return profile.model_copy(update={"layers": layers})
+
+
+@pytest.mark.parametrize("schedule,tp,recompute", [
+    ("zb-h1", None, None), ("1f1b", [2, 1, 1], None), ("zb-h1", [1, 2, 1], None),
+    ("1f1b", None, [True, False, True]), ("zb-h1", None, [True, True, False]),
+    ("gpipe", [2, 1, 1], [False, True, False])])
+def test_refine_recovers_split_recomputed_and_tensor_parallel_stages(schedule, tp, recompute):
+    """A run whose layers are slower or faster than profiled, stage by stage: the plan re-made
+    from the corrected profile, with the same stages, predicts what the run measured. Against a
+    machine built apart (the profile scaled layer by layer, planned again): B and W of a split
+    backward, a TP stage's shard figures and a recomputed stage's forward run again in its
+    backward are all corrected (refine used to scale only the layers' plain times: a TP stage
+    kept its shard's time, and a recomputed stage's slower forward was counted twice)."""
+    profile = _rich_profile()
+    cl = cluster(per_node=4, latency_us=50.0, intra=1.0)
+    options = PlanOptions(global_batch=32, microbatch_size=4, method="manual", split=[2, 2, 2],
+                          tp=tp, recompute=recompute, schedule=schedule, optimizer="sgd")
+    plan = make_plan(profile, cl, options)
+    fwd, bwd = (1.5, 0.8, 1.2), (1.1, 0.9, 2.0)
+    true = make_plan(_truly(profile, plan, fwd, bwd), cl, options)
+    split = {a.stage for acts in plan_actions(true).values() for a in acts if a.kind == "W"}
+    ranks = []
+    for st in true.stages:
+        p = st.predicted
+        measured_bwd = p.bwd_input_ms + p.bwd_weight_ms if st.index in split else p.bwd_ms
+        ranks += [RankReport(rank=d, stage=st.index, replica=0, fwd_ms_per_microbatch=p.fwd_ms,
+                             bwd_ms_per_microbatch=measured_bwd, comm_ms=0.0, idle_ms=0.0,
+                             peak_memory_bytes=p.memory_bytes, peak_inflight_microbatches=1)
+                  for d in st.devices]
+    report = Report(plan_profile_sha256=plan.profile_sha256, steps=5,
+                    iteration_ms=true.predicted.iteration_ms, samples_per_s=1.0,
+                    predicted_iteration_ms=plan.predicted.iteration_ms, losses=[], ranks=ranks)
+    c = fit(plan, report)
+    assert c.p2p_overhead_us_after == pytest.approx(0.0, abs=1e-6) and c.compute_scale == 1.0
+    assert [s.fwd_scale for s in c.stages] == pytest.approx(fwd)
+    assert [s.bwd_scale for s in c.stages] == pytest.approx(bwd)
+    new = make_plan(corrected_profile(profile, c), corrected_cluster(plan.cluster, c), options)
+    assert new.predicted.iteration_ms == pytest.approx(true.predicted.iteration_ms, rel=1e-6)
+    for a, b in zip(new.stages, true.stages, strict=True):
+        assert (a.predicted.fwd_ms, a.predicted.bwd_ms) == pytest.approx((b.predicted.fwd_ms, b.predicted.bwd_ms))
+    same = corrected_plan(plan, c, corrected_cluster(plan.cluster, c))
+    assert same.predicted.iteration_ms == pytest.approx(true.predicted.iteration_ms, rel=1e-6)
