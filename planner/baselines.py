@@ -226,6 +226,15 @@ def solve_blocks(profile: Profile, cluster: Cluster, options: PlanOptions) -> Ca
                         lambda t, S: block_partition(_layer_costs(t), S))
 
 
+SHOWN_VALUES = 16  # of a per-stage list a message repeats (a split of 10**5 stages was echoed whole)
+
+
+def _listed(values: list[int] | list[bool]) -> str:
+    """`values` as a flag takes them, cut after SHOWN_VALUES with how many there are in all."""
+    shown = ",".join(str(int(v)) for v in values[:SHOWN_VALUES])
+    return shown if len(values) <= SHOWN_VALUES else f"{shown},… ({len(values)} values)"
+
+
 def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Candidate:
     """The user's split (`options.split`: layers per stage; `options.replicas`: replicas per
     stage, default 1), on consecutive ranks from 0."""
@@ -234,7 +243,7 @@ def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Ca
                             "--split 3,3,2 (and optionally --replicas 1,1,2)")
     L, N = len(profile.layers), cluster.num_devices
     if sum(options.split) != L:
-        raise PipeplanError(f"--split {','.join(map(str, options.split))} covers "
+        raise PipeplanError(f"--split {_listed(options.split)} covers "
                             f"{sum(options.split)} layers but the profile has {L}")
     replicas = options.replicas or [1] * len(options.split)
     if len(replicas) != len(options.split):
@@ -244,18 +253,18 @@ def solve_manual(profile: Profile, cluster: Cluster, options: PlanOptions) -> Ca
         raise PipeplanError("--tp: give one degree per stage of --split")
     need = sum(r * t for r, t in zip(replicas, tps, strict=True))
     if need > N and options.replicas is None and not any(t > 1 for t in tps):
-        raise PipeplanError(f"--split {','.join(map(str, options.split))} gives {len(options.split)} "
+        raise PipeplanError(f"--split {_listed(options.split)} gives {len(options.split)} "
                             f"stages, one device each, but the cluster has {N} devices: give at "
                             f"most {N} stages")
     if need > N:
-        raise PipeplanError(f"--replicas {','.join(map(str, replicas))}"
-                            + (f" with --tp {','.join(map(str, tps))}" if any(t > 1 for t in tps) else "")
+        raise PipeplanError(f"--replicas {_listed(replicas)}"
+                            + (f" with --tp {_listed(tps)}" if any(t > 1 for t in tps) else "")
                             + f" needs {need} devices but the cluster has {N}")
     b, m = resolve_microbatch(profile, options)
     idle = [s for s, r in enumerate(replicas) if r > m]
     if idle:  # microbatches go round robin over a stage's replicas: the rest get none
         raise PipeplanError(
-            f"--replicas {','.join(map(str, replicas))}: stage {idle[0]} has {replicas[idle[0]]} "
+            f"--replicas {_listed(replicas)}: stage {idle[0]} has {replicas[idle[0]]} "
             f"replicas but an iteration has {m} microbatch{'es' if m > 1 else ''} of {b}, so "
             f"{replicas[idle[0]] - m} of them would get none: give at most {m} replicas per stage, "
             "or smaller microbatches (--microbatch-size)")

@@ -428,11 +428,12 @@ class PlanOptions(_Closed):
     time_limit_s: float = Field(default=10.0, gt=0, le=MAX_TIME_LIMIT_S)
     powers_of_two: bool = False
     seed: int = Field(default=0, ge=0, le=MAX_INT)  # --seed's range (planner.limits.seed_arg)
-    split: list[PositiveInt] | None = Field(default=None, min_length=1)  # method "manual": layers per stage
-    replicas: list[PositiveInt] | None = Field(default=None, min_length=1)  # method "manual": per stage
-    recompute: list[bool] | None = Field(default=None, min_length=1)  # method "manual": per stage
+    # method "manual": layers per stage, replicas per stage (each stage takes a device at least)
+    split: list[PositiveInt] | None = Field(default=None, min_length=1, max_length=MAX_CLUSTER_DEVICES)
+    replicas: list[PositiveInt] | None = Field(default=None, min_length=1, max_length=MAX_CLUSTER_DEVICES)
+    recompute: list[bool] | None = Field(default=None, min_length=1, max_length=MAX_CLUSTER_DEVICES)  # per stage
     allow_recompute: bool = True  # False (--no-recompute): no stage may recompute
-    tp: list[PositiveInt] | None = Field(default=None, min_length=1)  # method "manual": TP degree per stage
+    tp: list[PositiveInt] | None = Field(default=None, min_length=1, max_length=MAX_CLUSTER_DEVICES)  # manual: TP degree per stage
     # the largest tensor-parallel degree the search may give a stage (None: the largest
     # profiled degree that fits in a node; 1: no tensor parallelism)
     max_tp: PositiveInt | None = Field(default=None, le=MAX_CLUSTER_DEVICES)
