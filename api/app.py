@@ -22,10 +22,11 @@ from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Route
 
 from api import docs, openapi, service
-from api.deps import RateLimiter, open_client, require_client
-from api.head import HeadAsGet, serves
+from api.deps import RateLimiter, before_body, open_client, require_client
+from api.head import HeadAsGet
 from api.jobs import JobManager
 from api.limits import BodySizeLimit
 from api.observe import Metrics, RequestContext, request_id
@@ -75,9 +76,26 @@ def validation_detail(errors: Any) -> list[dict[str, Any]]:
     return detail
 
 
+ROUTERS = (health, profiles, plans, jobs)
+
+
+def _answers(app: FastAPI, path: str, method: str) -> bool:
+    """Whether a `method` request to `path` reaches a route that serves it: the first route that
+    takes it (the one dispatched to) does not refuse the method (`endpoint.refuses_method`:
+    /v1/plans/compare's, ahead of /v1/plans/{plan_id}). The routers' own routes, then the app's
+    (docs): FastAPI's app router holds each included router as one opaque route."""
+    routes = [*(r for module in ROUTERS for r in module.router.routes), *app.router.routes]
+    for route in routes:
+        if (isinstance(route, Route) and route.methods and method in route.methods
+                and route.path_regex.match(path)):
+            return not getattr(route.endpoint, "refuses_method", False)
+    return False
+
+
 def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
     """Every method some route accepts at this path (for 405's Allow header)."""
-    methods = [m for m in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT") if serves(app.router, scope, m)]
+    path = scope["path"].removeprefix(scope.get("root_path", "") or "") or "/"
+    methods = [m for m in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT") if _answers(app, path, m)]
     if "GET" in methods and "HEAD" not in methods:  # api.head answers HEAD where GET is served
         methods.insert(methods.index("GET") + 1, "HEAD")
     return methods
@@ -242,6 +260,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.rate = RateLimiter(settings.quota_requests_per_minute)
+    app.state.before_body = before_body  # every JSON body is under /v1, behind the client check
     app.state.prechecks = {Profile: service.precheck_profile_body,
                            PlanRequest: service.precheck_plan_body,
                            CompareRequest: service.precheck_plan_body}
@@ -260,7 +279,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(health.router)
     check = require_client if settings.keyed else open_client
-    for module in (profiles, plans, jobs):
+    for module in ROUTERS[1:]:
         app.include_router(module.router, dependencies=[Depends(check)])
     openapi.install(app, settings)
     docs.install(app)

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 
 from api.jobs import JobManager
 from api.pool import RenderPool
@@ -86,6 +87,8 @@ def client_name(request: Request, settings: Settings,
 
 def _check_client(request: Request, settings: Settings,
                   credentials: HTTPAuthorizationCredentials | None) -> str:
+    if getattr(request.state, "client_checked", False):  # before the body (api.body.BEFORE_BODY)
+        return request.state.client
     name = client_name(request, settings, credentials)
     wait = request.app.state.rate.take(name if settings.keyed else f"ip:{_host(request)}")
     if wait > 0:
@@ -94,6 +97,7 @@ def _check_client(request: Request, settings: Settings,
                             "(PIPEPLAN_QUOTA_REQUESTS_PER_MINUTE); retry after Retry-After seconds",
                             headers={"Retry-After": str(max(1, math.ceil(wait)))})
     request.state.client = name
+    request.state.client_checked = True
     return name
 
 
@@ -113,6 +117,21 @@ def require_client(
 def open_client(request: Request, settings: SettingsDep) -> str:
     """Without API keys: no security in the schema; counts the request quota per address."""
     return _check_client(request, settings, None)
+
+
+def _bearer_credentials(request: Request) -> HTTPAuthorizationCredentials | None:
+    """What `bearer` (HTTPBearer, auto_error=False) gives the dependency."""
+    scheme, token = get_authorization_scheme_param(request.headers.get("authorization"))
+    if not (scheme and token) or scheme.lower() != "bearer":
+        return None
+    return HTTPAuthorizationCredentials(scheme=scheme, credentials=token)
+
+
+def before_body(request: Request) -> None:
+    """The client check of `require_client` / `open_client`, run by api.body before a body is
+    read (`app.state.before_body`); the dependency then finds it done."""
+    settings: Settings = request.app.state.settings
+    _check_client(request, settings, _bearer_credentials(request) if settings.keyed else None)
 
 
 def client(request: Request) -> str:

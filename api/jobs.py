@@ -47,7 +47,7 @@ class Outcome:
     plan_id: str | None = None
     result: Any = None
     error: str | None = None
-    error_kind: str | None = None  # user | internal | timeout | cancelled | shutdown
+    error_kind: str | None = None  # user | quota | internal | timeout | cancelled | shutdown
 
 
 # (status, value) from the worker ("ok" | "user" | "internal") -> what to record

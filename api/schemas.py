@@ -194,7 +194,7 @@ class JobOut(BaseModel):
     plan_id: str | None = Field(description="kind plan: the plan, once succeeded")
     result: CompareOut | None = Field(description="kind compare: the table, once succeeded")
     error: str | None
-    error_kind: str | None = Field(description="user | internal | timeout | cancelled | shutdown | lost")
+    error_kind: str | None = Field(description="user | quota | internal | timeout | cancelled | shutdown | lost")
     warnings: list[str] = Field(default_factory=list)
     links: dict[str, str]
 

@@ -298,28 +298,45 @@ def _solver_failure(status: str, value: Any) -> Outcome:
     return Outcome("failed", error=str(value), error_kind=kind)
 
 
-def _store_plan(storage: Storage, key: str, profile_id: str, method: str, doc: dict[str, Any],
-                owner: str = "") -> PlanRow | str:
-    """Store a solved plan; a plan whose numbers overflowed is refused with a message."""
+class NotStored(Exception):
+    """A solved plan that is not kept: why, and the job's error_kind ("user" | "quota")."""
+
+    def __init__(self, message: str, kind: str = "user") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _store_plan(storage: Storage, settings: Settings, key: str, profile_id: str, method: str,
+                doc: dict[str, Any], owner: str = "") -> PlanRow:
+    """Store a solved plan. NotStored where its numbers overflowed, its profile was deleted
+    meanwhile, or its client is at its stored-bytes quota by now: the request's own check ran
+    before the solve, so requests solving at once each passed it (six of 11 kB each were all
+    stored against a quota of 20 kB); with this one, a client goes over by one plan at most."""
     bad = out_of_range(doc)
     if bad is not None:
         where = ".".join(str(p) for p in bad[0])
-        return f"the plan's {where}: {bad[1]}; the profile's or cluster's numbers are out of range"
-    row = storage.put_plan(key, profile_id, method, doc, meta={}, owner=owner)
+        raise NotStored(f"the plan's {where}: {bad[1]}; the profile's or cluster's numbers are out of range")
+    with QUOTA_LOCK if settings.quota_stored_bytes else contextlib.nullcontext():
+        try:
+            check_quota(storage, settings, owner, 1, "this plan")
+        except HTTPException as exc:
+            raise NotStored(str(exc.detail), "quota") from None
+        row = storage.put_plan(key, profile_id, method, doc, meta={}, owner=owner)
     if row is None:
-        return (f"the profile {shown_id(profile_id)} was deleted while this plan was being made, "
-                "so the plan was not kept; POST the profile again and send the request again")
+        raise NotStored(f"the profile {shown_id(profile_id)} was deleted while this plan was being "
+                        "made, so the plan was not kept; POST the profile again and send the request again")
     return row
 
 
-def plan_handler(storage: Storage, prep: Prepared, owner: str = "") -> ResultHandler:
+def plan_handler(storage: Storage, settings: Settings, prep: Prepared, owner: str = "") -> ResultHandler:
     def handle(status: str, value: Any) -> Outcome:
         if status != "ok":
             return _solver_failure(status, value)
-        row = _store_plan(storage, prep.key, prep.profile_row.id, prep.options.method, value["plan"],
-                          owner)
-        if isinstance(row, str):
-            return Outcome("failed", error=row, error_kind="user")
+        try:
+            row = _store_plan(storage, settings, prep.key, prep.profile_row.id, prep.options.method,
+                              value["plan"], owner)
+        except NotStored as exc:
+            return Outcome("failed", error=str(exc), error_kind=exc.kind)
         return Outcome("succeeded", plan_id=row.id)
 
     return handle
@@ -366,7 +383,7 @@ def method_prepared(prep: Prepared, method: str) -> Prepared:
                     cache_key(prep.profile_row.sha256, prep.cluster, options))
 
 
-def compare_handler(storage: Storage, prep: Prepared, methods: list[str],
+def compare_handler(storage: Storage, settings: Settings, prep: Prepared, methods: list[str],
                     done: dict[str, CompareRow], owner: str = "") -> ResultHandler:
     def handle(status: str, value: Any) -> Outcome:
         if status != "ok":
@@ -378,12 +395,14 @@ def compare_handler(storage: Storage, prep: Prepared, methods: list[str],
                 rows[method] = CompareRow(method=method, status="error", error=item["error"])
                 continue
             mprep = method_prepared(prep, method)
-            row = _store_plan(storage, mprep.key, prep.profile_row.id, method, item["plan"], owner)
-            if isinstance(row, str):
-                rows[method] = CompareRow(method=method, status="error", error=row)
-            else:
-                assert row.body is not None
-                rows[method] = compare_row(method, row.id, row.body)
+            try:
+                row = _store_plan(storage, settings, mprep.key, prep.profile_row.id, method,
+                                  item["plan"], owner)
+            except NotStored as exc:
+                rows[method] = CompareRow(method=method, status="error", error=str(exc))
+                continue
+            assert row.body is not None
+            rows[method] = compare_row(method, row.id, row.body)
         table = compare_table(prep.profile_row.id, methods, rows, prep.warnings)
         return Outcome("succeeded", result=table.model_dump(mode="json"))
 

@@ -68,7 +68,7 @@ async def _wait(task: Task, timeout_s: float) -> Outcome | None:
 
 
 def _failure(outcome: Outcome) -> HTTPException:
-    code = {"user": 422, "cancelled": 409, "shutdown": 503, "timeout": 504}.get(outcome.error_kind or "", 500)
+    code = {"user": 422, "quota": 413, "cancelled": 409, "shutdown": 503, "timeout": 504}.get(outcome.error_kind or "", 500)
     return HTTPException(code, detail=outcome.error or "the job failed")
 
 
@@ -117,7 +117,7 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
         jobs, settings, kind="plan", key=prep.key, profile_id=prep.profile_row.id,
         request=service.job_request(prep), payload=service.task_payload(prep, "plan"),
         grace_s=settings.solve_grace_s,
-        on_result=service.plan_handler(storage, prep, client), owner=client,
+        on_result=service.plan_handler(storage, settings, prep, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)
     if outcome is None:
@@ -171,7 +171,7 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
         jobs, settings, kind="compare", key=key, profile_id=base.profile_row.id,
         request=service.job_request(base, methods), payload=service.task_payload(base, "compare", missing),
         grace_s=settings.solve_grace_s,
-        on_result=service.compare_handler(storage, base, methods, done, client), owner=client,
+        on_result=service.compare_handler(storage, settings, base, methods, done, client), owner=client,
     )
     outcome = await _wait(task, settings.sync_wait_s)
     if outcome is None:

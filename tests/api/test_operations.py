@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from api import service
 from api.app import create_app
 from api.storage import Storage
-from tests.api.conftest import make_settings, plan_body, profile_doc, wait_job
+from tests.api.conftest import cluster_doc, make_settings, plan_body, profile_doc, wait_job
 
 
 def test_plan_and_picture_caching_headers(client: TestClient) -> None:
@@ -322,3 +322,45 @@ def test_access_log_lines_are_json_with_the_request_id(client: TestClient, caplo
     line = json.loads(JsonFormatter().format(record))
     assert line["request_id"] == "log-me" and line["status"] == 404
     assert line["route"] == "/v1/plans/{plan_id}" and line["level"] == "info"
+
+
+def test_plans_solved_at_once_are_kept_within_the_quota_but_one(tmp_path: Path) -> None:
+    """Each plan request passes the stored-bytes check before its solve, when nothing of the
+    others is stored yet: six distinct plans solving at once were all kept against a quota of two
+    (75 kB of 20). The check is made again under the quota's lock when a plan is stored, so a
+    client goes over by one plan at most, as when its requests come one by one; the others get
+    a 413 that says why."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.api.server import Server
+
+    sizes = []
+    with Server(tmp_path / "pipeplan.db") as probe:  # what a profile and one plan store
+        pid = httpx.post(f"{probe.url}/v1/profiles", json=profile_doc(), timeout=60).json()["id"]
+        sizes.append(_stored(tmp_path / "pipeplan.db"))
+        body = {"profile_id": pid, "cluster": cluster_doc(), "options": {"method": "uniform", "global_batch": 32}}
+        assert httpx.post(f"{probe.url}/v1/plans", json=body, timeout=60).status_code == 201
+        sizes.append(_stored(tmp_path / "pipeplan.db"))
+    profile_bytes, plan_bytes = sizes[0], sizes[1] - sizes[0]
+    db = tmp_path / "b.db"
+    quota = profile_bytes + plan_bytes // 2  # room for the profile and half a plan
+    with Server(db, workers=3, quota_stored_bytes=str(quota), sync_wait_s="60") as server:
+        pid = httpx.post(f"{server.url}/v1/profiles", json=profile_doc(), timeout=60).json()["id"]
+        bodies = [{"profile_id": pid, "cluster": cluster_doc(),
+                   "options": {"method": "uniform", "global_batch": 32 * k}} for k in range(1, 7)]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda b: httpx.post(f"{server.url}/v1/plans", json=b, timeout=120), bodies))
+    codes = [a.status_code for a in answers]
+    assert codes.count(201) == 1 and codes.count(413) == 5, codes
+    assert all("PIPEPLAN_QUOTA_STORED_BYTES" in a.json()["detail"] for a in answers if a.status_code == 413)
+    assert _stored(db) <= quota + 1.5 * plan_bytes
+
+
+def _stored(db: Path) -> int:
+    stored = Storage(str(db))
+    try:
+        return stored.stored_bytes("anonymous")  # (the client without API keys)
+    finally:
+        stored.close()
