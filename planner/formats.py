@@ -286,6 +286,8 @@ def digest_data(data: object) -> str:
 
 MAX_DEVICE_MEMORY_GB = 1e6  # a petabyte per device: beyond it, a typo (and bytes overflow)
 MAX_SPEED = 1e6
+MIN_SPEED = 1e-6  # a device a million times slower than the profiled one: a typo (speed 1e-300
+# priced stages at 1e300 ms, refused only when the plan was written)
 MAX_LATENCY_US = 1e7  # ten seconds per message: beyond it, a typo (and predictions of ~1e308 ms)
 
 
@@ -295,7 +297,7 @@ class NodeSpec(_Closed):
     name: str
     devices: PositiveInt = Field(strict=True)  # "2" or true is a mistake, not a count
     device_memory_gb: float = Field(gt=0, le=MAX_DEVICE_MEMORY_GB)
-    speed: float = Field(default=1.0, gt=0, le=MAX_SPEED)  # relative to the profiled device
+    speed: float = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)  # relative to the profiled device
 
 
 @dataclass(frozen=True)
@@ -319,7 +321,7 @@ class Cluster(_Closed):
     nodes: PositiveInt | list[NodeSpec]
     devices_per_node: PositiveInt | None = None
     device_memory_gb: float | None = Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
-    speed: float = Field(default=1.0, gt=0, le=MAX_SPEED)
+    speed: float = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)
     intra_node_gb_per_s: float = Field(gt=0)
     inter_node_gb_per_s: float = Field(gt=0)
     latency_us: NonNegativeFloat = Field(default=0.0, le=MAX_LATENCY_US)

@@ -146,3 +146,19 @@ def test_a_tp_degree_profiled_for_some_layers_only_names_them() -> None:
     with pytest.raises(ValidationError, match=r"degree 2 is profiled for some layers but not for l2, l3 \(2 of 4\)"):
         Profile.model_validate({"model": {"path": "m.py", "sha256": "x"}, "device": {"type": "cpu", "name": "cpu"},
                                 "batch_size": 1, "layers": layers})
+
+
+@pytest.mark.parametrize("where", ["cluster", "node"])
+def test_a_speed_no_device_has_is_refused_when_the_cluster_is_read(where: str) -> None:
+    """speed 1e-300 priced stages at 1e300 ms: the error came when the plan was written and
+    named the output file."""
+    doc: dict = {"nodes": 1, "devices_per_node": 2, "device_memory_gb": 10, "intra_node_gb_per_s": 10,
+                 "inter_node_gb_per_s": 1, "speed": 1e-300}
+    if where == "node":
+        doc = {"nodes": [{"name": "a", "devices": 2, "device_memory_gb": 10, "speed": 1e-300}],
+               "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1}
+    with pytest.raises(ValidationError, match="greater than or equal to 1e-06|0.000001"):
+        Cluster.model_validate(doc)
+    doc["speed" if where == "cluster" else "nodes"] = 1e-3 if where == "cluster" else [
+        {"name": "a", "devices": 2, "device_memory_gb": 10, "speed": 1e-3}]
+    assert Cluster.model_validate(doc).devices()[0].speed == pytest.approx(1e-3)
