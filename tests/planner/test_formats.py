@@ -113,7 +113,7 @@ def test_validation_errors_describe_the_form_the_value_was_meant_to_take() -> No
     from planner.io import parse_model
 
     base = {"intra_node_gb_per_s": 1, "inter_node_gb_per_s": 1}
-    for node, message in (({"speed": 0}, "nodes.0.speed: Input should be greater than 0"),
+    for node, message in (({"speed": 0}, "nodes.0.speed: Input should be greater than or equal to 0.000001"),
                           ({"devices": "2"}, "nodes.0.devices: Input should be a valid integer")):
         bad = {"nodes": [{"name": "a", "devices": 2, "device_memory_gb": 1, **node}], **base}
         with pytest.raises(PipeplanError) as got:
