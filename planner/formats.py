@@ -485,6 +485,11 @@ def option_conflicts(o: PlanOptions, name: Callable[[str], str] = lambda f: f,
     for field in ("microbatch_sizes", "powers_of_two"):
         if getattr(o, field) and o.method != "cpsat":
             return f"{name(field)} is for {name('method')} cpsat (the search), not {o.method}"
+    if o.max_tp is not None and o.method != "cpsat":
+        return (f"{name('max_tp')} is for {name('method')} cpsat (the search), not {o.method}"
+                + (f": give {name('method')} manual its degrees with {name('tp')}" if o.method == "manual" else ""))
+    if o.objective != "iteration" and o.method != "cpsat":
+        return f"{name('objective')} {o.objective} is for {name('method')} cpsat (the search), not {o.method}"
     return None
 
 

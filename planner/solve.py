@@ -79,6 +79,10 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
                                 f"largest divisor of it up to the profile's batch, {profile.batch_size}) "
                                 f"is {m} microbatches per iteration; at most {MAX_MICROBATCHES} are "
                                 "planned: give a larger --microbatch-size")
+    if options.max_tp is not None and options.max_tp > 1 and not any(x.tp for x in profile.layers):
+        raise PipeplanError(f"--max-tp {options.max_tp} allows tensor parallelism, but the profile has "
+                            "no layer measured at a TP degree above 1: profile the model with --tp "
+                            f"{options.max_tp} (it needs a tp_plan), or leave --max-tp out")
     table = layer_table(profile)
     total = table.compute_ms(0, table.num_layers)
     if not total >= MIN_TOTAL_MS:

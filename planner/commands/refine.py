@@ -55,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
     from planner.report_table import format_plan
     from planner.solve import make_plan
 
+    if args.profile_out and not args.profile:
+        from planner.errors import PipeplanError
+
+        raise PipeplanError("--profile-out names where the corrected profile goes, but without "
+                            "--profile there is none: give the profile the plan was made from "
+                            "with --profile, or leave --profile-out out")
     corr_path = args.corrections or _beside(args.output, ".corrections.json")
     cluster_path = args.cluster_out or _beside(args.output, ".cluster.json")
     profile_path = args.profile_out or _beside(args.output, ".profile.json")

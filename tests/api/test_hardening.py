@@ -235,6 +235,9 @@ def test_options_out_of_range_are_422_naming_the_field(client: TestClient, optio
     ({"microbatch_size": 4, "microbatch_sizes": [2, 4]}, "give one of them"),
     ({"microbatch_size": None, "microbatch_sizes": [2, 4]}, "options.microbatch_sizes is for options.method cpsat"),
     ({"method": "uniform", "powers_of_two": True}, "options.powers_of_two is for options.method cpsat"),
+    ({"method": "blocks", "max_tp": 2}, "options.max_tp is for options.method cpsat"),
+    ({"method": "pipedream", "objective": "throughput"}, "options.objective throughput is for options.method cpsat"),
+    ({"method": "cpsat", "max_tp": 2}, "the profile has no layer measured at a TP degree above 1"),
 ])
 def test_options_the_method_would_ignore_are_422_as_on_the_command_line(
         client: TestClient, options: dict, message: str) -> None:

@@ -67,6 +67,11 @@ def test_manual_split_from_the_command_line(files: dict[str, Path], capsys: pyte
     (["--microbatch-size", "4", "--microbatch-sizes", "4,8"], "give one of them"),
     (["--method", "uniform", "--powers-of-two"], "is for --method cpsat"),
     (["--split", "3,3", "--microbatch-sizes", "4,8"], "is for --method cpsat"),
+    # options the method ignored without a word (an outside review)
+    (["--method", "uniform", "--max-tp", "2"], "--max-tp is for --method cpsat"),
+    (["--split", "3,3", "--max-tp", "2"], "give --method manual its degrees with --tp"),
+    (["--split", "3,3", "--objective", "throughput"], "--objective throughput is for --method cpsat"),
+    (["--max-tp", "2"], "the profile has no layer measured at a TP degree above 1"),
     # one microbatch of 16 over two replicas: the second replica idled (the table said "2 of 2")
     (["--global-batch", "16", "--microbatch-size", "16", "--split", "3,3", "--replicas", "2,1"],
      "stage 0 has 2 replicas but an iteration has 1 microbatch of 16, so 1 of them would get none"),
@@ -419,3 +424,10 @@ def test_the_inode_lock_never_follows_a_link_nor_stops_a_server(tmp_path: Path) 
     assert held is not None and name.is_file()
     held.close()
     assert not name.exists()
+
+
+def test_an_empty_microbatch_size_is_refused(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """`--microbatch-sizes 4,,8` was read as 4,8."""
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--microbatch-sizes", "4,,8"])
+    assert exc.value.code == 2 and "expected comma-separated integers, got '4,,8'" in capsys.readouterr().err

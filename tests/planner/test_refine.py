@@ -177,6 +177,11 @@ def test_cli_writes_plan_corrections_cluster_and_profile(tmp_path, capsys):
     rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
                "-o", str(tmp_path / "n2.json"), "--profile", str(tmp_path / "other.json")])
     assert rc == 2 and "not the profile" in capsys.readouterr().err
+    # a corrected profile asked for where there is none (it was ignored without a word)
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "n3.json"), "--profile-out", str(tmp_path / "p3.json")])
+    assert rc == 2 and "without --profile there is none" in capsys.readouterr().err
+    assert not (tmp_path / "n3.json").exists()
 
 
 def test_old_cluster_files_load_and_cost_the_same():
