@@ -185,10 +185,9 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     """Before any process starts: the model file matches and has every layer the plan names.
     Returns the granularity the plan's layers were traced at; with `trace_info`, writes there
     what the ranks need to trace the model without running it."""
-    import torch
 
     from profiler.loader import batch_checked, build_checked, load_model_file
-    from runtime import stages
+    from runtime import rng, stages
     from runtime.worker import split_batch
 
     check_model_hash(plan, opts.model, opts.allow_mismatch, quiet=False)
@@ -196,7 +195,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     if opts.resume and not os.path.isdir(opts.resume):
         raise PipeplanError(f"--resume {opts.resume}: no such directory")
     mf = load_model_file(opts.model)
-    torch.manual_seed(opts.seed)
+    rng.seed_build(opts.seed)
     model = build_checked(mf, plan.microbatch_size)
     if opts.resume:
         from runtime import checkpoint

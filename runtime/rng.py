@@ -20,7 +20,10 @@ make_batch draws from; the first step's batch is drawn in setup (its first micro
 the model), so make_batch runs exactly once per step, in order, and a make_batch that keeps a
 position (a dataset walked in order) gives every rank, and single-device training, the same
 rows. At the first step the ranks compare a digest of their batch (`batch_digest`) and stop
-with an error if they differ (a make_batch that reads a per-process state).
+with an error if they differ (a make_batch that reads a per-process state). `build_model` runs
+after the same generators are seeded with `seed` (`seed_build`), and the ranks compare a digest
+of the model they built (`model_digest`) at the same time: a build_model drawing from a
+generator of its own gave replicas other starting weights, which training never evened out.
 
 Buffers of replicated stages (BatchNorm running statistics, counters). Replica k runs only its
 own microbatches, so its buffers drift from the other replicas'. After every optimizer step the
@@ -48,6 +51,16 @@ import torch.distributed as dist
 from torch import nn
 
 
+def seed_build(seed: int) -> None:
+    """Seed the global generators a `build_model` may draw its initial weights from: torch's,
+    Python's `random` and numpy's legacy global one, each with `seed`. The same on every rank:
+    a build_model that drew from numpy (`np.random.randn` into a weight) gave each replica of a
+    stage other initial weights, which the averaged gradients then kept apart for the whole run."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def seed_batch(seed: int, step: int) -> None:
     """Seed the global generators a `make_batch` may draw from, before step `step`'s batch:
     torch's (`torch.manual_seed`), Python's `random` and numpy's legacy global one
@@ -59,17 +72,28 @@ def seed_batch(seed: int, step: int) -> None:
     np.random.seed((seed + step) % 2**32)
 
 
-def batch_digest(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> int:
-    """A 63-bit digest of a batch's inputs and target (dtypes, shapes and bytes): equal on every
-    rank exactly where the batches are."""
+def tensors_digest(tensors: object) -> int:
+    """A 63-bit digest of tensors (dtypes, shapes and bytes, in order): equal on every rank
+    exactly where the tensors are."""
     h = hashlib.blake2b(digest_size=8)
-    inputs, target = batch
-    for t in (*inputs, target):
+    for t in tensors:  # type: ignore[attr-defined]
         t = t.detach().to("cpu")
         t = (t.to_dense() if t.layout != torch.strided else t).contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def batch_digest(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> int:
+    """A digest of a batch's inputs and target: equal on every rank exactly where the batches are."""
+    inputs, target = batch
+    return tensors_digest((*inputs, target))
+
+
+def model_digest(model: nn.Module) -> int:
+    """A digest of a model's parameters and buffers as built (or resumed): every rank builds the
+    whole model, so it is equal on every rank exactly where their weights are."""
+    return tensors_digest(t for _, t in sorted(model.state_dict(keep_vars=True).items()))
 
 
 def stream_seed(seed: int, step: int, stage: int, microbatch: int) -> int:

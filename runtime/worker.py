@@ -148,7 +148,7 @@ class Worker:
         plan, opts = self.plan, self.opts
         from profiler.loader import build_checked
 
-        torch.manual_seed(opts.seed)
+        rng.seed_build(opts.seed)
         model = build_checked(self.mf, self.b)
         self.start_step = 0
         opt_state: dict = {}
@@ -156,6 +156,7 @@ class Worker:
             model_state, opt_state, meta = checkpoint.load(opts.resume)
             checkpoint.load_model_state(model, model_state, opts.resume, opts.model)
             self.start_step = int(meta["step"])
+        self.model_digest = rng.model_digest(model)
         # step start_step's batch, drawn here so that make_batch runs once per step and in
         # order (a make_batch that walks a dataset gives the rows single-device training
         # gets); its first microbatch traces the model
@@ -336,17 +337,28 @@ class Worker:
         return tuple(inputs), target
 
     def check_same_batch(self, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], step: int) -> None:
-        """Every rank trains on the same batch: a make_batch that reads a per-process state (a
-        generator other than torch's, random's or numpy's global one, a file position, the
-        rank) gave the stages other rows, and training went wrong without a word."""
+        """Every rank trains the same model on the same batch: a make_batch that reads a
+        per-process state (a generator other than torch's, random's or numpy's global one, a
+        file position, the rank) gave the stages other rows, and a build_model that did gave
+        replicas other starting weights; training went wrong without a word either way."""
         world = self.env.world_size
         if world == 1:
             return
-        mine = torch.tensor([rng.batch_digest(batch)], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([rng.batch_digest(batch), self.model_digest], dtype=torch.int64,
+                            device=self.device)
         every = [torch.zeros_like(mine) for _ in range(world)]
         _wait(dist.all_gather(every, mine, async_op=True), self.opts.timeout,
-              f"comparing the ranks' step-{step} batches")
-        digests = [int(t.item()) for t in every]
+              f"comparing the ranks' models and step-{step} batches")
+        models = [int(t[1].item()) for t in every]
+        other = next((r for r, d in enumerate(models) if d != models[0]), None)
+        if other is not None:
+            raise PipeplanError(
+                f"build_model() gave ranks 0 and {other} different weights: every rank builds the "
+                "whole model after seeding torch's, Python's random and numpy's global generators "
+                "with --seed, so its initial weights must come only from those (or from a file that "
+                "is the same on every rank). A generator of its own (np.random.default_rng() "
+                "without a fixed seed), the rank or the time gives each replica other starting weights")
+        digests = [int(t[0].item()) for t in every]
         other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
         if other is not None:
             raise PipeplanError(

@@ -19,7 +19,9 @@ def reference_train(model_path: str, steps: int, *, seed: int = 0, global_batch:
     random state kept from make_batch), as PyTorch advises before building the optimizer of
     a model with lazy modules."""
     mf = load_model_file(model_path)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # a script's seeds: the generators build_model may draw from
+    random.seed(seed)
+    np.random.seed(seed)
     model = mf.build_model()
     if dry_run:
         state = torch.get_rng_state()

@@ -192,6 +192,22 @@ def test_make_batch_that_differs_between_ranks_is_refused(run, tmp_path, monkeyp
     assert "Traceback" not in err
 
 
+def test_initial_weights_from_numpy_train_as_one_process_and_others_are_refused(run, tmp_path, monkeypatch):
+    """build_model drawing its weights from numpy's global generator: only torch's was seeded
+    before it, so the two replicas of stage 0 started from other weights and stayed apart, with
+    no word (an outside review). Now every generator is seeded with --seed; a generator of the
+    model's own (other weights on every process) is refused, naming build_model."""
+    model = MODELS / "data_sources.py"
+    monkeypatch.setenv("PIPEPLAN_TEST_INIT", "numpy")
+    got = _train(run, tmp_path, run.plan(model, 3, [2, 1, 1], name="init.json"), model)
+    assert _diff(got, reference_train(str(model), 3), got) < TOL
+    monkeypatch.setenv("PIPEPLAN_TEST_INIT", "own-rng")
+    rc, _, err, _ = run(run.plan(model, 2, [2, 1], name="own.json"), "--model", model, "--steps", 1,
+                        "--timeout", 60)
+    assert rc != 0 and "build_model() gave ranks 0 and 1 different weights" in err, err
+    assert "Traceback" not in err
+
+
 def test_a_tensor_the_runtime_cannot_send_across_a_cut_is_named(run, tmp_path):
     """A complex tensor crossing a stage boundary stopped every rank with a traceback ending
     "ValueError: torch.complex64 is not in list" (a tensor of 9 dimensions: "cannot be sent",

@@ -2,7 +2,8 @@
 PIPEPLAN_TEST_DATA: `numpy` (numpy's global generator, inputs and targets a fixed function of
 each other), `cursor` (a fixed dataset walked in order, as a DataLoader without shuffling:
 state kept between calls) or `own-rng` (a numpy Generator of its own, seeded from the OS: other
-rows on every process)."""
+rows on every process). PIPEPLAN_TEST_INIT `numpy` / `own-rng` draws the first layer's initial
+weights from numpy's global generator / that generator of its own."""
 
 import os
 
@@ -17,7 +18,13 @@ _own = np.random.default_rng()
 
 
 def build_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    init = os.environ.get("PIPEPLAN_TEST_INIT")
+    if init in ("numpy", "own-rng"):
+        draw = np.random.standard_normal if init == "numpy" else _own.standard_normal
+        with torch.no_grad():
+            model[0].weight.copy_(torch.from_numpy(0.3 * draw((16, 8)).astype(np.float32)))
+    return model
 
 
 def make_batch(batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
