@@ -11,6 +11,7 @@ A checkpoint directory holds
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 from pathlib import Path
@@ -59,26 +60,51 @@ def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def save(directory: str | Path, model_state: dict[str, torch.Tensor],
          optimizer_state: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]) -> None:
+    """Write the checkpoint. All three files are written first, then renamed in place: a
+    failure while writing (the slow part: a full disk) removes what it wrote and leaves the
+    previous checkpoint whole, with a PipeplanError saying why. The old meta.json goes before
+    the renames and the new one comes last, so a crash between them leaves a directory `load`
+    refuses as unfinished, never new weights beside an old step count."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    # all three written first, then renamed in place one after the other: a crash while
-    # writing (the slow part) leaves the previous checkpoint whole
-    tmps = []
-    for name, obj in ((MODEL_FILE, model_state), (OPTIMIZER_FILE, {"state": optimizer_state})):
-        tmps.append((d / (name + ".tmp"), d / name))
-        torch.save(obj, tmps[-1][0])
-    tmps.append((d / (META_FILE + ".tmp"), d / META_FILE))
-    tmps[-1][0].write_text(json.dumps(meta, indent=2) + "\n")
+    tmps: list[tuple[Path, Path]] = []
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for name, obj in ((MODEL_FILE, model_state), (OPTIMIZER_FILE, {"state": optimizer_state})):
+            tmps.append((d / (name + ".tmp"), d / name))
+            torch.save(obj, tmps[-1][0])
+        tmps.append((d / (META_FILE + ".tmp"), d / META_FILE))
+        tmps[-1][0].write_text(json.dumps(meta, indent=2) + "\n")
+    except (OSError, RuntimeError) as exc:  # torch.save reports a short write as RuntimeError
+        for tmp, _ in tmps:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0][:160]
+        raise PipeplanError(f"--save {d}: the checkpoint could not be written ({why}); the training "
+                            "of this run is not saved. Free space there, or --save to another "
+                            "directory") from None
+    (d / META_FILE).unlink(missing_ok=True)
     for tmp, final in tmps:
         tmp.replace(final)
+
+
+def state_bytes(model: nn.Module, optimizer: str) -> int:
+    """About what `save` writes for `model` trained with `optimizer`: its state dict, and the
+    optimizer's state (a momentum buffer, Adam's two moments) per trained parameter."""
+    copies = {"sgd": 0, "momentum": 1, "adam": 2}.get(optimizer, 2)
+    params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return params + copies * trained
 
 
 def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict]:
     d = Path(directory)
     missing = [n for n in (MODEL_FILE, OPTIMIZER_FILE, META_FILE) if not (d / n).is_file()]
     if missing:
+        unfinished = missing == [META_FILE] and (d / MODEL_FILE).is_file()
         raise PipeplanError(
             f"--resume {d}: not a checkpoint written by --save (missing {', '.join(missing)})"
+            + ("; its --save was interrupted while renaming its files: resume from another "
+               "checkpoint or start again" if unfinished else "")
         )
     loaded = []
     for name in (MODEL_FILE, OPTIMIZER_FILE):

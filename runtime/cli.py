@@ -181,6 +181,23 @@ def check_model_hash(plan: Plan, model_path: str, allow_mismatch: bool, quiet: b
         print(f"warning: {text}; running anyway (--allow-mismatch)", file=sys.stderr)
 
 
+def check_room_for_checkpoint(directory: str, needed: int) -> None:
+    """--save where the checkpoint cannot fit: said before training, not after it (the write
+    failed at the end of the run, and the run's training was lost)."""
+    import shutil
+
+    place = Path(directory)
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    free = shutil.disk_usage(place).free
+    old = sum(f.stat().st_size for f in Path(directory).glob("*.pt")) if Path(directory).is_dir() else 0
+    if needed > free:  # (the old files stay until the new ones are written)
+        raise PipeplanError(f"--save {directory}: the checkpoint takes about {needed / 1e6:.1f} MB "
+                            f"(the model's state and its optimizer's), but only {free / 1e6:.1f} MB "
+                            f"are free there{f' (its old checkpoint holds {old / 1e6:.1f} MB)' if old else ''}: "
+                            "free space, or --save to another directory")
+
+
 def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> str:
     """Before any process starts: the model file matches and has every layer the plan names.
     Returns the granularity the plan's layers were traced at; with `trace_info`, writes there
@@ -188,6 +205,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
 
     from profiler.loader import batch_checked, build_checked, load_model_file
     from runtime import rng, stages
+    from runtime.checkpoint import state_bytes as checkpoint_state_bytes
     from runtime.worker import split_batch
 
     check_model_hash(plan, opts.model, opts.allow_mismatch, quiet=False)
@@ -214,6 +232,8 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
             f"plan's microbatch size ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             "make the plan with a --microbatch-size the model accepts (BatchNorm in training needs "
             "more than one row)") from None
+    if opts.save:
+        check_room_for_checkpoint(opts.save, checkpoint_state_bytes(model, opts.optimizer))
     mismatch = stages.parameter_mismatch(plan, graph, opts.model)
     if mismatch and not opts.allow_mismatch:
         raise PipeplanError(f"{mismatch}: build it as it was profiled, or profile it again and make "
@@ -229,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from runtime.deadline import DeadlinePassed, alarm
     from runtime.launch import ERROR_FILE_ENV, die_with_launcher
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -241,10 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))
         opts = options_from_args(args, plan)
-        granularity = preflight(plan, opts, info)
+        with alarm(opts.timeout, "the check before the ranks start (build_model, make_batch and "
+                   "one forward of the model on a microbatch, to trace it)"):
+            granularity = preflight(plan, opts, info)
     except PipeplanError as exc:
         info_dir.cleanup()
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc.message if isinstance(exc, DeadlinePassed) else exc}", file=sys.stderr)
         return 2
     from runtime.launch import check_room, launch
 
@@ -300,7 +323,13 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
                          quiet=error_file is not None or env.rank != 0)
         if error_file is None and env.rank == 0:  # under torchrun: no preflight said it
             warn_plan(plan, opts)
-        run(plan, opts, env)
+        def stuck(message: str) -> None:
+            report_failure(env, PipeplanError(message), error_file)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+
+        run(plan, opts, env, stuck)
     except BaseException as exc:  # noqa: BLE001 - every failure must end this rank promptly
         report_failure(env, exc, error_file)
         sys.stdout.flush()

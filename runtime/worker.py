@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from profiler.optimizers import make_optimizer
 from profiler.tracing import TracingWarning
 from runtime import checkpoint, comm, cpu_binding, rng, stages, tensor_parallel
 from runtime.comm import P2P, PeerError
+from runtime.deadline import Deadline
 from runtime.executor import StageExecutor, TimedEvent
 from runtime.options import RunOptions
 from runtime.report import RankRecord, build_report, chrome_trace, measured_simulation
@@ -144,10 +146,16 @@ class Worker:
         self.b, self.m = plan.microbatch_size, plan.num_microbatches
 
     # ------------------------------------------------------------------ setup
-    def setup(self) -> None:
+    def setup(self, stuck: Callable[[str], None] | None = None) -> None:
+        """Build, trace and cut the model, make the process groups. `stuck` as for `run`: the
+        user's code here (up to the trace) runs before any step this rank takes with its
+        peers, so none of their timeouts would notice it hang."""
         plan, opts = self.plan, self.opts
         from profiler.loader import build_checked
 
+        watch = Deadline(opts.timeout, f"rank {self.rank}'s setup (build_model, make_batch"
+                         + (")" if opts.trace_info else " and one forward of the model, to trace it)"),
+                         stuck or (lambda message: None))
         rng.seed_build(opts.seed)
         model = build_checked(self.mf, self.b)
         self.start_step = 0
@@ -169,6 +177,7 @@ class Worker:
                 warnings.simplefilter("ignore", TracingWarning)
             graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity,
                                              kinds)
+        watch.cancel()  # (an error above ends the rank anyway)
         modules = stages.build_all_stages(graph, plan)
         self.routing = stages.routing_of(modules)
         names = [set(stages.named_tensors(mod)) for mod in modules]
@@ -608,15 +617,17 @@ def start_rank(env: DistEnv, device: torch.device, backend: str, timeout_s: floa
                           cpu_binding.gather_all)
 
 
-def run(plan: Plan, opts: RunOptions, env: DistEnv) -> None:
-    """Run one rank to the end; exceptions propagate (the caller reports them)."""
+def run(plan: Plan, opts: RunOptions, env: DistEnv, stuck: Callable[[str], None] | None = None) -> None:
+    """Run one rank to the end; exceptions propagate (the caller reports them). `stuck(message)`
+    (ends the process) where setup's own code — build_model, make_batch, under torchrun the
+    trace's forward — has not finished within --timeout (`runtime.deadline`)."""
     if "GROUP_RANK" in os.environ and env.local_rank == 0:  # torchrun's; not our local launcher
         for said in (layout_warning(plan, env), node_name_warning(plan, env, node_key())):
             if said:
                 print(f"warning: {said}", file=sys.stderr, flush=True)
     worker = Worker(plan, opts, env)
     start_rank(env, worker.device, worker.backend, opts.timeout, opts.threads)
-    worker.setup()
+    worker.setup(stuck)
     gc.collect()
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
     record = worker.train()

@@ -221,6 +221,32 @@ def test_parameters_frozen_since_the_profile_are_a_clear_error(run, tmp_path, mo
     assert rc == 0 and "running anyway" in err
 
 
+def test_a_forward_that_hangs_before_any_rank_starts_is_named_within_the_timeout(run, fault):
+    """The launcher runs the model once without gradients to trace it, and under torchrun every
+    rank does; a forward that hung there held the job for ever without a word (--timeout
+    covered only what ranks do together)."""
+    import socket
+
+    model = MODELS / "seq_mlp.py"
+    plans = run.plan(model, [3, 3]), run.plan(model, 1, name="one.json")  # (they trace the model)
+    fault("trace-hang", "any")
+    rc, _, err, wall = run(plans[0], "--model", model, "--steps", 1, "--timeout", 3)
+    assert rc == 2 and "the check before the ranks start" in err and "within 3 s (--timeout)" in err, err
+    assert "While executing" not in err and wall < 60
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    env.pop("PIPEPLAN_ERROR_FILE", None)
+    p = subprocess.run([sys.executable, "-m", "runtime", str(plans[1]),
+                        "--model", str(model), "--timeout", "3"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "rank 0's setup (build_model, make_batch and one forward" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
 def test_world_size_must_match_under_torchrun(run):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, 2)

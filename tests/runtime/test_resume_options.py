@@ -179,3 +179,38 @@ def test_options_that_would_fail_after_training_are_refused_first(run, tmp_path)
                  ["--timeout", "0"], ["--memory-gb", "nan"]):
         assert calibrate([*args, "-o", str(tmp_path / "c.json")]) == 2
     assert not (tmp_path / "c.json").exists()
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_the_old_one_and_says_why(tmp_path):
+    """--save onto a full disk ended the run with torch's "unexpected pos" traceback and left
+    model.pt.tmp, which the next --save refused as a folder of other files. A write that fails
+    now removes what it wrote and leaves the previous checkpoint whole; a save interrupted while
+    renaming its files is refused on resume, never read as new weights with an old step."""
+    import pytest
+    import torch
+
+    from planner.errors import PipeplanError
+    from runtime import checkpoint
+
+    checkpoint.save(tmp_path, {"w": torch.ones(3)}, {}, {"step": 1})
+    (tmp_path / "optimizer.pt.tmp").mkdir()  # a write that fails after model.pt.tmp is written
+    with pytest.raises(PipeplanError, match="could not be written .*not saved"):
+        checkpoint.save(tmp_path, {"w": torch.zeros(3)}, {}, {"step": 2})
+    assert not (tmp_path / "model.pt.tmp").exists()
+    model, _, meta = checkpoint.load(tmp_path)
+    assert model["w"].sum() == 3 and meta["step"] == 1
+    (tmp_path / "optimizer.pt.tmp").rmdir()
+    (tmp_path / "meta.json").unlink()  # as a crash between the renames leaves it
+    with pytest.raises(PipeplanError, match="interrupted"):
+        checkpoint.load(tmp_path)
+
+
+def test_save_where_the_checkpoint_cannot_fit_is_refused_before_training(tmp_path):
+    import pytest
+
+    from planner.errors import PipeplanError
+    from runtime.cli import check_room_for_checkpoint
+
+    check_room_for_checkpoint(str(tmp_path / "new" / "ck"), 1000)
+    with pytest.raises(PipeplanError, match="checkpoint takes about 1000000000000000.0 MB"):
+        check_room_for_checkpoint(str(tmp_path / "ck"), 10**21)

@@ -3,7 +3,8 @@
 PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's second layer's
 forward: `raise` (an exception), `die` (the process vanishes), `exit0` (it vanishes with status 0)
 or `hang` (sleeps for ever); or,
-`import-hang`, while that rank imports this file (before it joins the process group).
+`import-hang`, while that rank imports this file (before it joins the process group); or
+`trace-hang:any`, in every process's forward without gradients (the one that traces the model).
 PIPEPLAN_TEST_FREEZE=<i>,<j>,... freezes (requires_grad=False) the parameters of those layers.
 """
 
@@ -24,6 +25,8 @@ class Faulty(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind, _, rank = os.environ.get("PIPEPLAN_TEST_FAULT", "::").partition(":")
+        if kind == "trace-hang" and not torch.is_grad_enabled():
+            time.sleep(3600)
         # only while training (grad enabled), not while the model is traced
         if rank and os.environ.get("RANK") == rank and torch.is_grad_enabled():
             if kind == "raise":
