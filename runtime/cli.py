@@ -290,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = [] if args.granularity else ["--granularity", granularity]
         failures = launch(argv + extra + ["--trace-info", info], plan.world_size, opts.threads,
                           peer_wait_s=opts.timeout + 5.0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from runtime.launch import Terminated
+
+        term = isinstance(exc, Terminated)
+        print("terminated (SIGTERM): the ranks were stopped" if term else "interrupted", file=sys.stderr)
+        return 143 if term else 130  # 128 + the signal, as a shell reports it
     finally:
         info_dir.cleanup()
     if not failures:

@@ -67,6 +67,10 @@ def _done_file(error_file: Path) -> Path:
     return error_file.with_suffix(".done")
 
 
+class Terminated(KeyboardInterrupt):
+    """The launcher got SIGTERM (its ranks are stopped as on Ctrl-C; it exits 143, not 130)."""
+
+
 def die_with_launcher() -> None:
     """In a rank this launcher started: ask Linux to end it (SIGTERM) when the launcher dies,
     and end now if it already has. The ranks' connections to each other outlive the
@@ -184,7 +188,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
             procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env))
 
         def on_term(signum: int, frame: object) -> None:
-            raise KeyboardInterrupt  # stop the ranks too when the launcher is told to stop
+            raise Terminated  # stop the ranks too when the launcher is told to stop
 
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None

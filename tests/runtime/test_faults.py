@@ -425,3 +425,30 @@ def test_a_run_with_another_optimizer_is_warned_about_and_a_diverged_loss_is_nam
     assert err.count("the loss is") == 1 and "training diverged" in err, err
     import json
     assert json.loads((tmp_path / "r.json").read_text())["optimizer"] == "momentum"
+
+
+def test_a_terminated_launcher_stops_its_ranks_and_exits_143(run):
+    """SIGTERM (a scheduler cancelling the job) stopped the ranks but exited 130, Ctrl-C's
+    status, saying "interrupted"."""
+    import signal
+    import time
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launcher = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                                 "--steps", "1000000", "--threads", "1"], cwd=root,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+    deadline = time.time() + 60
+    while len(ranks) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+        kids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
+        ranks = [int(x) for x in kids.stdout.split()]
+    assert len(ranks) == 2, "the ranks did not start"
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 143 and "terminated (SIGTERM)" in err, err
+    time.sleep(1)
+    assert not [r for r in ranks if os.path.exists(f"/proc/{r}") and
+                open(f"/proc/{r}/stat").read().split(") ")[1][0] != "Z"]
