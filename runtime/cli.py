@@ -282,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {plan.world_size} rank processes on {cores} CPU cores; they will share "
               "the cores (for a plan of many devices, start it on its machines with torchrun)",
               file=sys.stderr)
+    # the optimizer is said where it was not given: a plan made without --optimizer records adam
+    source = "" if args.optimizer else " (the checkpoint's)" if opts.resume else " (the plan's)"
     print(f"running {plan.world_size} ranks on this machine "
           f"({len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, "
           f"{plan.num_microbatches} microbatches of "
-          f"{plan.microbatch_size}, schedule {plan.schedule})", flush=True)
+          f"{plan.microbatch_size}, schedule {plan.schedule}; optimizer {opts.optimizer}{source}, "
+          f"lr {opts.lr:g})", flush=True)
     try:
         extra = [] if args.granularity else ["--granularity", granularity]
         failures = launch(argv + extra + ["--trace-info", info], plan.world_size, opts.threads,
