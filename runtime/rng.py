@@ -91,9 +91,10 @@ def batch_digest(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> int:
 
 
 def model_digest(model: nn.Module) -> int:
-    """A digest of a model's parameters and buffers as built (or resumed): every rank builds the
-    whole model, so it is equal on every rank exactly where their weights are."""
-    return tensors_digest(t for _, t in sorted(model.state_dict(keep_vars=True).items()))
+    """A digest of a model's parameters as built (or resumed): every rank builds the whole model,
+    so it is equal on every rank exactly where their weights are. Not its buffers: one made with
+    `torch.empty` as scratch space (a cache a forward fills) holds whatever memory it got."""
+    return tensors_digest(p for _, p in sorted(model.named_parameters()))
 
 
 def stream_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
