@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import replace
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
@@ -183,8 +183,10 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
 
 @router.get("", response_model=PlanPage, responses=errors(422))
 def list_plans(storage: StorageDep, limit: Limit = 20, offset: Offset = 0,
-               profile_id: str | None = None) -> PlanPage:
-    """Stored plans, oldest first; `profile_id` keeps only that profile's plans."""
+               profile_id: Annotated[str | None, Query(min_length=1, description="only this "
+                                                       "profile's plans")] = None) -> PlanPage:
+    """Stored plans, oldest first; `profile_id` keeps only that profile's plans (an empty one is
+    a 422, as an empty `status` of /v1/jobs is: it listed every plan)."""
     rows, total = storage.list_plans(limit, offset, profile_id)
     items = [PlanSummary(id=r.id, profile_id=r.profile_id, method=r.method, iteration_ms=r.iteration_ms,
                          created_at=r.created_at) for r in rows]

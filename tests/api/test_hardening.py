@@ -447,3 +447,11 @@ def test_a_long_split_is_not_echoed_whole(client: TestClient) -> None:
     body["options"]["split"] = [1] * 70_000  # more stages than any cluster has devices
     r = client.post("/v1/plans", json=body)
     assert r.status_code == 422 and len(r.content) < 1000, r.text[:300]
+
+
+def test_an_empty_filter_is_refused_as_the_job_list_refuses_one(client: TestClient) -> None:
+    """`?profile_id=` listed every plan, where `/v1/jobs?status=` is a 422."""
+    r = client.get("/v1/plans?profile_id=")
+    assert r.status_code == 422 and "profile_id" in r.text, r.text
+    assert client.get("/v1/jobs?status=").status_code == 422
+    assert client.get("/v1/plans?profile_id=nope").json()["items"] == []
