@@ -11,8 +11,7 @@ mode (`true` is accepted as the integer 1). `StrictJSONRoute` reads every JSON b
 3. pydantic in strict mode (no booleans for numbers, no strings for numbers).
 
 Before the body is read, the app's client check runs (`app.state.before_body`: API key, request
-quota),
-so a client without a valid key, or over its quota, gets its 401 / 429 without the server
+quota), so a client without a valid key, or over its quota, gets its 401 / 429 without the server
 parsing its body (nor learning, field by field, what a valid body looks like). Parsing and
 validation then run in a worker thread, not on the event loop: a few bodies of megabytes took
 about a second each there, and held every other request (`/healthz` included) meanwhile.
@@ -120,10 +119,10 @@ class StrictJSONRoute(APIRoute):
                     [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
         async def strict_handler(request: Request) -> Response:
-            # the client check (api.deps.client_check), whose dependency then finds it done
+            # the client check (api.deps.before_body), whose dependency then finds it done
             gate = getattr(request.app.state, "before_body", None)
             if gate is not None:
-                gate(request)
+                await gate(request)
             raw = await request.body()
             coding = request.headers.get("content-encoding", "identity").strip().lower()
             if raw and coding != "identity":

@@ -13,7 +13,6 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from fastapi.security.utils import get_authorization_scheme_param
 
 from api.jobs import JobManager
 from api.pool import RenderPool
@@ -87,7 +86,7 @@ def client_name(request: Request, settings: Settings,
 
 def _check_client(request: Request, settings: Settings,
                   credentials: HTTPAuthorizationCredentials | None) -> str:
-    if getattr(request.state, "client_checked", False):  # before the body (api.body.BEFORE_BODY)
+    if getattr(request.state, "client_checked", False):  # before the body (before_body)
         return request.state.client
     name = client_name(request, settings, credentials)
     wait = request.app.state.rate.take(name if settings.keyed else f"ip:{_host(request)}")
@@ -119,19 +118,11 @@ def open_client(request: Request, settings: SettingsDep) -> str:
     return _check_client(request, settings, None)
 
 
-def _bearer_credentials(request: Request) -> HTTPAuthorizationCredentials | None:
-    """What `bearer` (HTTPBearer, auto_error=False) gives the dependency."""
-    scheme, token = get_authorization_scheme_param(request.headers.get("authorization"))
-    if not (scheme and token) or scheme.lower() != "bearer":
-        return None
-    return HTTPAuthorizationCredentials(scheme=scheme, credentials=token)
-
-
-def before_body(request: Request) -> None:
+async def before_body(request: Request) -> None:
     """The client check of `require_client` / `open_client`, run by api.body before a body is
     read (`app.state.before_body`); the dependency then finds it done."""
     settings: Settings = request.app.state.settings
-    _check_client(request, settings, _bearer_credentials(request) if settings.keyed else None)
+    _check_client(request, settings, await bearer(request) if settings.keyed else None)
 
 
 def client(request: Request) -> str:

@@ -90,7 +90,9 @@ def save(directory: str | Path, model_state: dict[str, torch.Tensor],
 def state_bytes(model: nn.Module, optimizer: str) -> int:
     """About what `save` writes for `model` trained with `optimizer`: its state dict, and the
     optimizer's state (a momentum buffer, Adam's two moments) per trained parameter."""
-    copies = {"sgd": 0, "momentum": 1, "adam": 2}.get(optimizer, 2)
+    from planner.cost import OPTIMIZER_EXTRA_COPIES
+
+    copies = OPTIMIZER_EXTRA_COPIES[optimizer]
     params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return params + copies * trained

@@ -92,6 +92,8 @@ MAX_LR = 1e6  # beyond it a typo; above float32's range the optimizer step itsel
 def lr_ok(lr: float) -> bool:
     """A learning rate the runtime takes (`--lr`, a checkpoint's meta.json): 0 to MAX_LR."""
     return math.isfinite(lr) and 0 <= lr <= MAX_LR
+
+
 MIN_TIMEOUT_S = 1.0  # --timeout below this fails the rendezvous itself
 MAX_TIMEOUT_S = 1e7  # ~115 days; 1e14 overflowed the process group's timedelta on every rank
 
@@ -316,6 +318,14 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
     from runtime.worker import DistEnv, report_failure, run
 
     env = DistEnv.from_environ()
+
+    def end(exc: BaseException) -> None:
+        """Report `exc` and end this rank now (also from the setup's deadline thread)."""
+        report_failure(env, exc, error_file)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(exc, PipeplanError) else 1)
+
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))
         opts = options_from_args(args, plan)
@@ -329,18 +339,9 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
                          quiet=error_file is not None or env.rank != 0)
         if error_file is None and env.rank == 0:  # under torchrun: no preflight said it
             warn_plan(plan, opts)
-        def stuck(message: str) -> None:
-            report_failure(env, PipeplanError(message), error_file)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
-
-        run(plan, opts, env, stuck)
+        run(plan, opts, env, lambda message: end(PipeplanError(message)))
     except BaseException as exc:  # noqa: BLE001 - every failure must end this rank promptly
-        report_failure(env, exc, error_file)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2 if isinstance(exc, PipeplanError) else 1)
+        end(exc)
     finished(error_file)
     # done and the process group destroyed: skip the interpreter's teardown, where library
     # threads (gloo's, the store's) can abort the process at exit

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -67,16 +68,14 @@ def seed_batch(seed: int, step: int) -> None:
     (`np.random.rand`, ...), each with `seed + step`. The same on every rank: a make_batch
     drawing from numpy gave each rank other rows (the last stage's targets were not the first
     stage's inputs' and training did not converge, silently)."""
-    torch.manual_seed(seed + step)
-    random.seed(seed + step)
-    np.random.seed((seed + step) % 2**32)
+    seed_build(seed + step)
 
 
-def tensors_digest(tensors: object) -> int:
+def tensors_digest(tensors: Iterable[torch.Tensor]) -> int:
     """A 63-bit digest of tensors (dtypes, shapes and bytes, in order): equal on every rank
     exactly where the tensors are."""
     h = hashlib.blake2b(digest_size=8)
-    for t in tensors:  # type: ignore[attr-defined]
+    for t in tensors:
         t = t.detach().to("cpu")
         t = (t.to_dense() if t.layout != torch.strided else t).contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())

@@ -155,7 +155,7 @@ class Worker:
 
         watch = Deadline(opts.timeout, f"rank {self.rank}'s setup (build_model, make_batch"
                          + (")" if opts.trace_info else " and one forward of the model, to trace it)"),
-                         stuck or (lambda message: None))
+                         stuck) if stuck else None
         rng.seed_build(opts.seed)
         model = build_checked(self.mf, self.b)
         self.start_step = 0
@@ -177,7 +177,8 @@ class Worker:
                 warnings.simplefilter("ignore", TracingWarning)
             graph, _ = stages.trace_for_plan(model, example[0], plan, opts.model, opts.granularity,
                                              kinds)
-        watch.cancel()  # (an error above ends the rank anyway)
+        if watch:
+            watch.cancel()  # (an error above ends the rank anyway)
         modules = stages.build_all_stages(graph, plan)
         self.routing = stages.routing_of(modules)
         names = [set(stages.named_tensors(mod)) for mod in modules]
@@ -358,8 +359,7 @@ class Worker:
         every = [torch.zeros_like(mine) for _ in range(world)]
         _wait(dist.all_gather(every, mine, async_op=True), self.opts.timeout,
               f"comparing the ranks' models and step-{step} batches")
-        models = [int(t[1].item()) for t in every]
-        other = next((r for r, d in enumerate(models) if d != models[0]), None)
+        other = _first_other([int(t[1].item()) for t in every])
         if other is not None:
             raise PipeplanError(
                 f"build_model() gave ranks 0 and {other} different weights: every rank builds the "
@@ -367,8 +367,7 @@ class Worker:
                 "with --seed, so its initial weights must come only from those (or from a file that "
                 "is the same on every rank). A generator of its own (np.random.default_rng() "
                 "without a fixed seed), the rank or the time gives each replica other starting weights")
-        digests = [int(t[0].item()) for t in every]
-        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        other = _first_other([int(t[0].item()) for t in every])
         if other is not None:
             raise PipeplanError(
                 f"make_batch({self.plan.global_batch}) gave ranks 0 and {other} different batches "
@@ -615,6 +614,11 @@ def start_rank(env: DistEnv, device: torch.device, backend: str, timeout_s: floa
     comm.init_process_group(backend, device, env.rank, env.world_size, timeout_s)
     cpu_binding.bind_rank(env.rank, device.type, node_key(), env.local_rank, threads,
                           cpu_binding.gather_all)
+
+
+def _first_other(values: list[int]) -> int | None:
+    """The first rank whose value is not rank 0's, if any."""
+    return next((r for r, v in enumerate(values) if v != values[0]), None)
 
 
 def run(plan: Plan, opts: RunOptions, env: DistEnv, stuck: Callable[[str], None] | None = None) -> None:

@@ -326,20 +326,8 @@ def test_ranks_end_when_their_launcher_is_killed(run, tmp_path):
     import signal
     import time
 
-    model = MODELS / "seq_mlp.py"
-    plan = run.plan(model, 2)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    launcher = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
-                                 "--steps", "1000000", "--threads", "1"], cwd=root,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ranks: list[int] = []
+    launcher, ranks = _endless_run(run, subprocess.DEVNULL)
     try:
-        deadline = time.time() + 60
-        while len(ranks) < 2 and time.time() < deadline:
-            time.sleep(0.5)
-            kids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
-            ranks = [int(x) for x in kids.stdout.split()]
-        assert len(ranks) == 2, "the ranks did not start"
         time.sleep(3)  # training
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
@@ -356,6 +344,28 @@ def test_ranks_end_when_their_launcher_is_killed(run, tmp_path):
                 os.kill(r, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def _endless_run(run, stderr: int) -> tuple[subprocess.Popen, list[int]]:
+    """A launcher training a 2-stage plan without end, and its two ranks' pids once they run."""
+    import time
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launcher = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                                 "--steps", "1000000", "--threads", "1"], cwd=root,
+                                stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    ranks: list[int] = []
+    deadline = time.time() + 60
+    while len(ranks) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+        kids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
+        ranks = [int(x) for x in kids.stdout.split()]
+    if len(ranks) != 2:
+        launcher.kill()
+    assert len(ranks) == 2, "the ranks did not start"
+    return launcher, ranks
 
 
 def _state(pid: int) -> str:
@@ -433,22 +443,9 @@ def test_a_terminated_launcher_stops_its_ranks_and_exits_143(run):
     import signal
     import time
 
-    model = MODELS / "seq_mlp.py"
-    plan = run.plan(model, 2)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    launcher = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
-                                 "--steps", "1000000", "--threads", "1"], cwd=root,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ranks: list[int] = []
-    deadline = time.time() + 60
-    while len(ranks) < 2 and time.time() < deadline:
-        time.sleep(0.5)
-        kids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
-        ranks = [int(x) for x in kids.stdout.split()]
-    assert len(ranks) == 2, "the ranks did not start"
+    launcher, ranks = _endless_run(run, subprocess.PIPE)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 143 and "terminated (SIGTERM)" in err, err
     time.sleep(1)
-    assert not [r for r in ranks if os.path.exists(f"/proc/{r}") and
-                open(f"/proc/{r}/stat").read().split(") ")[1][0] != "Z"]
+    assert not [r for r in ranks if "Z" not in _state(r)]
