@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections import Counter
 
 from pydantic import BaseModel
 
@@ -236,6 +237,20 @@ def fit(plan: Plan, report: Report) -> Corrections:
         why.append(f"stage(s) {other} are not in this plan")
     if wrong:
         why.append(f"stage(s) {sorted(wrong)} have more rank records than this plan gives them devices")
+    # each record is one process of the plan, numbered as the runtime numbers them (process
+    # rank i plays the i-th device the plan uses; replica k of a stage holds its devices
+    # [k*tp, (k+1)*tp)): a record of another layout is another run
+    rank_of = {d: i for i, d in enumerate(sorted(d for st in plan.stages for d in st.devices))}
+    plays = {rank_of[d]: (st.index, i // st.tp) for st in plan.stages for i, d in enumerate(st.devices)}
+    twice = sorted(k for k, n in Counter(r.rank for r in report.ranks).items() if n > 1)
+    if twice:
+        why.append(f"rank(s) {twice} have more than one record")
+    foreign = [f"rank {k} as stage {s} replica {q}" for k, s, q in sorted(
+        {(r.rank, r.stage, r.replica) for r in report.ranks
+         if r.stage in ranks_of and plays.get(r.rank) != (r.stage, r.replica)})]
+    if foreign:
+        why.append(f"this plan's {len(plays)} ranks do not include {', '.join(foreign[:4])}"
+                   + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else ""))
     ran = getattr(report, "schedule", None)  # (older reports hold neither)
     if ran is not None and ran != plan.schedule:
         why.append(f"it ran schedule {ran}, this plan's is {plan.schedule}")

@@ -105,7 +105,7 @@ def _report(plan, fwd, bwd, opt_ms, iteration_ms: float = 1.0) -> Report:
     return Report.model_validate({
         "plan_profile_sha256": plan.profile_sha256, "steps": 5, "iteration_ms": iteration_ms,
         "samples_per_s": 1.0, "predicted_iteration_ms": plan.predicted.iteration_ms, "losses": [],
-        "ranks": [{"rank": d, "stage": st.index, "replica": k, "fwd_ms_per_microbatch": fwd,
+        "ranks": [{"rank": d, "stage": st.index, "replica": k // st.tp, "fwd_ms_per_microbatch": fwd,
                    "bwd_ms_per_microbatch": bwd, "comm_ms": 0.0, "idle_ms": 0.0,
                    "peak_memory_bytes": int(st.predicted.memory_bytes), "peak_inflight_microbatches": 1,
                    **({"optimizer_ms": opt_ms[st.index]} if opt_ms is not None else {})}

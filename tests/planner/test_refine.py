@@ -368,3 +368,18 @@ def test_refine_recovers_split_recomputed_and_tensor_parallel_stages(schedule, t
         assert (a.predicted.fwd_ms, a.predicted.bwd_ms) == pytest.approx((b.predicted.fwd_ms, b.predicted.bwd_ms))
     same = corrected_plan(plan, c, corrected_cluster(plan.cluster, c))
     assert same.predicted.iteration_ms == pytest.approx(true.predicted.iteration_ms, rel=1e-6)
+
+
+def test_a_report_whose_ranks_are_not_the_plans_is_refused():
+    """Records of ranks the plan does not run, of another stage or replica, or twice: named,
+    not averaged into the stage's corrections."""
+    _, plan = _plan()
+    report = _run(plan, (1, 1, 1), (1, 1, 1), 0.0)
+    fit(plan, report)
+    last = report.ranks[-1]
+    for edit, says in (({"rank": plan.world_size + 5}, f"do not include rank {plan.world_size + 5} as stage"),
+                       ({"replica": 7}, "replica 7"),
+                       ({"rank": report.ranks[0].rank}, r"rank\(s\) \[0\] have more than one record")):
+        ranks = [*report.ranks[:-1], last.model_copy(update=edit)]
+        with pytest.raises(PipeplanError, match=says):
+            fit(plan, report.model_copy(update={"ranks": ranks}))
