@@ -223,6 +223,12 @@ class Profile(_Open):
                 raise ValueError(
                     f"edge {e.src!r} -> {e.dst!r} goes backwards: layers must be in topological order"
                 )
+        for field in ("shared_parameters", "shared_saved"):
+            for k, entry in enumerate(getattr(self, field) or []):
+                unknown = [n for n in entry.layers if n not in index]
+                if unknown:
+                    raise ValueError(f"{field}[{k}] names layer {unknown[0]!r}, which the profile does "
+                                     f"not have; profile the model again (or remove the entry)")
         degrees = {x.degree for layer in self.layers for x in layer.tp or []}
         for t in sorted(degrees):  # `profile --tp` measures every layer at each degree
             lacking = [layer.name for layer in self.layers if layer.at_degree(t) is None]

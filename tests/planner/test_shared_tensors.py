@@ -70,15 +70,15 @@ def test_a_stage_holds_each_shared_tensor_once() -> None:
 
 
 def test_entries_the_layers_figures_do_not_contain_are_ignored() -> None:
-    """A profile whose entry names an unknown layer, has no bytes, or more bytes than a holder
-    holds (a hand edit, an older profiler) is counted per layer, as before; one of the wrong
-    types is refused as the rest of the format is."""
+    """A profile whose entry has no bytes, or more bytes than a holder holds (a hand edit, an
+    older profiler) is counted per layer, as before; one of the wrong types, or naming a layer
+    the profile does not have, is refused as the rest of the format is."""
     from pydantic import ValidationError
 
     base, _, _ = random_instance(3, mixed=False)
     names = [x.name for x in base.layers]
     small = min(x.param_bytes for x in base.layers[:2])
-    for entry in ({"layers": names[:2]}, {"layers": [names[0], "nope"], "bytes": 1},
+    for entry in ({"layers": names[:2]},
                   {"layers": names[:2], "bytes": small + 1}, {"layers": names[:1], "bytes": 1},
                   {"layers": names[:2], "bytes": 0}):
         doc = {**base.model_dump(mode="json"), "shared_parameters": [entry]}
@@ -87,6 +87,10 @@ def test_entries_the_layers_figures_do_not_contain_are_ignored() -> None:
     for bad in ("junk", [{"layers": names[:2], "bytes": -5}], [{"bytes": 4}]):
         with pytest.raises(ValidationError):
             Profile.model_validate({**base.model_dump(mode="json"), "shared_parameters": bad})
+    for field, entry in (("shared_parameters", {"layers": [names[0], "nope"], "bytes": 1}),
+                         ("shared_saved", {"layers": ["nope", names[1]], "bytes": 1})):
+        with pytest.raises(ValidationError, match=f"{field}\\[0\\] names layer 'nope', which the profile"):
+            Profile.model_validate({**base.model_dump(mode="json"), field: [entry]})
 
 
 def _equals_brute_force(add: Callable[[Profile, random.Random], tuple[Profile, object]], seed0: int) -> None:
