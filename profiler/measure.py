@@ -436,10 +436,13 @@ def _in_whole_result(lg: LayerGraph, runners: list[StageRunner], timed: InWholeR
 
 
 class SplitRunner:
-    """Times one layer's backward in the two parts a zero-bubble schedule runs apart: B, the
-    gradient of its inputs alone (`autograd.grad` to the input leaves), then W, the gradient of
-    its weights alone (`autograd.grad` to the parameters), on one forward with the graph kept
-    between them. A layer without parameters is all B; one whose inputs need no gradient, all W."""
+    """Times one layer's backward in the two parts a zero-bubble schedule runs apart, as the
+    runtime runs them (`runtime.split_backward`): B, the gradient of its inputs
+    (`backward_input`, the graph kept), then W, the gradient of its weights from the
+    intermediates B recorded (`backward_weight`), on one forward. W does not run again the
+    nodes between the weights and the outputs that B ran (`autograd.grad` from the outputs to
+    the weights would: a layer whose backward is mostly on the input path got half of it
+    priced as W). A layer without parameters is all B; one whose inputs need no gradient, all W."""
 
     def __init__(self, stage: StageModule, values: dict[str, Any], device: torch.device,
                  clock: str = "wall") -> None:
@@ -449,20 +452,23 @@ class SplitRunner:
         self.w: list[float] = []
 
     def once(self, keep: bool) -> None:
+        from runtime.split_backward import backward_input, backward_weight
+
         feed, out, _ = _forward_fresh(self.stage, self.values)
         targets = _grad_targets(out)
         leaves = [v for v in feed.values() if isinstance(v, torch.Tensor) and v.requires_grad]
         b = w = 0.0
         if targets:
             grads = [torch.ones_like(t) for t in targets]
-            if leaves:
-                t0 = self.timer.start()
-                torch.autograd.grad(targets, leaves, grads, retain_graph=True, allow_unused=True)
-                b = self.timer.stop(t0)
+            t0 = self.timer.start()
+            _, pending = backward_input(targets, grads, leaves, self.weights)
+            b = self.timer.stop(t0) if leaves else 0.0
             if self.weights:
                 t1 = self.timer.start()
-                torch.autograd.grad(targets, self.weights, grads, allow_unused=True)
+                backward_weight(pending, self.weights)
                 w = self.timer.stop(t1)
+                for p in self.weights:  # the profiler's passes keep no gradients
+                    p.grad = None
         if keep:
             self.b.append(b)
             self.w.append(w)
@@ -530,6 +536,43 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
                         held.setdefault(ptr, nbytes)
     return SplitBytes(sum(held.values()), sum(n for ptr, n in held.items() if ptr in outputs),
                       saved_inputs, keys, storages)
+
+
+def _reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors (parameters, inputs) whose gradients the backward of `outputs` makes."""
+    seen: set[int] = set()
+    leaves: list[torch.Tensor] = []
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf's gradient sink
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return leaves
+
+
+def foreign_parameters(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
+                       ) -> list[tuple[str, str]]:
+    """(layer, parameter name) for each trained parameter of the model that a layer's forward
+    uses without its stage holding it: read through an attribute that is not a registered
+    submodule or parameter (a plain list, a closure), so no trace sees it. A stage would train
+    its own copy of it apart from the layer that owns it: gradients silently wrong."""
+    names = {id(p): k for k, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    values = layer_values(lg, inputs)
+    found = []
+    for name in lg.layer_names():
+        stage = build_stage(lg, [name])
+        own = {id(p) for p in stage.parameters()}
+        with torch.enable_grad():
+            _, out, _ = _forward_fresh(stage, values)
+        for leaf in _reached_leaves(_grad_targets(out)):
+            if id(leaf) in names and id(leaf) not in own:
+                found.append((name, names[id(leaf)]))
+    return found
 
 
 def measure_split_bytes(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, SplitBytes]:

@@ -160,6 +160,59 @@ def test_backward_input_and_weight_are_measured_apart() -> None:
     assert b0 == 0.0 and w0 >= 0  # the model's input needs no gradient: all W
 
 
+class _LinearThenSlowGrad(nn.Module):
+    """The weight joins the input's path before a node whose backward waits 30 ms: the runtime's
+    B runs that node once and W starts below it (`runtime.split_backward`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SleepGrad.apply(self.fc(x), 30.0)
+
+
+class _FreesInBackward(torch.autograd.Function):
+    """A custom Function whose backward frees what its forward kept: one backward per forward,
+    as a training step runs it."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        ctx.keep = x.detach() * 2
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        out = grad * ctx.keep / ctx.keep
+        del ctx.keep
+        return out * 2
+
+
+class _FreesLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FreesInBackward.apply(self.fc(x))
+
+
+def test_w_is_timed_as_the_runtime_runs_it_not_from_the_outputs_again() -> None:
+    """A weight's gradient that passes through the input path's slow node: B waits for it, W
+    does not (the profiler timed W as `autograd.grad(outputs, weights)`, which ran the slow node
+    a second time and priced B and W at half the backward each); and a Function that frees its
+    state in backward is differentiated once per forward."""
+    from profiler.measure import measure_bw_split
+
+    model = nn.Sequential(nn.Linear(4, 4), _LinearThenSlowGrad(), _FreesLayer())
+    x = torch.randn(2, 4)
+    lg = trace(model, (x,), granularity="modules")
+    split = measure_bw_split(lg, (x,), torch.device("cpu"), warmup=0, repeats=3)
+    b, w = split[lg.layer_names()[1]]
+    assert b >= 30 and w < 10, (b, w)
+    assert all(p.grad is None for p in model.parameters())  # the profiler's passes keep none
+
+
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
