@@ -133,6 +133,10 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise PipeplanError(f"{path}: cannot be imported as Python; give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+    # the file's own folder, as `python file.py` has it, so the file can import a helper module
+    # beside it; last, so a helper named like one of ours (planner, runtime) shadows nothing
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:

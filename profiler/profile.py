@@ -28,7 +28,7 @@ from profiler.loader import (
     twice_refused,
     user_line,
 )
-from profiler.measure import library_workspace_bytes, measure_all
+from profiler.measure import foreign_parameters, library_workspace_bytes, measure_all
 
 MAX_BATCH_SIZE = 2**31 - 1  # rows of one profiled batch: beyond it, a typo
 
@@ -168,6 +168,15 @@ def profile_model_file(
             "(e.g. no in-place change of a tensor autograd saved for the backward)") from exc
     model.zero_grad(set_to_none=True)
     lg = trace(model, inputs, granularity=granularity)
+    if foreign := foreign_parameters(lg, model, inputs):
+        layer, param = foreign[0]
+        raise PipeplanError(
+            f"{mf.path}: layer {layer} uses the parameter {param} without holding it (it reaches it "
+            "through an attribute that is not a registered submodule or parameter, e.g. a plain "
+            f"list), so a stage of {layer} would train a copy of its own and the gradients would be "
+            f"wrong: register it in {layer} (an nn.ModuleList or attribute of the module itself), "
+            "or profile at a granularity that puts both in one layer"
+            + (f" ({len(foreign)} such uses)" if len(foreign) > 1 else ""))
     if on_traced:
         on_traced(lg)
     try:

@@ -230,3 +230,66 @@ def test_stopping_a_command_stuck_in_the_model_file_names_where(tmp_path) -> Non
         if p.poll() is None:
             p.kill()
     assert p.returncode == 130 and f"{path}:" in err and "(build_model)" in err, err
+
+
+def test_a_model_file_imports_a_module_beside_it(tmp_path) -> None:
+    """As `python model.py` can: the file's folder is on the import path (it said
+    "ModuleNotFoundError: No module named 'helpers_pp'")."""
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "helpers_pp.py").write_text("import torch\n\nWIDTH = 4\n")
+    (folder / "model.py").write_text(GOOD.replace("import torch", "import torch\nfrom helpers_pp import WIDTH", 1))
+    r = _profile([str(folder / "model.py"), "--batch-size", "4", "-o", str(tmp_path / "p.json"),
+                  "--warmup", "0", "--repeats", "1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+BORROW = """
+import torch
+from torch import nn
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+class Borrow(nn.Module):
+    def __init__(self, other):
+        super().__init__()
+        self.other = OTHER
+        self.bias = nn.Parameter(torch.zeros(4))
+    def forward(self, x):
+        return torch.tanh(x @ self.other[0].lin.weight.t() + self.bias)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        b0 = Lin()
+        self.blocks = nn.ModuleList([b0, Lin(), Borrow(b0)])
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+def build_model():
+    return Net()
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 4)
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+"""
+
+
+def test_a_layer_using_a_parameter_it_does_not_hold_is_refused(tmp_path) -> None:
+    """blocks.2 reads blocks.0's weight through a plain list: no trace sees it, and a stage of
+    blocks.2 trained its own copy (the profile said nothing; gradients were silently wrong
+    across stages). Registered (an nn.ModuleList), it is a shared parameter of both layers."""
+    bad = tmp_path / "borrow.py"
+    bad.write_text(BORROW.replace("OTHER", "[other]"))
+    r = _profile([str(bad), "--batch-size", "4", "-o", str(tmp_path / "p.json")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "layer blocks.2 uses the parameter blocks.0.lin.weight without holding it" in r.stderr
+    good = tmp_path / "registered.py"
+    good.write_text(BORROW.replace("OTHER", "nn.ModuleList([other])"))
+    r = _profile([str(good), "--batch-size", "4", "-o", str(tmp_path / "p.json"), "--repeats", "1"])
+    assert r.returncode == 0, r.stderr
+    shared = load_model(tmp_path / "p.json", Profile).shared_parameters
+    assert any(s.layers == ["blocks.0", "blocks.2"] and "blocks.0.lin.weight" in s.keys for s in shared)
