@@ -36,11 +36,19 @@ from collections import Counter
 
 from pydantic import BaseModel
 
-from planner.cost import PipelineCosts, Send, link_gb_per_s, link_kind, link_latency_us
+from planner.cost import (
+    PipelineCosts,
+    Send,
+    link_gb_per_s,
+    link_kind,
+    link_latency_us,
+    replica_microbatches,
+)
 from planner.errors import PipeplanError
 from planner.formats import GB, Cluster, LayerProfile, Plan, Profile, Report
 from planner.schedules import plan_actions
 from planner.simulator import costs_from_plan, simulate_costs
+from planner.units import format_bytes
 
 
 class StageCorrection(BaseModel):
@@ -209,6 +217,28 @@ def _check_work_within_iteration(plan: Plan, report: Report, stages: list[StageC
                 "Give the report the runtime wrote for this plan (--report)")
 
 
+def _check_stages_computed(plan: Plan, report: Report) -> None:
+    """A rank that ran microbatches of a stage the plan prices above 0 ms cannot have measured
+    0 ms of it (the runtime times every forward and backward it runs; 0 is what it writes where
+    it ran none): such a report is not a run's, and fitting it turned the stage's scale into 1
+    and pushed the whole gap into a common compute factor."""
+    stage = {st.index: st for st in plan.stages}
+    for r in report.ranks:
+        st = stage[r.stage]
+        if replica_microbatches(plan.num_microbatches, st.replicas, r.replica) == 0:
+            continue  # a replica without microbatches computes nothing
+        p = st.predicted
+        zero = [what for what, measured, predicted in (
+            ("forward", r.fwd_ms_per_microbatch, p.fwd_ms), ("backward", r.bwd_ms_per_microbatch, p.bwd_ms))
+            if measured == 0 and predicted > 0]
+        if zero:
+            raise PipeplanError(
+                f"the report says rank {r.rank} (stage {r.stage}, replica {r.replica}) took 0 ms of "
+                f"{' and '.join(zero)} per microbatch, where this plan predicts {p.fwd_ms:.6g} ms forward "
+                f"and {p.bwd_ms:.6g} ms backward: a run never measures 0 ms for a stage that computes. "
+                "Give the report the runtime wrote for this plan (--report)")
+
+
 def fit(plan: Plan, report: Report) -> Corrections:
     """The corrections of the module docstring from one run of `plan`."""
     if report.plan_profile_sha256 != plan.profile_sha256:
@@ -266,6 +296,7 @@ def fit(plan: Plan, report: Report) -> Corrections:
     if not report.iteration_ms > 0:
         raise PipeplanError(f"the report's iteration_ms is {report.iteration_ms:g}, not a time a run "
                             "takes: give the report of a run of more than one step")
+    _check_stages_computed(plan, report)
     stages = []
     devices = plan.cluster.devices()
     base = costs_from_plan(plan)
@@ -306,13 +337,16 @@ def fit(plan: Plan, report: Report) -> Corrections:
         return simulate_costs(c, schedule).iteration_ms
 
     compute_scale = 1.0
-    overhead = 0.0
+    # a run without pipeline messages measured nothing about them: the cluster's overhead stays
+    # (fitting it gave 0, which the corrected cluster then claimed for the next plan's messages)
+    overhead = 0.0 if messages else plan.cluster.p2p_overhead_us
     if messages and sim(0.0) < target:
         overhead = _bisect(sim, 0.0, target * 1e3, target)
     if sim(overhead) > target * (1 + 1e-9):  # faster than zero overhead predicts
         compute_scale = _bisect(lambda c: sim(overhead, c), 0.0, 1.0, target)
-    elif not messages and sim(0.0) < target:  # nothing to put it on but the compute
-        compute_scale = _bisect(lambda c: sim(0.0, c), 1.0, target / max(sim(0.0), 1e-9) + 1, target)
+    elif not messages and sim(overhead) < target:  # nothing to put it on but the compute
+        compute_scale = _bisect(lambda c: sim(overhead, c), 1.0, target / max(sim(overhead), 1e-9) + 1,
+                                target)
     after = sim(overhead, compute_scale)
     if abs(after - target) > 1e-3 * target:
         # compute scaled towards 0 still leaves the links' latency: no costs explain the run
@@ -425,10 +459,46 @@ def _scaled_fields(predicted: object, scale: float) -> dict[str, float]:
             if getattr(predicted, k, None) is not None}
 
 
+# the solver status of a plan refine corrected without a profile: its costs are no longer its
+# profile's (`check_profile_applies`)
+REFINED = "REFINED"
+
+
+def check_profile_applies(plan: Plan, plan_name: str = "the plan", profile_name: str = "the profile") -> None:
+    """Corrections fitted to a run of a plan that refine already corrected without a profile are
+    relative to its corrected costs, not to its profile's (whose sha256 it still carries): applied
+    to the profile they scaled uncorrected layers by factors meant for corrected ones (a run of
+    376 ms re-planned at 1281 ms). Refuse that."""
+    if plan.solver.status == REFINED:
+        raise PipeplanError(
+            f"{plan_name} was written by refine without --profile: its stage costs were corrected from "
+            f"an earlier run, so they are not {profile_name}'s and corrections fitted to its run do not "
+            "apply to that profile. Refine this run without --profile, or refine the earlier run (of "
+            "the plan made from the profile) with --profile and plan from the corrected profile it writes")
+
+
+def _work_bound_ms(plan: Plan, base: PipelineCosts, stages: list[StageCorrection]) -> float:
+    """The plan's work bound (the model's work over every device) with each stage's layers'
+    work scaled as corrected: the bound counts the layers' own work only (no all-reduces, no
+    forward run again in a recomputed backward), at speed 1 and whole (t shards of a TP stage)."""
+    devices = plan.cluster.devices()
+    before = after = 0.0
+    for st, c in zip(plan.stages, stages, strict=True):
+        s = st.index
+        tpf, tpb = _tp_comm(base, s)
+        f = max(base.fwd_ms[s] - tpf, 0.0)
+        b = max(base.bwd_ms[s] - tpb - _recomputed(base, s) * base.fwd_ms[s], 0.0)
+        work = min(devices[d].speed for d in st.devices) * st.tp
+        before += work * (f + b)
+        after += work * (f * c.fwd_scale + b * c.bwd_scale)
+    return plan.predicted.lower_bound_ms * after / before if before > 0 else plan.predicted.lower_bound_ms
+
+
 def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Plan:
     """The same stages and schedule with the corrected costs and prediction (what refine writes
-    when it has no profile to re-plan with)."""
-    costs = _corrected_costs(costs_from_plan(plan), corrections.stages)
+    when it has no profile to re-plan with); refused where the corrected memory does not fit."""
+    base = costs_from_plan(plan)
+    costs = _corrected_costs(base, corrections.stages)
     fwd, bwd = costs.fwd_ms, costs.bwd_ms
     mem = [c.memory_scale for c in corrections.stages]
 
@@ -443,11 +513,13 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
         transient_bytes=scaled(costs.transient_bytes),
         loss_transient_bytes=scaled(costs.loss_transient_bytes)), corrections.p2p_overhead_us_after)
     sim = simulate_costs(costs, plan_actions(plan))
+    need = [max(sim.peak_memory_bytes[d] for d in st.devices[::st.tp]) for st in plan.stages]
+    _check_memory(plan, corrections, need)
     stages = []
     for st, c in zip(plan.stages, corrections.stages, strict=True):
         p = st.predicted
         act = float(getattr(p, "activation_bytes_per_microbatch", 0.0) or 0.0) * c.memory_scale
-        memory = max(sim.peak_memory_bytes[d] for d in st.devices[::st.tp])
+        memory = math.ceil(need[st.index])  # rounded up, as plan rounds it
         sends = [{"to": t, "bytes": snd.nbytes, "ms": snd.ms}
                  for (s, t), snd in costs.sends.items() if s == st.index]
         stages.append(st.model_copy(update={"predicted": p.model_copy(update={
@@ -459,16 +531,39 @@ def corrected_plan(plan: Plan, corrections: Corrections, cluster: Cluster) -> Pl
             **_scaled_fields(p, c.memory_scale),
             "sends": sends})}))
     it = sim.iteration_ms
+    # the work bound of the corrected costs (the old one was of the old costs: 1069.6 ms above a
+    # corrected prediction of 373.9)
+    bound = _work_bound_ms(plan, base, corrections.stages)
     predicted = plan.predicted.model_copy(update={
         "iteration_ms": it, "bubble_fraction": sim.bubble_fraction,
         "throughput_samples_per_s": plan.global_batch / (it / 1e3) if it > 0 else 0.0,
-        "ratio_to_lower_bound": it / plan.predicted.lower_bound_ms if plan.predicted.lower_bound_ms > 0 else 1.0,
+        "lower_bound_ms": bound, "ratio_to_lower_bound": it / bound if bound > 0 else 1.0,
+        # every stage fits (_check_memory), whatever the old plan said
+        **({"fits_memory": True} if getattr(plan.predicted, "fits_memory", None) is not None else {}),
     })
-    # the search's bound and gap were of the old costs: no bound holds for the corrected ones
-    solver = plan.solver.model_copy(update={"status": "REFINED", "objective": it, "bound": None,
+    # the search's bound and gap were of the old costs: no bound holds for the corrected ones.
+    # The status also marks the plan as no longer its profile's (check_profile_applies)
+    solver = plan.solver.model_copy(update={"status": REFINED, "objective": it, "bound": None,
                                             "gap": None})
     return plan.model_copy(update={"stages": stages, "predicted": predicted, "cluster": cluster,
                                    "solver": solver})
+
+
+def _check_memory(plan: Plan, corrections: Corrections, need: list[float]) -> None:
+    """The corrected plan's stages in their devices' memory, as `plan` requires of a plan it
+    writes (refine wrote 40 kB against 25 kB and called it fitting)."""
+    over = [(need[st.index] / st.predicted.memory_limit_bytes, st) for st in plan.stages
+            if need[st.index] > st.predicted.memory_limit_bytes]
+    if not over:
+        return
+    _, st = max(over, key=lambda x: x[0])
+    c = corrections.stages[st.index]
+    raise PipeplanError(
+        f"the corrected plan does not fit in device memory: stage {st.index} needs "
+        f"{format_bytes(need[st.index])} per device (the run measured x{c.memory_scale:.3g} its "
+        f"predicted activation memory) but its devices have {format_bytes(st.predicted.memory_limit_bytes)}. "
+        "Refine with --profile (the profile the plan was made from) to plan again with the measured "
+        "memory, or plan with more devices or a smaller --microbatch-size")
 
 
 def format_corrections(c: Corrections) -> str:

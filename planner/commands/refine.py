@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         write_text_atomic,
     )
     from planner.refine import (
+        check_profile_applies,
         corrected_cluster,
         corrected_plan,
         corrected_profile,
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
             raise PipeplanError(f"--profile {args.profile} is not the profile {args.plan} was made "
                                 "from (its sha256 differs); give that profile")
+        # (a plan refine corrected without --profile keeps its profile's sha256, not its costs)
+        check_profile_applies(plan, args.plan, f"--profile {args.profile}")
     corrections = fit(plan, report)
     cluster = corrected_cluster(plan.cluster, corrections)
     print(format_corrections(corrections))

@@ -22,9 +22,10 @@ from planner.simulator import costs_from_plan, simulate_costs
 from planner.solve import make_plan
 
 
-def _plan(split=(2, 2, 2), replicas=None, latency_us=50.0, schedule="1f1b", skips=()):
+def _plan(split=(2, 2, 2), replicas=None, latency_us=50.0, schedule="1f1b", skips=(), memory_gb=16.0):
     profile = chain_profile([1.0, 2.0, 1.5, 0.5, 1.0, 2.0], out=[4000] * 6, skips=list(skips))
-    cl = cluster(per_node=sum(replicas or [1] * len(split)), latency_us=latency_us, intra=1.0)
+    cl = cluster(per_node=sum(replicas or [1] * len(split)), latency_us=latency_us, intra=1.0,
+                 memory_gb=memory_gb)
     options = PlanOptions(global_batch=32, microbatch_size=4, method="manual", split=list(split),
                           replicas=list(replicas) if replicas else None, schedule=schedule,
                           optimizer="sgd")
@@ -383,3 +384,104 @@ def test_a_report_whose_ranks_are_not_the_plans_is_refused():
         ranks = [*report.ranks[:-1], last.model_copy(update=edit)]
         with pytest.raises(PipeplanError, match=says):
             fit(plan, report.model_copy(update={"ranks": ranks}))
+
+
+def _write(tmp_path, **objs) -> None:
+    for name, obj in objs.items():
+        (tmp_path / f"{name}.json").write_text(obj.model_dump_json())
+
+
+def test_a_plan_refined_without_a_profile_is_not_refined_against_the_profile(tmp_path, capsys):
+    """Refine without --profile corrects the plan's costs but keeps its profile's sha256: the
+    scales fitted to a run of that plan are relative to the corrected costs, and applied to the
+    uncorrected profile they predicted 1281 ms for a run of 376 ms. Refused, nothing written;
+    refining the same run without --profile composes (the corrected costs are its base)."""
+    profile, plan = _plan()
+    report = _run(plan, (2.0, 1.0, 1.0), (2.0, 1.0, 1.0), overhead_us=300.0)
+    _write(tmp_path, profile=profile, plan=plan, report=report)
+    assert main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+                 "-o", str(tmp_path / "p2.json")]) == 0
+    p2 = Plan.model_validate_json((tmp_path / "p2.json").read_text())
+    assert p2.solver.status == "REFINED" and p2.profile_sha256 == plan.profile_sha256
+    _write(tmp_path, r2=_run(p2, (1.1, 1.0, 1.0), (1.1, 1.0, 1.0), overhead_us=300.0))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    rc = main(["refine", str(tmp_path / "p2.json"), str(tmp_path / "r2.json"),
+               "-o", str(tmp_path / "p3.json"), "--profile", str(tmp_path / "profile.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "was written by refine without --profile" in err and "Refine this run without" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert main(["refine", str(tmp_path / "p2.json"), str(tmp_path / "r2.json"),
+                 "-o", str(tmp_path / "p3.json")]) == 0
+    p3 = Plan.model_validate_json((tmp_path / "p3.json").read_text())
+    r2 = Report.model_validate_json((tmp_path / "r2.json").read_text())
+    assert p3.predicted.iteration_ms == pytest.approx(r2.iteration_ms, rel=1e-6)
+
+
+def test_without_a_profile_a_plan_over_memory_is_refused(tmp_path, capsys):
+    """The run measured more activation memory than the devices hold: with --profile the re-plan
+    says it does not fit; without it refine wrote the plan anyway, fits_memory true."""
+    profile, plan = _plan(memory_gb=5000 / 1e9)  # 4.1-4.3 kB per stage predicted
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=0.0, act_scale=10.0)
+    c = fit(plan, report)
+    with pytest.raises(PipeplanError, match="the corrected plan does not fit in device memory: stage 0 "):
+        corrected_plan(plan, c, corrected_cluster(plan.cluster, c))
+    _write(tmp_path, profile=profile, plan=plan, report=report)
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "new.json")])
+    assert rc == 2 and "does not fit in device memory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "profile.json", "report.json"]
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+               "-o", str(tmp_path / "new.json"), "--profile", str(tmp_path / "profile.json")])
+    assert rc == 2 and "does not fit in device memory" in capsys.readouterr().err
+    # a little more memory than predicted, still within the limit: written, and said to fit
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=0.0, act_scale=1.5)
+    c = fit(plan, report)
+    new = corrected_plan(plan, c, corrected_cluster(plan.cluster, c))
+    assert new.predicted.fits_memory is True
+    assert all(s.predicted.memory_bytes <= s.predicted.memory_limit_bytes for s in new.stages)
+
+
+def test_without_a_profile_the_work_bound_is_of_the_corrected_costs():
+    """The work bound (the model's work over every device) was kept from the old costs: 1069.6
+    ms above a corrected prediction of 373.9. It is the bound the corrected profile gives."""
+    profile, plan = _plan()
+    report = _run(plan, (0.3, 0.5, 0.4), (0.2, 0.6, 0.3), overhead_us=100.0)
+    c = fit(plan, report)
+    same = corrected_plan(plan, c, corrected_cluster(plan.cluster, c))
+    new = make_plan(corrected_profile(profile, c), corrected_cluster(plan.cluster, c), plan.options)
+    assert same.predicted.lower_bound_ms == pytest.approx(new.predicted.lower_bound_ms, rel=1e-9)
+    assert same.predicted.lower_bound_ms < plan.predicted.lower_bound_ms / 2
+    assert same.predicted.ratio_to_lower_bound == pytest.approx(
+        same.predicted.iteration_ms / same.predicted.lower_bound_ms)
+
+
+def test_a_stage_measured_at_0_ms_is_refused():
+    """The runtime never writes 0 ms for a stage that computes: such a report was fitted (the
+    stage kept its scale and a common compute factor took the gap)."""
+    _, plan = _plan()
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=100.0)
+    for update, says in (({"fwd_ms_per_microbatch": 0.0, "bwd_ms_per_microbatch": 0.0}, "forward and backward"),
+                         ({"bwd_ms_per_microbatch": 0.0}, "backward")):
+        ranks = [r.model_copy(update=update) if r.stage == 1 else r for r in report.ranks]
+        with pytest.raises(PipeplanError, match=rf"rank 1 \(stage 1, replica 0\) took 0 ms of {says} "
+                           "per microbatch, where this plan predicts"):
+            fit(plan, report.model_copy(update={"ranks": ranks}))
+
+
+def test_a_run_without_messages_keeps_the_clusters_overhead():
+    """One stage, replicas only: no pipeline message, so nothing about their overhead was
+    measured; it was fitted to 0 (1307.8 -> 0.0) and the gap pushed into the compute scales."""
+    _, plan = _plan(split=(6,), replicas=(2,))
+    plan = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"p2p_overhead_us": 700.0})})
+    report = _run(plan, (1.3,), (0.9,), overhead_us=0.0)
+    c = fit(plan, report)
+    assert c.p2p_overhead_us_after == c.p2p_overhead_us_before == 700.0
+    assert corrected_cluster(plan.cluster, c).p2p_overhead_us == 700.0
+    assert (c.stages[0].fwd_scale, c.stages[0].bwd_scale) == pytest.approx((1.3, 0.9))
+    assert c.predicted_iteration_ms_after == pytest.approx(report.iteration_ms, rel=1e-6)
+    # a run slower than its ranks' compute explains: the compute takes it, not the overhead
+    slower = report.model_copy(update={"iteration_ms": report.iteration_ms * 1.2})
+    c = fit(plan, slower)
+    assert c.p2p_overhead_us_after == 700.0 and c.compute_scale > 1.0
+    assert c.predicted_iteration_ms_after == pytest.approx(slower.iteration_ms, rel=1e-6)
