@@ -29,11 +29,26 @@ _NODE = re.compile(
 _EDGE = re.compile(r"^\s+(?P<src>\S+) -- (?P<dst>\S+)\s*$")
 
 
+# A plain decimal or scientific number, as PipeDream's profiler writes them. float() also takes
+# "1_000", padded or non-ASCII digits; a file carrying those was not written by the profiler, so
+# guessing their value would hide the damage. nan and inf pass here so that the finiteness checks
+# (below for sizes, the Profile's for times) report them by name.
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:nan|inf|infinity)",
+                     re.IGNORECASE | re.ASCII)
+
+
+def _number(text: str) -> float:
+    """`text` as a float; ValueError naming it unless it is a plain decimal/scientific number."""
+    if not _NUMBER.fullmatch(text.strip()):
+        raise ValueError(text.strip())
+    return float(text)
+
+
 def _size(text: str) -> float:
     text = text.strip()
     if text.startswith("["):
-        return sum(float(x) for x in text.strip("[]").split(";") if x.strip())
-    return float(text)
+        return sum(_number(x) for x in text.strip("[]").split(";") if x.strip())
+    return _number(text)
 
 
 def parse_graph(text: str, where: str = "graph") -> tuple[dict[str, dict], list[tuple[str, str]]]:
@@ -53,10 +68,11 @@ def parse_graph(text: str, where: str = "graph") -> tuple[dict[str, dict], list[
             raise PipeplanError(f"{where}:{lineno}: node {m['id']} appears twice (the file is "
                                 "damaged or two graphs were joined): give the graph.txt its profiler wrote")
         try:
-            nodes[m["id"]] = {"desc": m["desc"].strip(), "fwd_ms": float(m["f"]), "bwd_ms": float(m["b"]),
-                              "output_bytes": _size(m["a"]), "param_bytes": float(m["p"])}
-        except ValueError:
-            raise PipeplanError(f"{where}:{lineno}: a number does not parse: {line[:80]!r}") from None
+            nodes[m["id"]] = {"desc": m["desc"].strip(), "fwd_ms": _number(m["f"]), "bwd_ms": _number(m["b"]),
+                              "output_bytes": _size(m["a"]), "param_bytes": _number(m["p"])}
+        except ValueError as exc:
+            raise PipeplanError(f"{where}:{lineno}: {str(exc)!r} is not a plain decimal number (like 1000 or "
+                                f"1.5e3); give the graph.txt its profiler wrote: {line[:80]!r}") from None
         if not all(math.isfinite(nodes[m["id"]][k]) for k in ("output_bytes", "param_bytes")):
             raise PipeplanError(f"{where}:{lineno}: activation_size or parameter_size is not a finite "
                                 f"number (nan, inf, or too large): {line[:80]!r}")
@@ -67,6 +83,37 @@ def parse_graph(text: str, where: str = "graph") -> tuple[dict[str, dict], list[
     if not nodes:
         raise PipeplanError(f"{where}: no nodes found; is this a PipeDream graph.txt?")
     return nodes, list(dict.fromkeys(edges))
+
+
+def _carries_nothing(node: dict) -> bool:
+    return node["fwd_ms"] == node["bwd_ms"] == node["output_bytes"] == node["param_bytes"] == 0
+
+
+def check_complete(nodes: dict[str, dict], edges: list[tuple[str, str]], where: str) -> None:
+    """Refuse a graph that looks cut short. PipeDream writes every node, then every edge, so a
+    file truncated at a line boundary still parses but has no edges, or non-input nodes whose
+    incoming edges were lost; read as they are, those become made-up chains and free-floating
+    layers, and plans for them are far off. Real graphs do have other sources and sinks: GNMT's
+    initial `hidden` state has no incoming edge (it carries nothing: no time, size or
+    parameters, which is what lets it through), and sinks are normal (GNMT's unused
+    `__getitem__` outputs, Inception's and NASNet's auxiliary classifiers), so dangling outputs
+    are not refused: no rule tells an auxiliary classifier from a layer whose consumer was cut.
+    Nor is a cut that only loses one of a node's several inputs (ResNet-101 without its last
+    edge line, a residual edge into an Add): the graph left is a plausible one."""
+    again = "the file looks truncated or incomplete; give the whole graph.txt its profiler wrote"
+    if len(nodes) > 1 and not edges:
+        raise PipeplanError(f"{where}: {len(nodes)} nodes but no edge lines (the last node read is "
+                            f"{next(reversed(nodes))}); {again}")
+    if all(is_input(v) for v in nodes.values()):
+        raise PipeplanError(f"{where}: only input nodes ({', '.join(nodes)}), no layers; {again}")
+    has_in = {d for _, d in edges}
+    orphans = [n for n, v in nodes.items() if n not in has_in and not is_input(v) and not _carries_nothing(v)]
+    if orphans:
+        n, desc = orphans[0], nodes[orphans[0]]["desc"]
+        desc = desc if len(desc) <= 30 else desc[:29] + "…"
+        more = f" (and {len(orphans) - 1} more)" if len(orphans) > 1 else ""
+        raise PipeplanError(f"{where}: node {n} ({desc}){more} is not an Input node but has no incoming "
+                            f"edge; {again}")
 
 
 def _topological(nodes: dict[str, dict], edges: list[tuple[str, str]], where: str) -> list[str]:
@@ -99,6 +146,7 @@ def is_input(node: dict) -> bool:
 def import_pipedream(text: str, batch_size: int, source: str = "graph.txt") -> Profile:
     """A pipeplan Profile from the text of a PipeDream graph file profiled at `batch_size`."""
     nodes, edges = parse_graph(text, source)
+    check_complete(nodes, edges, source)
     order = [n for n in _topological(nodes, edges, source) if not is_input(nodes[n])]
     layers = [{
         "name": n, "kind": nodes[n]["desc"], "fwd_ms": nodes[n]["fwd_ms"], "bwd_ms": nodes[n]["bwd_ms"],
@@ -130,7 +178,9 @@ def import_pipedream_file(path: str | Path, batch_size: int) -> Profile:
     if not path.is_file():
         raise PipeplanError(f"{path}: {not_a_file(path)}; give a PipeDream graph.txt")
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig drops a byte-order mark (editors on Windows add one), which would
+        # otherwise become part of the first node's id
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise PipeplanError(f"{path}: not a PipeDream graph.txt (not UTF-8 text: byte {exc.start}); "
                             "give the graph.txt its profiler wrote") from None
