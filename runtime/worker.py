@@ -183,6 +183,9 @@ class Worker:
         self.routing = stages.routing_of(modules)
         names = [set(stages.named_tensors(mod)) for mod in modules]
         self.aliases = stages.tie_sets(model)
+        # what a checkpoint holds: the model's own keys (a stage's graph module may hold more,
+        # e.g. torch.fx's `_tensor_constant0` for a tensor the forward makes from a buffer)
+        self.model_keys = frozenset(model.state_dict().keys())
         # a parameter two stages hold, under several names (tied weights) or under one (a
         # module called at two depths, a top-level parameter used twice): its gradient is
         # summed over them
@@ -497,7 +500,8 @@ class Worker:
                     if part is not None:
                         model_state.update(part[0])  # type: ignore[index]
                         opt_state.update(part[1])  # type: ignore[index]
-                model_state = stages.complete_aliases(model_state, self.aliases)
+                model_state = {k: v for k, v in stages.complete_aliases(model_state, self.aliases).items()
+                               if k in self.model_keys}
                 opt_state = stages.complete_aliases(opt_state, self.aliases)
                 checkpoint.save(opts.save, model_state, opt_state, {
                     "step": self.start_step + opts.steps, "seed": opts.seed,

@@ -216,3 +216,41 @@ def test_save_where_the_checkpoint_cannot_fit_is_refused_before_training(tmp_pat
     check_room_for_checkpoint(str(tmp_path / "new" / "ck"), 1000)
     with pytest.raises(PipeplanError, match="checkpoint takes about 1000000000000000.0 MB"):
         check_room_for_checkpoint(str(tmp_path / "ck"), 10**21)
+
+
+BUFFER_SLICE = """
+import torch
+from torch import nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+        self.register_buffer("table", torch.arange(100.0))
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x + self.table[:4]
+def build_model():
+    return Net()
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 4)
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+"""
+
+
+def test_a_checkpoint_holds_the_models_own_keys_only(run, tmp_path):
+    """A top-level forward that slices a buffer made the stage's graph module hold torch.fx's
+    `_tensor_constant0`, which the checkpoint saved: build_model().load_state_dict refused it,
+    and so did --resume."""
+    model = tmp_path / "buffer_slice.py"
+    model.write_text(BUFFER_SLICE)
+    plan = run.plan(model, 2)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--save", tmp_path / "a", "--timeout", 60)
+    assert rc == 0, err
+    state = torch.load(tmp_path / "a" / "model.pt")
+    ns: dict = {}
+    exec(BUFFER_SLICE, ns)
+    assert sorted(state) == sorted(ns["build_model"]().state_dict())
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--resume", tmp_path / "a", "--timeout", 60)
+    assert rc == 0, err
