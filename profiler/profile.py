@@ -76,7 +76,7 @@ MAX_ROUNDS = 10_000  # of warm-up or timed runs per layer
 
 
 def max_threads() -> int:
-    """The most torch threads a process may ask for: four per core (at 10,000, torch hung or
+    """The most torch threads a process may ask for: 64, or four per core where that is more (at 10,000, torch hung or
     crashed)."""
     return max(64, 4 * (os.cpu_count() or 1))
 
