@@ -76,10 +76,13 @@ def run(args: argparse.Namespace) -> int:
     profile = load_model(args.profile, Profile, f"profile {args.profile}")
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
     if len(profile.layers) > (most := max_layers()):
+        coarser = ("the graph was imported from PipeDream, so no granularity applies: import a graph "
+                   "of fewer nodes, or raise PIPEPLAN_MAX_LAYERS (planning takes longer)"
+                   if getattr(profile, "source", None) == "pipedream" else
+                   "profile the model at a coarser granularity (--granularity blocks, or depth:N)")
         raise PipeplanError(
             f"profile {args.profile} has {len(profile.layers)} layers; the planner plans at most "
-            f"{most} (PIPEPLAN_MAX_LAYERS): profile the model at a coarser granularity "
-            "(--granularity blocks, or depth:N)")
+            f"{most} (PIPEPLAN_MAX_LAYERS): {coarser}")
     method = args.method or ("manual" if args.split else default_method())
     if args.recompute and any(args.recompute) and args.no_recompute:
         raise PipeplanError("--recompute and --no-recompute contradict each other")

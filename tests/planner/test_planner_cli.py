@@ -330,8 +330,16 @@ def test_plan_refuses_more_layers_than_it_plans(files: dict[str, Path], capsys: 
     monkeypatch.setenv("PIPEPLAN_MAX_LAYERS", "5")
     rc = main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--global-batch", "16",
                "-o", str(files["dir"] / "plan.json")])
-    assert rc == 2 and "has 6 layers; the planner plans at most 5" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "has 6 layers; the planner plans at most 5" in err and "--granularity" in err
     assert not (files["dir"] / "plan.json").exists()
+    # an imported PipeDream graph has no granularity to coarsen: the advice says what applies
+    imported = files["dir"] / "imported.json"
+    imported.write_text(json.dumps({**json.loads(files["profile"].read_text()), "source": "pipedream"}))
+    rc = main(["plan", str(imported), "--cluster", str(files["cluster"]), "--global-batch", "16",
+               "-o", str(files["dir"] / "plan.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "imported from PipeDream" in err and "--granularity" not in err, err
 
 
 def test_error_excerpts_end_on_a_whole_word() -> None:
