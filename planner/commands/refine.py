@@ -66,8 +66,13 @@ def run(args: argparse.Namespace) -> int:
     cluster_path = args.cluster_out or _beside(args.output, ".cluster.json")
     profile_path = args.profile_out or _beside(args.output, ".profile.json")
     inputs = (args.plan, args.report, args.profile)
-    outs = [("-o", args.output), ("--corrections", corr_path), ("--cluster-out", cluster_path),
-            ("--profile-out", profile_path if args.profile else None)]
+    # an output the user did not name is named as what it is (the errors said "--corrections"
+    # of a path derived from -o)
+    outs = [("-o", args.output),
+            ("--corrections" if args.corrections else "the corrections file beside -o", corr_path),
+            ("--cluster-out" if args.cluster_out else "the corrected cluster file beside -o", cluster_path),
+            ("--profile-out" if args.profile_out else "the corrected profile file beside -o",
+             profile_path if args.profile else None)]
     for what, path in outs:
         check_output(path, inputs, what)
     check_distinct(outs)
