@@ -173,6 +173,9 @@ class Measured(_OpenFinite):
     loss_ms: NonNegativeFloat | None = None
     loss_activation_bytes: NonNegativeInt | None = None
     loss_workspace_bytes: NonNegativeInt | None = None
+    # the whole pass (forward, loss, backward) on the wall clock: beside CPU-time figures
+    # (`clock` thread) it shows time the model spends off its thread (waits, other threads)
+    wall_ms: NonNegativeFloat | None = None
 
 
 class SharedParameter(_Open):

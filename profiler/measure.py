@@ -265,9 +265,11 @@ class WholeRunner:
         self.fwd: list[float] = []
         self.bwd: list[float] = []
         self.loss: list[float] = []
+        self.wall: list[float] = []  # each pass on the wall clock too, whatever `clock` is
 
     def once(self, keep: bool) -> None:
         self.model.zero_grad(set_to_none=False)
+        w0 = time.perf_counter()
         t0 = self.timer.start()
         out = self.model(*self.inputs)
         f = self.timer.stop(t0)
@@ -286,10 +288,12 @@ class WholeRunner:
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         b = self.timer.stop(t2)
+        wall = (time.perf_counter() - w0) * 1e3
         if keep:
             self.fwd.append(f)
             self.bwd.append(b)
             self.loss.append(lo)
+            self.wall.append(wall)
 
 
 def loss_workspace_bytes(out: Any, target: Any, loss_fn: Callable[[Any, Any], Any],
@@ -329,6 +333,7 @@ class WholeMeasurement:
     peak_memory_bytes: int | None
     loss_activation_bytes: int = 0  # what the loss keeps for its backward (the last stage holds it)
     loss_workspace_bytes: int = 0  # what the loss's backward allocates beyond that, at its peak
+    wall_ms: float | None = None  # forward + loss + backward on the wall clock (median)
 
 
 def _rounds(runners: list[Any], warmup: int, repeats: int,
@@ -403,7 +408,8 @@ def _whole_result(run: WholeRunner) -> WholeMeasurement:
     run.model.zero_grad(set_to_none=True)
     return WholeMeasurement(statistics.median(run.fwd), statistics.median(run.bwd),
                             statistics.median(run.loss), run.activation_bytes, peak,
-                            run.loss_activation_bytes, run.loss_workspace_bytes)
+                            run.loss_activation_bytes, run.loss_workspace_bytes,
+                            statistics.median(run.wall))
 
 
 def measure_layers(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,

@@ -222,6 +222,7 @@ def profile_model_file(
                 activation_bytes=whole.activation_bytes, loss_ms=whole.loss_ms,
                 loss_activation_bytes=whole.loss_activation_bytes,
                 loss_workspace_bytes=whole.loss_workspace_bytes,
+                wall_ms=whole.wall_ms if clock == "thread" and dev.type == "cpu" else None,
                 layer_sum_ratio=(layer_sum / whole_ms) if whole_ms > 0 else None,
                 stage_overhead_fwd_ms=overhead.fwd_ms, stage_overhead_bwd_ms=overhead.bwd_ms,
             ),

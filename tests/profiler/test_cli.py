@@ -293,3 +293,47 @@ def test_a_layer_using_a_parameter_it_does_not_hold_is_refused(tmp_path) -> None
     assert r.returncode == 0, r.stderr
     shared = load_model(tmp_path / "p.json", Profile).shared_parameters
     assert any(s.layers == ["blocks.0", "blocks.2"] and "blocks.0.lin.weight" in s.keys for s in shared)
+
+
+SLEEPY = """
+import time
+import torch
+class Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        time.sleep(0.02)
+        return x * 1.0
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.02)
+        return g
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        return Wait.apply(self.lin(x))
+def build_model():
+    return torch.nn.Sequential(Block(), Block())
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 4)
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+"""
+
+
+def test_thread_clock_on_a_model_that_waits_is_warned(tmp_path) -> None:
+    """--clock thread counts this thread's CPU time: a model that sleeps 80 ms a pass was
+    profiled at well under 1 ms, silently."""
+    path = tmp_path / "sleepy.py"
+    path.write_text(SLEEPY)
+    r = _profile([str(path), "--batch-size", "4", "--threads", "1", "--clock", "thread",
+                  "--warmup", "0", "--repeats", "2", "-o", str(tmp_path / "p.json")])
+    assert r.returncode == 0, r.stderr
+    assert "warning: a whole pass took" in r.stdout and "profile with --clock wall" in r.stdout, r.stdout
+    wall = load_model(tmp_path / "p.json", Profile).measured.wall_ms
+    assert wall is not None and wall >= 80
+    r = _profile([str(path), "--batch-size", "4", "--warmup", "0", "--repeats", "2", "-o",
+                  str(tmp_path / "w.json")])
+    assert r.returncode == 0 and "warning: a whole pass" not in r.stdout
+    assert load_model(tmp_path / "w.json", Profile).measured.wall_ms is None  # (the figures are wall)
