@@ -701,7 +701,10 @@ def _best_across_schedules(profile: Profile, cluster: Cluster, options: PlanOpti
                 continue
             if not ev.fits:
                 continue
-            alt = replace(alt, solver={**info, "objective": ev.iteration_ms})
+            # the plan's schedule in its solver info too (it said the schedule whose search
+            # found the stages: "zb-h1" beside a plan that runs 1f1b); `searched_as` keeps that
+            alt = replace(alt, solver={**info, "objective": ev.iteration_ms, "schedule": name,
+                                       "searched_as": cand.schedule})
             if _auto_key(alt) < _auto_key(best[0]):
                 best = (alt, alt.solver)
     return best

@@ -230,6 +230,8 @@ def test_auto_runs_each_schedules_plan_under_the_others() -> None:
     onefb = Candidate(stages, 8, 8, {"objective": times["1f1b"]}, "1f1b")
     cand, info = _best_across_schedules(profile, cl, options, (onefb, onefb.solver), [(onefb, onefb.solver)])
     assert cand.schedule == "zb-h1" and info["objective"] == pytest.approx(times["zb-h1"], rel=1e-12)
+    # the solver info names the plan's schedule (it named the search's: 1f1b beside a zb-h1 plan)
+    assert info["schedule"] == "zb-h1" and info["searched_as"] == "1f1b"
 
 
 def test_a_layer_too_big_for_one_device_gets_a_tp_plan() -> None:
