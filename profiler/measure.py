@@ -544,41 +544,73 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
                       saved_inputs, keys, storages)
 
 
-def _reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaf tensors (parameters, inputs) whose gradients the backward of `outputs` makes."""
+def _graph_nodes(outputs: list[torch.Tensor]) -> list[Any]:
+    """Every autograd node the backward of `outputs` runs, each once."""
     seen: set[int] = set()
-    leaves: list[torch.Tensor] = []
+    nodes: list[Any] = []
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
-        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf's gradient sink
-        if isinstance(variable, torch.Tensor):
-            leaves.append(variable)
+        nodes.append(node)
         stack.extend(n for n, _ in node.next_functions if n is not None)
-    return leaves
+    return nodes
 
 
-def foreign_parameters(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
-                       ) -> list[tuple[str, str]]:
-    """(layer, parameter name) for each trained parameter of the model that a layer's forward
-    uses without its stage holding it: read through an attribute that is not a registered
-    submodule or parameter (a plain list, a closure), so no trace sees it. A stage would train
-    its own copy of it apart from the layer that owns it: gradients silently wrong."""
+@dataclass
+class LayerInspection:
+    """What one forward of each layer shows beyond its trace (`inspect_layers`)."""
+
+    # (layer, parameter name): a trained parameter of the model the layer uses without holding it
+    foreign: list[tuple[str, str]] = field(default_factory=list)
+    # (layer, Function, attribute names, bytes): tensors a custom Function keeps as plain ctx
+    # attributes, which saved-tensor hooks (`count_saved_bytes`) do not see
+    ctx_held: list[tuple[str, str, list[str], int]] = field(default_factory=list)
+
+
+def inspect_layers(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
+                   ) -> LayerInspection:
+    """One forward of each layer as a stage of its own, and its autograd graph walked:
+    - a trained parameter of the model that the graph reaches (an AccumulateGrad) but the
+      stage does not hold: read through an attribute that is not a registered submodule or
+      parameter (a plain list, a closure), so no trace sees it, and a stage would train its
+      own copy apart from the layer that owns it (gradients silently wrong);
+    - tensors a custom autograd.Function keeps as `ctx.<name> = tensor` rather than with
+      `ctx.save_for_backward`: memory the profile's activation bytes leave out (the model's
+      parameters and buffers aside, each storage once)."""
     names = {id(p): k for k, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    state = {id(t) for t in [*model.parameters(), *model.buffers()]}
     values = layer_values(lg, inputs)
-    found = []
+    out = LayerInspection()
     for name in lg.layer_names():
         stage = build_stage(lg, [name])
         own = {id(p) for p in stage.parameters()}
         with torch.enable_grad():
-            _, out, _ = _forward_fresh(stage, values)
-        for leaf in _reached_leaves(_grad_targets(out)):
-            if id(leaf) in names and id(leaf) not in own:
-                found.append((name, names[id(leaf)]))
-    return found
+            _, result, _ = _forward_fresh(stage, values)
+        for node in _graph_nodes(_grad_targets(result)):
+            variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf's gradient sink
+            if isinstance(variable, torch.Tensor):
+                if id(variable) in names and id(variable) not in own:
+                    out.foreign.append((name, names[id(variable)]))
+                continue
+            if not isinstance(node, torch.autograd.function.BackwardCFunction):
+                continue
+            storages: dict[int, int] = {}
+            attrs = []
+            for attr, value in vars(node).items():
+                held = [t for t in pytree.tree_leaves(value)
+                        if isinstance(t, torch.Tensor) and id(t) not in state]
+                for t in held:
+                    ptr, nbytes = _storage_key(t)
+                    storages.setdefault(ptr, nbytes)
+                if held:
+                    attrs.append(attr)
+            if storages:
+                out.ctx_held.append((name, type(node).__name__.removesuffix("Backward"), attrs,
+                                     sum(storages.values())))
+    return out
 
 
 def measure_split_bytes(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, SplitBytes]:

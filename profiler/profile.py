@@ -7,6 +7,7 @@ import dataclasses
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from profiler.loader import (
     twice_refused,
     user_line,
 )
-from profiler.measure import foreign_parameters, library_workspace_bytes, measure_all
+from profiler.measure import inspect_layers, library_workspace_bytes, measure_all
+
+CTX_HELD_WARN_BYTES = 64 * 1024  # a scalar or a small table on ctx is not worth a warning
+
+
+class ProfileWarning(UserWarning):
+    """Something the profile leaves out that the user can change in the model."""
+
 
 MAX_BATCH_SIZE = 2**31 - 1  # rows of one profiled batch: beyond it, a typo
 
@@ -168,7 +176,8 @@ def profile_model_file(
             "(e.g. no in-place change of a tensor autograd saved for the backward)") from exc
     model.zero_grad(set_to_none=True)
     lg = trace(model, inputs, granularity=granularity)
-    if foreign := foreign_parameters(lg, model, inputs):
+    inspected = inspect_layers(lg, model, inputs)
+    if foreign := inspected.foreign:
         layer, param = foreign[0]
         raise PipeplanError(
             f"{mf.path}: layer {layer} uses the parameter {param} without holding it (it reaches it "
@@ -177,6 +186,15 @@ def profile_model_file(
             f"wrong: register it in {layer} (an nn.ModuleList or attribute of the module itself), "
             "or profile at a granularity that puts both in one layer"
             + (f" ({len(foreign)} such uses)" if len(foreign) > 1 else ""))
+    held = [x for x in inspected.ctx_held if x[3] >= CTX_HELD_WARN_BYTES]
+    if held:
+        layer, fn, attrs, nbytes = max(held, key=lambda x: x[3])
+        warnings.warn(
+            f"layer {layer}: the custom autograd.Function {fn} keeps {nbytes / 1e6:.3g} MB as ctx "
+            f"attributes ({', '.join('ctx.' + a for a in attrs)}), which the profile's activation bytes "
+            "do not count (they see what ctx.save_for_backward keeps): plans under-predict memory by "
+            "that much per microbatch in flight. Keep tensors for backward with ctx.save_for_backward"
+            + (f" ({len(held)} such Functions)" if len(held) > 1 else ""), ProfileWarning, stacklevel=2)
     if on_traced:
         on_traced(lg)
     try:

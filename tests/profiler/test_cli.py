@@ -337,3 +337,43 @@ def test_thread_clock_on_a_model_that_waits_is_warned(tmp_path) -> None:
                   str(tmp_path / "w.json")])
     assert r.returncode == 0 and "warning: a whole pass" not in r.stdout
     assert load_model(tmp_path / "w.json", Profile).measured.wall_ms is None  # (the figures are wall)
+
+
+CTX_ATTR = """
+import torch
+from torch import nn
+class KeepsOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.big = torch.ones(BIG)  # kept for backward, but not with save_for_backward
+        return x * 2
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.big[0] * 2
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+    def forward(self, x):
+        return KeepsOnCtx.apply(self.lin(x))
+def build_model():
+    return nn.Sequential(Block(), Block())
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 4)
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+"""
+
+
+@pytest.mark.parametrize("big,warned", [(1 << 20, True), (4, False)])
+def test_tensors_kept_as_ctx_attributes_are_warned(tmp_path, big, warned) -> None:
+    """Saved-tensor hooks see only ctx.save_for_backward: 4 MB kept as `ctx.big` were left out
+    of the activation bytes without a word. A few bytes (a scalar) are not worth a warning."""
+    path = tmp_path / "ctx.py"
+    path.write_text(CTX_ATTR.replace("BIG", str(big)))
+    r = _profile([str(path), "--batch-size", "4", "--warmup", "0", "--repeats", "1", "-o",
+                  str(tmp_path / "p.json")])
+    assert r.returncode == 0, r.stderr
+    said = "the custom autograd.Function KeepsOnCtx keeps 4.19 MB as ctx attributes (ctx.big)"
+    assert (said in r.stderr) == warned, r.stderr
+    assert ("2 such Functions" in r.stderr) == warned
