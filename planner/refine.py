@@ -46,6 +46,7 @@ from planner.cost import (
 )
 from planner.errors import PipeplanError
 from planner.formats import GB, Cluster, LayerProfile, Plan, Profile, Report
+from planner.runnable import process_ranks
 from planner.schedules import plan_actions
 from planner.simulator import costs_from_plan, simulate_costs
 from planner.units import format_bytes
@@ -270,7 +271,7 @@ def fit(plan: Plan, report: Report) -> Corrections:
     # each record is one process of the plan, numbered as the runtime numbers them (process
     # rank i plays the i-th device the plan uses; replica k of a stage holds its devices
     # [k*tp, (k+1)*tp)): a record of another layout is another run
-    rank_of = {d: i for i, d in enumerate(sorted(d for st in plan.stages for d in st.devices))}
+    rank_of = process_ranks(plan)
     plays = {rank_of[d]: (st.index, i // st.tp) for st in plan.stages for i, d in enumerate(st.devices)}
     twice = sorted(k for k, n in Counter(r.rank for r in report.ranks).items() if n > 1)
     if twice:

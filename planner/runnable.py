@@ -84,6 +84,12 @@ def unread_keys(plan: Plan) -> list[str]:
     return out
 
 
+def process_ranks(plan: Plan) -> dict[int, int]:
+    """Cluster device -> the process rank that plays it: rank i plays the i-th device the plan
+    uses, in cluster order (idle devices get no process)."""
+    return {d: i for i, d in enumerate(sorted(d for st in plan.stages for d in st.devices))}
+
+
 def runnable_plan(plan: Plan) -> Plan:
     """`plan` checked and renumbered for execution (see the module docstring); a PipeplanError
     says what is inconsistent."""
@@ -96,8 +102,8 @@ def runnable_plan(plan: Plan) -> Plan:
             if not 0 <= d < plan.cluster.num_devices:
                 raise PipeplanError(f"plan: stage {i} uses device {d} but its cluster has "
                                     f"{plan.cluster.num_devices} devices (0..{plan.cluster.num_devices - 1})")
-    used = sorted(d for st in plan.stages for d in st.devices)
-    rank_of = {d: i for i, d in enumerate(used)}
+    rank_of = process_ranks(plan)
+    used = list(rank_of)
     stage_devices = [[rank_of[d] for d in st.devices] for st in plan.stages]
     schedule = _actions(plan, rank_of, stage_devices)
 

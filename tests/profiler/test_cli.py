@@ -244,6 +244,15 @@ def test_a_model_file_imports_a_module_beside_it(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
 
 
+# make_batch and loss_fn of the 4-wide models below
+CONTRACT_4 = """
+def make_batch(n):
+    return (torch.randn(n, 4),), torch.randn(n, 4)
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+"""
+
+
 BORROW = """
 import torch
 from torch import nn
@@ -271,11 +280,7 @@ class Net(nn.Module):
         return x
 def build_model():
     return Net()
-def make_batch(n):
-    return (torch.randn(n, 4),), torch.randn(n, 4)
-def loss_fn(out, y):
-    return ((out - y) ** 2).mean()
-"""
+""" + CONTRACT_4
 
 
 def test_a_layer_using_a_parameter_it_does_not_hold_is_refused(tmp_path) -> None:
@@ -315,11 +320,7 @@ class Block(torch.nn.Module):
         return Wait.apply(self.lin(x))
 def build_model():
     return torch.nn.Sequential(Block(), Block())
-def make_batch(n):
-    return (torch.randn(n, 4),), torch.randn(n, 4)
-def loss_fn(out, y):
-    return ((out - y) ** 2).mean()
-"""
+""" + CONTRACT_4
 
 
 def test_thread_clock_on_a_model_that_waits_is_warned(tmp_path) -> None:
@@ -358,11 +359,7 @@ class Block(nn.Module):
         return KeepsOnCtx.apply(self.lin(x))
 def build_model():
     return nn.Sequential(Block(), Block())
-def make_batch(n):
-    return (torch.randn(n, 4),), torch.randn(n, 4)
-def loss_fn(out, y):
-    return ((out - y) ** 2).mean()
-"""
+""" + CONTRACT_4
 
 
 @pytest.mark.parametrize("big,warned", [(1 << 20, True), (4, False)])
