@@ -27,13 +27,19 @@ from profiler.measure import Timer
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
 
-def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """`weight_decay` (the runtime's --weight-decay) is decoupled for `adam` (torch.optim.AdamW,
+    as transformers are trained) and L2 for `sgd` and `momentum` (SGD's weight_decay, added to
+    the gradient); Adam itself where it is 0."""
     if name == "adam":
+        if weight_decay > 0:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         return torch.optim.Adam(params, lr=lr)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
 
 

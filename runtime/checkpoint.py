@@ -6,7 +6,8 @@ A checkpoint directory holds
 - `optimizer.pt`: `{"state": {parameter name: optimizer state of that parameter}, ...}` keyed by
   the original model's parameter names (a tied parameter under each of its names), so a run on
   a different plan can resume from it;
-- `meta.json`: steps done, seed, optimizer and learning rate.
+- `meta.json`: steps done, seed, optimizer, learning rate and the training rule (weight decay,
+  gradient clipping, the learning-rate schedule).
 """
 
 from __future__ import annotations

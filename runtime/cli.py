@@ -21,6 +21,7 @@ from planner.formats import OptimizerName, Plan
 from planner.io import check_distinct, check_output, load_model, not_a_file
 from planner.limits import MAX_RUN_SEED, run_seed_arg
 from planner.runnable import runnable_plan, unread_keys
+from runtime.lr_schedule import SCHEDULES
 from runtime.options import RunOptions
 
 log = logging.getLogger("runtime")
@@ -40,6 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None,
                    help="optimizer (default: the checkpoint's with --resume, else the one the plan "
                         "was made for)")
+    p.add_argument("--weight-decay", type=float, default=None, metavar="WD",
+                   help="weight decay: decoupled with --optimizer adam (AdamW), L2 with sgd and "
+                        "momentum (default 0, or the checkpoint's)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the whole model's gradient norm, over every stage, to MAX (as "
+                        "torch.nn.utils.clip_grad_norm_ in one process; default: no clipping, or "
+                        "the checkpoint's)")
+    p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=None,
+                   help="the learning rate after warm-up: constant, or falling to 0 at "
+                        "--decay-steps, linear or cosine (default constant, or the checkpoint's)")
+    p.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                   help="steps over which the learning rate rises linearly from 0 (default 0, "
+                        "or the checkpoint's)")
+    p.add_argument("--decay-steps", type=int, default=None, metavar="N",
+                   help="the global step where a linear or cosine schedule reaches 0 (default: "
+                        "the last step of this run, or the checkpoint's)")
     p.add_argument("--seed", type=run_seed_arg, default=None,
                    help="seed of the model and the batches (default 0, or the checkpoint's)")
     p.add_argument("--save", metavar="DIR", help="write the trained state dict (+ optimizer state)")
@@ -70,14 +87,22 @@ def _resume_meta(directory: str) -> dict[str, object]:
     except (ValueError, TypeError, RecursionError):
         raise PipeplanError(f"--resume {directory}: meta.json is not valid JSON; the checkpoint "
                             "is damaged") from None
-    kinds = {"step": int, "lr": (int, float), "seed": int, "optimizer": str}
+    kinds = {"step": int, "lr": (int, float), "seed": int, "optimizer": str,
+             "weight_decay": (int, float), "clip_grad_norm": (int, float, type(None)),
+             "lr_schedule": str, "warmup_steps": int, "decay_steps": int}
     bad = [k for k, t in kinds.items() if k in meta and (not isinstance(meta[k], t) or isinstance(meta[k], bool))]
     if not bad:  # values --save never writes, which failed on every rank after the launch
         lr, seed = meta.get("lr", 0.0), meta.get("seed", 0)
+        clip = meta.get("clip_grad_norm")
         bad = [k for k, ok in (("step", meta.get("step", 0) >= 0),
                                ("lr", lr_ok(lr)),
                                ("seed", 0 <= seed <= MAX_RUN_SEED),
-                               ("optimizer", meta.get("optimizer", "sgd") in get_args(OptimizerName)))
+                               ("optimizer", meta.get("optimizer", "sgd") in get_args(OptimizerName)),
+                               ("weight_decay", lr_ok(meta.get("weight_decay", 0.0))),
+                               ("clip_grad_norm", clip is None or (math.isfinite(clip) and clip > 0)),
+                               ("lr_schedule", meta.get("lr_schedule", "constant") in SCHEDULES),
+                               ("warmup_steps", meta.get("warmup_steps", 0) >= 0),
+                               ("decay_steps", meta.get("decay_steps", 1) >= 1))
                if not ok]
     if "step" not in meta or bad:
         what = ", ".join(f"{k} {meta[k]!r}" for k in bad) if bad else "no step"
@@ -143,13 +168,55 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
             "(or leave --optimizer out)")
     lr = args.lr if args.lr is not None else float(meta.get("lr", 0.01))
     seed = args.seed if args.seed is not None else int(meta.get("seed", 0))
+    rule = _training_rule(args, meta)
     return RunOptions(
         plan=args.plan, model=args.model, steps=args.steps, lr=lr,
-        optimizer=optimizer, seed=seed, save=args.save,
+        optimizer=optimizer, seed=seed, save=args.save, **rule,
         resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
         allow_mismatch=args.allow_mismatch, granularity=granularity,
         trace_info=getattr(args, "trace_info", None), threads=args.threads,
     )
+
+
+def _training_rule(args: argparse.Namespace, meta: dict[str, object]) -> dict[str, object]:
+    """--weight-decay, --clip-grad-norm and the learning-rate schedule: given, else the
+    checkpoint's (--resume), else none. A schedule's --decay-steps defaults to this run's last
+    step, so a resumed run keeps the one its checkpoint was trained towards."""
+    def given(name: str, default: object) -> object:
+        value = getattr(args, name)
+        return value if value is not None else meta.get(name, default)
+
+    wd, clip = float(given("weight_decay", 0.0)), given("clip_grad_norm", None)  # type: ignore[arg-type]
+    if not lr_ok(wd):
+        raise PipeplanError(f"--weight-decay {wd:g}: give a weight decay from 0 to {MAX_LR:g}")
+    if clip is not None and not (math.isfinite(clip) and clip > 0):  # type: ignore[arg-type]
+        raise PipeplanError(f"--clip-grad-norm {clip:g}: give the largest gradient norm, a "
+                            "positive number")
+    schedule, warmup = str(given("lr_schedule", "constant")), int(given("warmup_steps", 0))  # type: ignore[call-overload]
+    last = int(meta.get("step", 0)) + args.steps  # type: ignore[call-overload]
+    decay = int(given("decay_steps", last))  # type: ignore[call-overload]
+    if warmup < 0:
+        raise PipeplanError(f"--warmup-steps {warmup}: give 0 or more steps")
+    if schedule != "constant" and decay <= warmup:
+        raise PipeplanError(f"--decay-steps {decay}: a {schedule} schedule falls to 0 after its "
+                            f"{warmup} warm-up steps, so give more steps than those")
+    return {"weight_decay": wd, "clip_grad_norm": None if clip is None else float(clip),  # type: ignore[arg-type]
+            "lr_schedule": schedule, "warmup_steps": warmup, "decay_steps": max(decay, 1)}
+
+
+def describe_rule(opts: RunOptions) -> str:
+    """The training rule beyond the optimizer and its rate, as the launcher says it."""
+    parts = []
+    if opts.weight_decay:
+        parts.append(f"weight decay {opts.weight_decay:g}"
+                     + (" (AdamW)" if opts.optimizer == "adam" else " (L2)"))
+    if opts.clip_grad_norm is not None:
+        parts.append(f"gradient norm clipped to {opts.clip_grad_norm:g}")
+    if opts.warmup_steps:
+        parts.append(f"{opts.warmup_steps} warm-up steps")
+    if opts.lr_schedule != "constant":
+        parts.append(f"{opts.lr_schedule} decay to 0 at step {opts.decay_steps}")
+    return "".join(f", {p}" for p in parts)
 
 
 def warn_plan(plan: Plan, opts: RunOptions) -> None:
@@ -290,7 +357,12 @@ def main(argv: list[str] | None = None) -> int:
           f"({len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, "
           f"{plan.num_microbatches} microbatches of "
           f"{plan.microbatch_size}, schedule {plan.schedule}; optimizer {opts.optimizer}{source}, "
-          f"lr {opts.lr:g})", flush=True)
+          f"lr {opts.lr:g}{describe_rule(opts)})", flush=True)
+    start = int(_resume_meta(opts.resume)["step"]) if opts.resume else 0  # type: ignore[call-overload]
+    if opts.lr_schedule != "constant" and start + opts.steps > opts.decay_steps:
+        print(f"warning: the {opts.lr_schedule} schedule reaches a learning rate of 0 at step "
+              f"{opts.decay_steps}, before this run's last step ({start + opts.steps}): the steps "
+              "after it train at a rate of 0 (give --decay-steps)", file=sys.stderr, flush=True)
     try:
         extra = [] if args.granularity else ["--granularity", granularity]
         failures = launch(argv + extra + ["--trace-info", info], plan.world_size, opts.threads,

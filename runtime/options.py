@@ -12,6 +12,11 @@ class RunOptions:
     steps: int = 5
     lr: float = 0.01
     optimizer: str = "sgd"  # sgd | momentum | adam
+    weight_decay: float = 0.0  # decoupled for adam (AdamW), L2 for sgd and momentum
+    clip_grad_norm: float | None = None  # the whole model's gradient norm, over every stage
+    lr_schedule: str = "constant"  # constant | linear | cosine (runtime.lr_schedule)
+    warmup_steps: int = 0
+    decay_steps: int = 1  # the global step where linear and cosine reach 0
     seed: int = 0
     save: str | None = None
     resume: str | None = None

@@ -28,10 +28,11 @@ from planner.formats import Plan
 from profiler.host_memory import keep_large_blocks
 from profiler.optimizers import make_optimizer
 from profiler.tracing import TracingWarning
-from runtime import checkpoint, comm, cpu_binding, rng, stages, tensor_parallel
+from runtime import checkpoint, comm, cpu_binding, grad_clip, rng, stages, tensor_parallel
 from runtime.comm import P2P, PeerError
 from runtime.deadline import Deadline
 from runtime.executor import StageExecutor, TimedEvent
+from runtime.lr_schedule import lr_factor
 from runtime.options import RunOptions
 from runtime.report import RankRecord, build_report, chrome_trace, measured_simulation
 
@@ -252,8 +253,12 @@ class Worker:
         self.unique_params = list(unique.values())
         # a stage of layers without parameters (activations, reshapes) has nothing to step:
         # torch's optimizers refuse an empty parameter list
-        self.optimizer = make_optimizer(opts.optimizer, self.unique_params, opts.lr) \
+        self.optimizer = make_optimizer(opts.optimizer, self.unique_params, opts.lr, opts.weight_decay) \
             if self.unique_params else NoParameters()
+        # --clip-grad-norm: a tied parameter's gradient is counted by the first stage holding it
+        self.counted_elsewhere = {id(self.params[n]) for tie_names, holders in self.ties
+                                  if self.stage in holders and self.stage != min(holders)
+                                  for n in tie_names if n in self.params}
         if opt_state:
             checkpoint.load_optimizer_state(self.optimizer, self.params, opt_state)
 
@@ -338,6 +343,14 @@ class Worker:
             events.append(TimedEvent(f"allreduce {self.stage}", "allreduce", self.stage, -1, t0, t1))
         return events
 
+    def clip_grads(self) -> float:
+        """--clip-grad-norm: the model's gradient norm over every rank (runtime.grad_clip),
+        the gradients scaled to it; returns the norm before clipping."""
+        mine = grad_clip.squared_sum(self.unique_params, self.replica == 0, self.tp_rank == 0,
+                                     self.counted_elsewhere)
+        return grad_clip.clip(self.unique_params, mine, float(self.opts.clip_grad_norm), self.device,
+                              lambda work, what: _wait(work, self.opts.timeout, what))
+
     # ------------------------------------------------------------------ training
     def draw_batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Step `step`'s batch: make_batch(global_batch) after the global generators are seeded
@@ -416,6 +429,10 @@ class Worker:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the all-reduce's copies are not the step's
             o0 = time.time()
+            norm = self.clip_grads() if opts.clip_grad_norm is not None else None
+            lr = opts.lr * lr_factor(s, opts.lr_schedule, opts.warmup_steps, opts.decay_steps)
+            for group in getattr(self.optimizer, "param_groups", ()):
+                group["lr"] = lr
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
@@ -440,8 +457,11 @@ class Worker:
                     print(f"warning: step {s + 1}: the loss is {step_loss} (training diverged: a "
                           "smaller --lr, or the model's data)", file=sys.stderr, flush=True)
                 self.losses.append(step_loss)
+                extra = "" if norm is None else f"  grad norm {norm:.4g}"
+                if opts.lr_schedule != "constant" or opts.warmup_steps:
+                    extra += f"  lr {lr:.4g}"
                 print(f"step {s + 1}: loss {step_loss:.6f}  {ms:.1f} ms  "
-                      f"{plan.global_batch / (ms / 1e3):.1f} samples/s", flush=True)
+                      f"{plan.global_batch / (ms / 1e3):.1f} samples/s{extra}", flush=True)
         self.p2p.flush()
         st = self.executor.stats
         if self.device.type == "cuda":
@@ -505,7 +525,9 @@ class Worker:
                 opt_state = stages.complete_aliases(opt_state, self.aliases)
                 checkpoint.save(opts.save, model_state, opt_state, {
                     "step": self.start_step + opts.steps, "seed": opts.seed,
-                    "optimizer": opts.optimizer, "lr": opts.lr,
+                    "optimizer": opts.optimizer, "lr": opts.lr, "weight_decay": opts.weight_decay,
+                    "clip_grad_norm": opts.clip_grad_norm, "lr_schedule": opts.lr_schedule,
+                    "warmup_steps": opts.warmup_steps, "decay_steps": opts.decay_steps,
                     "profile_sha256": plan.profile_sha256,
                 })
         if self.rank == 0:
