@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=run_seed_arg, default=None,
                    help="seed of the model and the batches (default 0, or the checkpoint's)")
     p.add_argument("--save", metavar="DIR", help="write the trained state dict (+ optimizer state)")
+    p.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="with --save: also write the checkpoint after every N-th step (global "
+                        "steps N, 2N, ...), each over the last")
     p.add_argument("--resume", metavar="DIR", help="continue from a --save directory")
     p.add_argument("--report", metavar="FILE", help="write report.json")
     p.add_argument("--trace", metavar="FILE", help="write the measured last step as a Chrome trace")
@@ -148,6 +151,9 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     check_output(args.report, inputs, "--report", probe=writer)
     check_output(args.trace, inputs, "--trace", probe=writer)
     check_distinct([("--report", args.report), ("--trace", args.trace)])
+    if args.save_every is not None and (args.save is None or args.save_every < 1):
+        raise PipeplanError(f"--save-every {args.save_every}: give a number of steps, 1 or more, "
+                            "and --save DIR, the directory the checkpoints go to")
     if args.save is not None:
         save = Path(args.save)
         if save.exists() and not save.is_dir():
@@ -171,7 +177,7 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     rule = _training_rule(args, meta)
     return RunOptions(
         plan=args.plan, model=args.model, steps=args.steps, lr=lr,
-        optimizer=optimizer, seed=seed, save=args.save, **rule,
+        optimizer=optimizer, seed=seed, save=args.save, save_every=args.save_every, **rule,
         resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
         allow_mismatch=args.allow_mismatch, granularity=granularity,
         trace_info=getattr(args, "trace_info", None), threads=args.threads,

@@ -19,6 +19,7 @@ class RunOptions:
     decay_steps: int = 1  # the global step where linear and cosine reach 0
     seed: int = 0
     save: str | None = None
+    save_every: int | None = None  # --save also at every N-th global step
     resume: str | None = None
     report: str | None = None
     trace: str | None = None

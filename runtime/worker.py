@@ -462,6 +462,12 @@ class Worker:
                     extra += f"  lr {lr:.4g}"
                 print(f"step {s + 1}: loss {step_loss:.6f}  {ms:.1f} ms  "
                       f"{plan.global_batch / (ms / 1e3):.1f} samples/s{extra}", flush=True)
+            # --save-every: at global steps N, 2N, ... (the run's last step: by finish)
+            if (opts.save and opts.save_every and (s + 1) % opts.save_every == 0
+                    and s + 1 < self.start_step + opts.steps):
+                self.save_checkpoint(s + 1)  # (not timed: the step's figures are taken)
+                if self.rank == 0:
+                    print(f"step {s + 1}: checkpoint saved to {opts.save}", flush=True)
         self.p2p.flush()
         st = self.executor.stats
         if self.device.type == "cuda":
@@ -498,40 +504,47 @@ class Worker:
 
     # ------------------------------------------------------------------ end of run
     def finish(self, record: RankRecord) -> None:
-        plan, opts = self.plan, self.opts
+        opts = self.opts
         records: list[RankRecord | None] = [None] * self.env.world_size
         with comm.collective("collecting every rank's measurements on rank 0", opts.timeout):
             dist.gather_object(record, records if self.rank == 0 else None, dst=0)
         if opts.save:
-            mine = None
-            if self.replica == 0:  # whole tensors: sharded ones gathered over the TP group
-                state = {k: tensor_parallel.full(v).detach().cpu().clone()
-                         for k, v in self.module.state_dict().items()}
-                opt = checkpoint.optimizer_state_by_name(self.optimizer, self.params)
-                if self.tp_rank == 0:
-                    mine = (state, opt)
-            parts: list[object] = [None] * self.env.world_size
-            with comm.collective("collecting the checkpoint's parts on rank 0 (--save)", opts.timeout):
-                dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
-            if self.rank == 0:
-                model_state: dict = {}
-                opt_state: dict = {}
-                for part in parts:
-                    if part is not None:
-                        model_state.update(part[0])  # type: ignore[index]
-                        opt_state.update(part[1])  # type: ignore[index]
-                model_state = {k: v for k, v in stages.complete_aliases(model_state, self.aliases).items()
-                               if k in self.model_keys}
-                opt_state = stages.complete_aliases(opt_state, self.aliases)
-                checkpoint.save(opts.save, model_state, opt_state, {
-                    "step": self.start_step + opts.steps, "seed": opts.seed,
-                    "optimizer": opts.optimizer, "lr": opts.lr, "weight_decay": opts.weight_decay,
-                    "clip_grad_norm": opts.clip_grad_norm, "lr_schedule": opts.lr_schedule,
-                    "warmup_steps": opts.warmup_steps, "decay_steps": opts.decay_steps,
-                    "profile_sha256": plan.profile_sha256,
-                })
+            self.save_checkpoint(self.start_step + opts.steps)
         if self.rank == 0:
             self._write_outputs([r for r in records if r is not None])
+
+    def save_checkpoint(self, step: int) -> None:
+        """--save: every rank's part of the model and optimizer state, written by rank 0 as the
+        checkpoint of `step` steps done (every rank must call this)."""
+        plan, opts = self.plan, self.opts
+        assert opts.save is not None
+        mine = None
+        if self.replica == 0:  # whole tensors: sharded ones gathered over the TP group
+            state = {k: tensor_parallel.full(v).detach().cpu().clone()
+                     for k, v in self.module.state_dict().items()}
+            opt = checkpoint.optimizer_state_by_name(self.optimizer, self.params)
+            if self.tp_rank == 0:
+                mine = (state, opt)
+        parts: list[object] = [None] * self.env.world_size
+        with comm.collective("collecting the checkpoint's parts on rank 0 (--save)", opts.timeout):
+            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
+        if self.rank == 0:
+            model_state: dict = {}
+            opt_state: dict = {}
+            for part in parts:
+                if part is not None:
+                    model_state.update(part[0])  # type: ignore[index]
+                    opt_state.update(part[1])  # type: ignore[index]
+            model_state = {k: v for k, v in stages.complete_aliases(model_state, self.aliases).items()
+                           if k in self.model_keys}
+            opt_state = stages.complete_aliases(opt_state, self.aliases)
+            checkpoint.save(opts.save, model_state, opt_state, {
+                "step": step, "seed": opts.seed,
+                "optimizer": opts.optimizer, "lr": opts.lr, "weight_decay": opts.weight_decay,
+                "clip_grad_norm": opts.clip_grad_norm, "lr_schedule": opts.lr_schedule,
+                "warmup_steps": opts.warmup_steps, "decay_steps": opts.decay_steps,
+                "profile_sha256": plan.profile_sha256,
+            })
 
     def _write_outputs(self, records: list[RankRecord]) -> None:
         from planner.io import save_model

@@ -123,3 +123,42 @@ def test_a_schedule_that_ends_before_the_run_is_warned_about(run, tmp_path):
     assert rc == 0, err
     assert "reaches a learning rate of 0 at step 2, before this run's last step (3)" in err
     assert [float(x) for x in re.findall(r"  lr ([0-9.e+-]+)", out)] == [0.01, 0.005, 0.0]
+
+
+def test_save_every_keeps_the_last_checkpoint_of_a_run_that_failed_later(run, tmp_path, monkeypatch):
+    # make_batch fails on the ranks at their 4th call, step 4's batch: the checkpoint of step 2
+    # is there, and resuming from it trains like one uninterrupted run
+    model = tmp_path / "model.py"
+    model.write_text(f"""import os, sys
+sys.path.insert(0, {str(MODELS)!r})
+from seq_mlp import build_model, loss_fn
+from seq_mlp import make_batch as _make_batch
+
+calls = 0
+
+
+def make_batch(n):
+    global calls
+    calls += 1
+    if "RANK" in os.environ and os.environ.get("FAIL_AT_CALL") == str(calls):
+        raise RuntimeError("the data loader broke")
+    return _make_batch(n)
+""")
+    plan = run.plan(model, 2, [2, 1], global_batch=12, microbatch_size=2)
+    common = ["--model", model, "--timeout", 60, "--optimizer", "adam", "--clip-grad-norm", 0.05]
+    rc, out, err, _ = run(plan, *common, "--steps", 3, "--save-every", 0, "--save", tmp_path / "x")
+    assert rc == 2 and "--save-every 0: give a number of steps" in err
+    monkeypatch.setenv("FAIL_AT_CALL", "4")
+    rc, out, err, _ = run(plan, *common, "--steps", 5, "--save", tmp_path / "ck", "--save-every", 2)
+    monkeypatch.delenv("FAIL_AT_CALL")
+    assert rc != 0 and "the data loader broke" in err
+    assert "step 2: checkpoint saved" in out and "step 4:" not in out
+    assert json.loads((tmp_path / "ck" / "meta.json").read_text())["step"] == 2
+    rc, out, err, _ = run(plan, "--model", model, "--timeout", 60, "--steps", 3,
+                          "--resume", tmp_path / "ck", "--save", tmp_path / "ck", "--save-every", 2)
+    assert rc == 0, err
+    assert "step 4: checkpoint saved" in out  # global steps, and the last one by the end of the run
+    assert json.loads((tmp_path / "ck" / "meta.json").read_text())["step"] == 5
+    ref = reference_train(str(model), 5, optimizer="adam", clip_grad_norm=0.05,
+                          global_batch=12, microbatch_size=2)
+    assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < TOL
