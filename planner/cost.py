@@ -537,18 +537,29 @@ def lower_bound_ms(table: LayerTable, num_microbatches: int, scale: float, total
     return num_microbatches * scale * work / total_speed
 
 
-def least_layer_ms(table: LayerTable, degrees: Sequence[int]) -> tuple[list[float], list[float]]:
+def least_layer_ms(table: LayerTable, degrees: Sequence[int], zero_bubble: bool = False
+                   ) -> tuple[list[float], list[float]]:
     """Per layer, over running it whole or on one of t TP devices for t in `degrees`: the
-    least device time of its forward and backward (t x the shard's) and the least time."""
-    work = [table.compute_ms(i, i + 1) for i in range(table.num_layers)]
-    latency = list(work)
+    least device time of its forward and backward (t x the shard's) and the least time on
+    the way of one microbatch through the model. Under `zero_bubble` (zb-h1) that way runs
+    through each layer's B only (its share `bwd_weight / bwd` of the backward being W, which
+    may wait for the end), but for the first layer's whole backward, as the bound's
+    (`planner.search.bound`: the first stage's last W is sure to follow its last B)."""
+    L = table.num_layers
+    keep = [1.0] * L  # the share of a layer's backward on that way
+    if zero_bubble:
+        for i in range(1, L):
+            bwd = table.bwd_ms(i, i + 1)
+            keep[i] = 1.0 - table.bwd_weight_ms(i, i + 1) / bwd if bwd > 0 else 1.0
+    work = [table.compute_ms(i, i + 1) for i in range(L)]
+    latency = [table.fwd_ms(i, i + 1) + keep[i] * table.bwd_ms(i, i + 1) for i in range(L)]
     for t in degrees:
         if t > 1:
             tt = table.at_degree(t)
-            for i in range(table.num_layers):
-                shard = tt.span("fwd_prefix_ms", i, i + 1) + tt.span("bwd_prefix_ms", i, i + 1)
-                work[i] = min(work[i], t * shard)
-                latency[i] = min(latency[i], shard)
+            for i in range(L):
+                fwd, bwd = tt.span("fwd_prefix_ms", i, i + 1), tt.span("bwd_prefix_ms", i, i + 1)
+                work[i] = min(work[i], t * (fwd + bwd))
+                latency[i] = min(latency[i], fwd + keep[i] * bwd)
     return work, latency
 
 

@@ -564,7 +564,7 @@ def _simple_bound(table: LayerTable, cluster: Cluster, options: PlanOptions, b: 
     m = options.global_batch // b
     scale = microbatch_scale(table.batch_size, b)
     speeds = [d.speed for d in cluster.devices()]
-    work, latency = least_layer_ms(table, degrees)
+    work, latency = least_layer_ms(table, degrees, options.schedule == "zb-h1")
     return max(m * scale * sum(work) / sum(speeds), scale * sum(latency) / max(speeds))
 
 
@@ -881,6 +881,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         err = infeasible_error(table, cluster, options, sizes, ev)
         err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound (inf: none fits)
         raise err
+    best_s, cand = ev.zb_h1_recompute_toggled(cand, best_s)
     obj = best_s.objective_ms
     classed_conds = dict(conds)  # (the loop below may drop their hop classes)
     tighten_work = 0  # the bounds once more, with the cross-stage conditions (bound.tighten)
@@ -1097,6 +1098,7 @@ def _idle_plan(best_s: Score, cand: Candidate, table: LayerTable, cluster: Clust
                other_work: int) -> tuple[Candidate, dict[str, object]]:
     """The plan `_idle_rescue` found, with the bound that needs no DP (`_simple_bound`), which
     holds for every plan."""
+    best_s, cand = ev.zb_h1_recompute_toggled(cand, best_s)
     bound = min(_simple_bound(table, cluster, options, b, ev.degrees) for b in sizes)
     return _result(cand, best_s.objective_ms, bound, options, ev, t0, deadline, ev.work + other_work,
                    other_work, {"bound_by_microbatch": {}, "no_plan_microbatch_sizes": []})
