@@ -291,14 +291,17 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
             f"the model has lazy modules not initialised yet ({', '.join(lazy[:3])}"
             f"{', ...' if len(lazy) > 3 else ''}): run one forward before tracing it "
             "(profiler.loader.build_checked(model_file, batch_size) does)")
-    saved = {k: v.detach().clone() for k, v in model.named_buffers()}
+    # the forwards run to trace leave the model as they found it: buffers, Python attributes
+    # (a call counter, a list), its own generators (under torchrun every rank traces, and
+    # state one call ahead trained differently from one process)
+    from profiler.module_state import BlockState
+
+    state = BlockState(model)
+    saved = state.capture(every=True)
     try:
         return _trace(model, tuple(example_inputs), granularity, tensor_kinds, mutations)
     finally:
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                if k in saved:
-                    v.copy_(saved[k])
+        state.restore(saved)
 
 
 def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str,

@@ -12,9 +12,9 @@ the same way (a recomputed forward drawing from them drew other numbers).
 A block's forward may also read state its forwards change: buffers changed in place (a step
 counter, running statistics) and plain Python attributes (`self.n += 1`). By the time the
 backward recomputes microbatch i, the forwards of the microbatches after it have moved that
-state. So each forward keeps what it found (`BlockState`: the attributes that hold numbers,
-strings or tensors, and copies of the tensors a forward changes in place), the recomputation
-runs on it, and then the block's state is put back as the recomputation found it: the
+state. So each forward keeps what it found (`profiler.module_state.BlockState`: attributes by
+reference, plain values and containers of them, a block's own generators, copies of the
+tensors a forward changes in place), the recomputation runs on it, and then the block's state is put back as the recomputation found it: the
 recomputed forward computes what the first one did, and the state moves once per
 microbatch, as in training without recomputation.
 """
@@ -30,15 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from planner.errors import PipeplanError
 from profiler.measure import _storage_key
+from profiler.module_state import BlockState, Snapshot
 
 Values = dict[str, torch.Tensor]
-
-# attribute values put back by rebinding: what a forward changes by assigning, not in place
-_ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
-
-
-def _atom(v: object) -> bool:
-    return isinstance(v, _ATOMS) or (isinstance(v, tuple) and all(isinstance(x, _ATOMS) for x in v))
 
 
 def _generators() -> tuple[object, object]:
@@ -58,72 +52,6 @@ def _set_generators(states: tuple[object, object]) -> None:
 
     random.setstate(states[0])  # type: ignore[arg-type]
     np.random.set_state(states[1])  # type: ignore[arg-type]
-
-
-class Snapshot:
-    """A block's state as one forward found it: its modules' plain attributes and copies of
-    its tensors (buffers and tensor attributes) that forwards change in place."""
-
-    def __init__(self, attrs: list[dict[str, object]], copies: dict[int, torch.Tensor],
-                 versions: dict[int, int]) -> None:
-        self.attrs, self.copies, self.versions = attrs, copies, versions
-
-
-SMALL_TENSOR_BYTES = 1 << 16  # a tensor this small is copied by every forward (`BlockState`)
-
-
-class BlockState:
-    """The state of one block's modules that its forward may read besides its inputs and
-    parameters. Tensors of at most SMALL_TENSOR_BYTES (step counters, running statistics) are
-    copied by every forward. Which larger ones a forward changes in place is learnt from their
-    version counters: the first forward copies every tensor, the later ones only those a
-    forward has changed. A larger tensor first changed by a later forward has no copy in the
-    microbatches in flight before it: their recomputation stops with a clear error rather
-    than run on the moved tensor (`restore`)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        self.modules = list(block.modules())
-        params = {id(p) for p in block.parameters()}
-        seen: dict[int, torch.Tensor] = {}
-        self.names: dict[int, str] = {}  # for the error of `restore`
-        for m in self.modules:
-            for name, t in [*m._buffers.items(), *vars(m).items()]:
-                if isinstance(t, torch.Tensor) and id(t) not in params:
-                    seen.setdefault(id(t), t)
-                    self.names.setdefault(id(t), f"{type(m).__name__}.{name}")
-        self.tensors = list(seen.values())
-        self.small = {id(t) for t in self.tensors if t.numel() * t.element_size() <= SMALL_TENSOR_BYTES}
-        self.changed: set[int] | None = None  # ids of tensors a forward changed; None: none ran yet
-
-    def capture(self, every: bool = False) -> Snapshot:
-        attrs = [{k: v for k, v in vars(m).items() if _atom(v)} for m in self.modules]
-        copies = {id(t): t.detach().clone() for t in self.tensors
-                  if every or self.changed is None or id(t) in self.changed}
-        return Snapshot(attrs, copies, {id(t): t._version for t in self.tensors})
-
-    def learn(self, snap: Snapshot) -> None:
-        """After the forward `snap` was taken for: note the tensors it changed, and drop the
-        copies nothing will need."""
-        moved = {id(t) for t in self.tensors if t._version != snap.versions[id(t)]}
-        self.changed = moved | (self.changed or set()) | self.small  # small ones: always copied
-        for key in [k for k in snap.copies if k not in self.changed]:
-            del snap.copies[key]
-
-    def restore(self, snap: Snapshot) -> None:
-        lost = [t for t in self.tensors if id(t) not in snap.copies and t._version != snap.versions[id(t)]]
-        if lost:
-            raise PipeplanError(
-                f"recomputation: the forward of a later microbatch changed "
-                f"{self.names.get(id(lost[0]), 'a tensor')} ({lost[0].numel() * lost[0].element_size()} "
-                "bytes) in place for the first time, after this microbatch's forward had read it; "
-                "its recomputation cannot run on the state that forward found. Plan this stage "
-                "without recomputation (--no-recompute, or --recompute with 0 for it)")
-        for m, attrs in zip(self.modules, snap.attrs, strict=True):
-            m.__dict__.update(attrs)
-        with torch.no_grad():
-            for t in self.tensors:
-                if id(t) in snap.copies:
-                    t.copy_(snap.copies[id(t)])
 
 
 def block_modules(graph: object, layers: list[str]) -> list[nn.Module]:

@@ -1,0 +1,193 @@
+"""The state a module's forward may read and change besides its inputs and parameters, kept and
+put back: recomputation runs a block's forward once more on the state its first forward found
+(`runtime.recompute`), and a forward run only to trace the model must leave the model as it
+found it (`profiler.graph.trace_model`, under torchrun on every rank).
+
+What is kept, per module:
+- every attribute by reference (a forward that rebinds one, `self.scale = self.scale * 1.1`,
+  buffers included: a registered buffer rebound lives in `_buffers`), so putting back rebinds
+  the object the forward found;
+- tensors (buffers and tensor attributes, not parameters) by copy where a forward changes them in
+  place: those of at most SMALL_TENSOR_BYTES (step counters, running statistics) at every
+  capture; a larger one at the captures after a forward was seen to change it, and at the
+  first capture that sees it (`BlockState.learn`);
+- numbers, strings and the like by value; lists, dicts, sets and deques of such values (and of
+  tensors) by a deep copy, put back into the same container object (`self.hist.append(x)`);
+- generators of its own (`torch.Generator`, `random.Random`, numpy's `Generator` and
+  `RandomState`) by their state.
+Anything else (an attribute holding another object) is kept by reference only.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+_ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
+_MODULE_KEYS = frozenset(vars(nn.Module()))  # nn.Module's own: parameters, hooks, `training`
+CONTAINER_ITEMS = 100_000  # a list, dict or set with more values is kept by reference only
+SMALL_TENSOR_BYTES = 1 << 16  # a tensor this small is copied at every capture
+
+
+def _atom(v: object) -> bool:
+    return isinstance(v, _ATOMS) or (isinstance(v, tuple) and all(isinstance(x, _ATOMS) for x in v))
+
+
+def _plain(v: object, left: list[int], depth: int = 0) -> bool:
+    """A container of numbers, strings, tensors and such containers (at most `left[0]` values
+    over all of them)."""
+    if isinstance(v, (list, tuple, set, frozenset, deque)):
+        items: Any = v
+    elif isinstance(v, dict):
+        items = [*v.keys(), *v.values()]
+    else:
+        return isinstance(v, _ATOMS)
+    left[0] -= len(items)
+    if left[0] < 0 or depth > 8:
+        return False
+    return all(_plain(x, left, depth + 1) for x in items)
+
+
+def _generator_state(v: object) -> object | None:
+    if isinstance(v, torch.Generator):
+        return v.get_state()
+    if isinstance(v, random.Random):
+        return v.getstate()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is torch's dependency here
+        return None
+    if isinstance(v, np.random.Generator):
+        return copy.deepcopy(v.bit_generator.state)
+    if isinstance(v, np.random.RandomState):
+        return v.get_state()
+    return None
+
+
+def _set_generator_state(v: object, state: object) -> None:
+    if isinstance(v, torch.Generator):
+        v.set_state(state)  # type: ignore[arg-type]
+    elif isinstance(v, random.Random):
+        v.setstate(state)  # type: ignore[arg-type]
+    elif hasattr(v, "bit_generator"):
+        v.bit_generator.state = copy.deepcopy(state)  # type: ignore[attr-defined]
+    else:
+        v.set_state(state)  # type: ignore[attr-defined]
+
+
+def _put_back(obj: Any, saved: Any) -> None:
+    """The contents of container `obj` as `saved` (a deep copy taken from it)."""
+    if isinstance(obj, (list, deque)):
+        obj.clear()
+        obj.extend(saved)
+    elif isinstance(obj, (dict, set)):
+        obj.clear()
+        obj.update(saved)
+
+
+class Snapshot:
+    """A block's state as one capture found it."""
+
+    def __init__(self) -> None:
+        self.refs: list[dict[str, object]] = []  # per module: every attribute, by reference
+        self.buffers: list[dict[str, object]] = []  # per module: its `_buffers`, by reference
+        self.contents: list[dict[str, object]] = []  # per module: containers' deep copies
+        self.generators: list[dict[str, object]] = []  # per module: generators' states
+        self.tensors: dict[int, torch.Tensor] = {}  # the tensors found, by id
+        self.versions: dict[int, int] = {}
+        self.copies: dict[int, torch.Tensor] = {}
+
+
+class BlockState:
+    """The state of one block's modules (the module's docstring). A large tensor first changed
+    in place by a later forward has no copy in the snapshots taken before it was seen to
+    change: putting one of those back stops with a clear error (`restore`) rather than leave
+    the moved tensor."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.modules = list(block.modules())
+        self.params = {id(p) for p in block.parameters()}
+        self.names: dict[int, str] = {}  # for the error of `restore`
+        self.changed: set[int] | None = None  # ids of tensors a forward changed; None: none ran yet
+        self.seen: set[int] = set()  # ids of tensors some capture copied or a forward was watched on
+        self.small: set[int] = set()
+
+    def _tensors(self) -> dict[int, torch.Tensor]:
+        found: dict[int, torch.Tensor] = {}
+        for m in self.modules:
+            for name, t in [*m._buffers.items(), *vars(m).items()]:
+                if isinstance(t, torch.Tensor) and id(t) not in self.params and id(t) not in found:
+                    found[id(t)] = t
+                    self.names.setdefault(id(t), f"{type(m).__name__}.{name}")
+                    if t.numel() * t.element_size() <= SMALL_TENSOR_BYTES:
+                        self.small.add(id(t))
+        return found
+
+    def capture(self, every: bool = False) -> Snapshot:
+        snap = Snapshot()
+        for m in self.modules:
+            refs, contents, gens = {}, {}, {}
+            for k, v in vars(m).items():
+                if k in _MODULE_KEYS:
+                    continue
+                refs[k] = v
+                if _atom(v):
+                    continue
+                if (state := _generator_state(v)) is not None:
+                    gens[k] = state
+                elif _plain(v, [CONTAINER_ITEMS]) and not isinstance(v, (tuple, frozenset)):
+                    contents[k] = copy.deepcopy(v)
+            snap.refs.append(refs)
+            snap.buffers.append(dict(m._buffers))
+            snap.contents.append(contents)
+            snap.generators.append(gens)
+        snap.tensors = self._tensors()
+        snap.versions = {k: t._version for k, t in snap.tensors.items()}
+        snap.copies = {k: t.detach().clone() for k, t in snap.tensors.items()
+                       if every or self.changed is None or k not in self.seen
+                       or k in self.changed or k in self.small}
+        self.seen |= snap.copies.keys()
+        return snap
+
+    def learn(self, snap: Snapshot) -> None:
+        """After the forward `snap` was taken for: note the tensors it changed, and drop the
+        copies nothing will need."""
+        moved = {k for k, t in snap.tensors.items() if t._version != snap.versions[k]}
+        self.changed = moved | (self.changed or set()) | self.small  # small ones: always copied
+        self.seen |= snap.tensors.keys()
+        for key in [k for k in snap.copies if k not in self.changed]:
+            del snap.copies[key]
+
+    def restore(self, snap: Snapshot) -> None:
+        lost = [t for k, t in snap.tensors.items() if k not in snap.copies and t._version != snap.versions[k]]
+        if lost:
+            t = lost[0]
+            from planner.errors import PipeplanError
+
+            raise PipeplanError(
+                f"recomputation: the forward of a later microbatch changed "
+                f"{self.names.get(id(t), 'a tensor')} ({t.numel() * t.element_size()} "
+                "bytes) in place for the first time, after this microbatch's forward had read it; "
+                "its recomputation cannot run on the state that forward found. Plan this stage "
+                "without recomputation (--no-recompute, or --recompute with 0 for it)")
+        for m, refs, bufs, contents, gens in zip(self.modules, snap.refs, snap.buffers, snap.contents,
+                                                 snap.generators, strict=True):
+            m.__dict__.update(refs)
+            m._buffers.update(bufs)  # type: ignore[arg-type]
+            for k, saved in contents.items():
+                _put_back(refs[k], copy.deepcopy(saved))
+            for k, state in gens.items():
+                _set_generator_state(refs[k], state)
+        with torch.no_grad():
+            for k, c in snap.copies.items():
+                t = snap.tensors[k]
+                # a large one only where its version moved (a copy back moves it too, and the
+                # snapshots before would take that for a change); a small one always (a change
+                # through `.data` moves no version)
+                if k in self.small or t._version != snap.versions[k]:
+                    t.copy_(c)
