@@ -3,6 +3,11 @@
 - Size: a declared Content-Length over the limit is refused before any byte is read, and a body
   streamed without one (chunked) is counted as it arrives and refused as soon as it crosses the
   limit. Both answer 413.
+- Draining: a client that sends its whole body before reading the answer (Python's
+  http.client, requests and httpx do, where curl waits on `Expect: 100-continue`) met a closed
+  connection, a reset, instead of the 413 that says why. So up to DRAIN_FACTOR x the limit
+  (at most DRAIN_MAX_BYTES) of a refused body is read and dropped first, within the body's
+  time limit (or DRAIN_S); beyond that the connection is closed at once.
 - Time: a body that has not fully arrived `timeout_s` after its first read (a client that sends
   the headers and then stalls, or trickles bytes) is answered 408 and its connection closed,
   instead of holding a connection and a request task for as long as the client likes.
@@ -44,6 +49,11 @@ class BodyTimeout(HTTPException):
                          headers=CLOSE)
 
 
+DRAIN_FACTOR = 4  # of the limit: the most of a refused body read (and dropped) before the 413
+DRAIN_MAX_BYTES = 256 * 1024 * 1024
+DRAIN_S = 10.0  # the longest a drain takes where bodies have no time limit
+
+
 class BodySizeLimit:
     def __init__(self, app: Any, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
@@ -59,6 +69,25 @@ class BodySizeLimit:
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
+    def _drain_bytes(self) -> int:
+        return min(DRAIN_FACTOR * self.max_bytes, max(DRAIN_MAX_BYTES, self.max_bytes))
+
+    async def _drain(self, receive: Any, most: int) -> None:
+        """Read and drop up to `most` bytes of the body, until its end, within the body's time
+        limit (or DRAIN_S): then the client that sends all before it reads gets the answer."""
+        left = max(most, 0)
+        end = time.monotonic() + (self.timeout_s if self.timeout_s is not None else DRAIN_S)
+        while left > 0:
+            try:
+                message = await asyncio.wait_for(receive(), max(end - time.monotonic(), 0.0))
+            except TimeoutError:
+                return
+            if message["type"] != "http.request":
+                return  # the client went away
+            left -= len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -70,6 +99,8 @@ class BodySizeLimit:
                 except ValueError:
                     declared = 0  # the server itself rejects a malformed length
                 if declared > self.max_bytes:
+                    if declared <= self._drain_bytes():
+                        await self._drain(receive, declared)
                     await self._refuse(scope, send, BodyTooLarge(self.max_bytes))
                     return
         received = 0
@@ -92,6 +123,8 @@ class BodySizeLimit:
                 received += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
                 if received > self.max_bytes:
+                    if not complete:
+                        await self._drain(receive, self._drain_bytes() - received)
                     raise BodyTooLarge(self.max_bytes)
             return message
 

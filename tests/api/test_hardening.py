@@ -455,3 +455,36 @@ def test_an_empty_filter_is_refused_as_the_job_list_refuses_one(client: TestClie
     assert r.status_code == 422 and "profile_id" in r.text, r.text
     assert client.get("/v1/jobs?status=").status_code == 422
     assert client.get("/v1/plans?profile_id=nope").json()["items"] == []
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_client_that_sends_a_too_large_body_before_reading_gets_the_413(tmp_path: Path,
+                                                                          chunked: bool) -> None:
+    """Python's http.client (as requests and httpx) sends the whole body before it reads the
+    answer: the 413 came with the connection closed under it, and the client saw a reset
+    (ConnectionResetError / BrokenPipeError), not why. The server now reads and drops what is
+    left of a refused body (up to 4x the limit) before it answers."""
+    import http.client
+
+    size = 30_000_000  # more than the loopback's socket buffers hold
+    with Server(tmp_path / "pipeplan.db", max_body_bytes="8000000") as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        body = b"{" + b" " * (size - 2) + b"}"
+        headers = {"Content-Type": "application/json"}
+        if chunked:
+            conn.request("POST", "/v1/profiles", body=iter([body[i:i + 65536] for i in range(0, size, 65536)]),
+                         headers=headers, encode_chunked=True)
+        else:
+            conn.request("POST", "/v1/profiles", body=body, headers=headers)
+        r = conn.getresponse()
+        detail = json.loads(r.read())["detail"]
+        conn.close()
+        assert r.status == 413 and "PIPEPLAN_MAX_BODY_BYTES" in detail
+        # over 4x the limit the connection is closed at once (declared: nothing is read)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.putrequest("POST", "/v1/profiles")
+        conn.putheader("Content-Length", str(500_000_000))
+        conn.endheaders()
+        r = conn.getresponse()
+        assert r.status == 413
+        conn.close()
