@@ -460,8 +460,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
         egm, export_error = _try_export(model, example_inputs, list(keep))
         if egm is not None:
             _clean_export_graph(egm)
-            if check:
-                _check_export(model, egm, example_inputs)
+            if check:  # (what stopped fx is often the thing to change)
+                _check_export(model, egm, example_inputs,
+                              advice=f"{_EXPORT_ADVICE} torch.fx stopped at: {fx_error}")
             return Traced(gm=egm, method="export", paths=_paths(egm), out_spec=None, leaves=list(keep))
     egm, error2 = _try_export(model, example_inputs)
     if egm is not None and keep:

@@ -362,3 +362,43 @@ def test_forward_hooks_on_a_container_split_between_stages_are_traced_not_lost()
         lg = trace(model, (torch.randn(2, 8),))
     assert not any("do not run" in str(w.message) for w in seen)
     assert lg.layer_names() == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+class _Twin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.tanh(self.lin(x))
+        return y, y * 2
+
+
+class _Sum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        s = 0
+        for a in args:
+            s = s + a
+        return self.lin(s)
+
+
+class StarUnpacked(nn.Module):
+    """Hands a block's tuple straight into the next block: `b(*a(x))`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Twin(), _Sum()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](*self.layers[0](x))
+
+
+def test_a_graph_export_gets_wrong_says_what_stopped_fx() -> None:
+    # the error listed hooks, Python numbers and side effects the model does not have; what
+    # fx stopped at (a block's output unpacked as *args) is the thing to change
+    with pytest.raises(PipeplanError, match=r"torch.fx stopped at: TraceError: Proxy object cannot be iterated"):
+        trace(StarUnpacked(), (torch.randn(2, 8),))
