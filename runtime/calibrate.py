@@ -252,6 +252,10 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     node_of = [node_names.index(n) for n in names]
     ranks_of_node = [[r for r in range(world) if node_of[r] == n] for n in range(len(node_names))]
 
+    def say(what: str) -> None:  # progress, from rank 0: many ranks on few cores take minutes
+        if me == 0:
+            print(f"  {what} ...", flush=True)
+
     # the workload of the speed measurement; ranks outside a measured pair run it meanwhile, so
     # messages travel while the other devices compute, as in a pipeline (on a CPU box with
     # fewer cores than ranks that is what makes a waiting rank wake up late)
@@ -270,6 +274,8 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     if len(ranks_of_node) >= 2:
         pairs["inter"] = (ranks_of_node[0][0], ranks_of_node[1][0])
     links: dict[str, dict] = {}
+    if pairs:
+        say(f"point-to-point latency and bandwidth ({', '.join(pairs)}-node)")
     tag = 1000  # the same on every rank: a pair's tags do not depend on who measured before
     for kind, (a, b) in pairs.items():
         points = []
@@ -303,6 +309,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     kind = "intra" if len(ranks_of_node) == 1 else "inter"
     group = comm.new_group(group_ranks, device) if len(group_ranks) >= 2 else None
     if group is not None and kind in links:
+        say(f"all-reduce over {len(group_ranks)} ranks")
         eff = []
         for nbytes in (1 << 20, 4 << 20):
             t = torch.ones(nbytes // 4, device=device)
@@ -327,6 +334,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     comm.barrier(device)
 
     # device speed: the workload on every rank at once, against it alone on rank 0
+    say(f"each device's speed, alone and with all {world} ranks busy")
     solo = _time_ms(step, torch, device, 7, window_s=1.5) if me == 0 else None
     comm.barrier(device)
     together = _time_ms(step, torch, device, 7, window_s=1.5)
@@ -341,6 +349,7 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     if world >= 2:
         from runtime import pipeline_probe
 
+        say("what a message costs inside a running pipeline")
         probe = pipeline_probe.run(torch, dist, me, world, device, args.timeout,
                                    iterations=max(10, args.rounds))
         comm.barrier(device)
