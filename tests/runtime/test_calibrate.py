@@ -86,6 +86,8 @@ def test_calibrate_two_local_ranks(tmp_path):
     assert all(t > 0 for _, t in cal["links"]["intra"]["points_us"])
     assert len(cal["speeds"]) == 2 and c.device_memory_gb > 0
     assert "same-node latency" in r.stdout and "nominal" in r.stdout and "wrote" in r.stdout
+    # progress while it measures (64 ranks on 2 cores take minutes)
+    assert r.stdout.index("all-reduce over 2 ranks ...") < r.stdout.index("pipeline ...") < r.stdout.index("wrote")
     # the pipeline probe ran both ranks as a 1F1B chain; its overhead is the fit of what it measured
     probe = cal["pipeline"]
     assert len(probe["fwd_ms"]) == len(probe["bwd_ms"]) == 2 and min(probe["fwd_ms"] + probe["bwd_ms"]) > 0
