@@ -25,6 +25,30 @@ from planner.errors import PipeplanError
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "meta.json"
+FILES = (MODEL_FILE, OPTIMIZER_FILE, META_FILE)
+PREV = ".prev"  # the previous checkpoint's files while a save replaces them (`save`)
+
+
+def files_of(directory: str | Path) -> tuple[dict[str, Path], bool]:
+    """The checkpoint's files in `directory` by name, and whether they are the previous
+    checkpoint's (`.prev`: a save was interrupted while it renamed its files in). Where there is
+    neither a meta.json nor a whole previous checkpoint, the plain names (`load` says what is
+    missing)."""
+    d = Path(directory)
+    if not (d / META_FILE).is_file() and all((d / (n + PREV)).is_file() for n in FILES):
+        return {n: d / (n + PREV) for n in FILES}, True
+    return {n: d / n for n in FILES}, False
+
+
+def _keep(src: Path, dst: Path) -> None:
+    """`dst` a second name of `src`'s data (a hard link; a copy where links are refused)."""
+    import os
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def optimizer_state_by_name(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]
@@ -63,9 +87,11 @@ def save(directory: str | Path, model_state: dict[str, torch.Tensor],
          optimizer_state: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]) -> None:
     """Write the checkpoint. All three files are written first, then renamed in place: a
     failure while writing (the slow part: a full disk) removes what it wrote and leaves the
-    previous checkpoint whole, with a PipeplanError saying why. The old meta.json goes before
-    the renames and the new one comes last, so a crash between them leaves a directory `load`
-    refuses as unfinished, never new weights beside an old step count."""
+    previous checkpoint whole, with a PipeplanError saying why. Before the renames the previous
+    checkpoint's files get second names (`.prev`, hard links), then its meta.json goes, and the
+    new one comes last: a crash between them leaves the previous checkpoint whole under those
+    names, which `load` and --resume take (`files_of`), never new weights beside an old step
+    count; the names go once the new checkpoint is in."""
     d = Path(directory)
     tmps: list[tuple[Path, Path]] = []
     try:
@@ -83,9 +109,17 @@ def save(directory: str | Path, model_state: dict[str, torch.Tensor],
         raise PipeplanError(f"--save {d}: the checkpoint could not be written ({why}); the training "
                             "of this run is not saved. Free space there, or --save to another "
                             "directory") from None
+    if (d / META_FILE).is_file():  # (else a whole .prev set, if any, is the one to keep)
+        for n in FILES:
+            (d / (n + PREV)).unlink(missing_ok=True)
+        for n in FILES:
+            if (d / n).is_file():
+                _keep(d / n, d / (n + PREV))
     (d / META_FILE).unlink(missing_ok=True)
     for tmp, final in tmps:
         tmp.replace(final)
+    for n in FILES:
+        (d / (n + PREV)).unlink(missing_ok=True)
 
 
 def state_bytes(model: nn.Module, optimizer: str) -> int:
@@ -101,7 +135,8 @@ def state_bytes(model: nn.Module, optimizer: str) -> int:
 
 def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict]:
     d = Path(directory)
-    missing = [n for n in (MODEL_FILE, OPTIMIZER_FILE, META_FILE) if not (d / n).is_file()]
+    paths, _ = files_of(d)
+    missing = [n for n in FILES if not paths[n].is_file()]
     if missing:
         unfinished = missing == [META_FILE] and (d / MODEL_FILE).is_file()
         raise PipeplanError(
@@ -112,7 +147,7 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
     loaded = []
     for name in (MODEL_FILE, OPTIMIZER_FILE):
         try:  # tensors and plain containers only: what `save` writes
-            loaded.append(torch.load(d / name, map_location="cpu", weights_only=True))
+            loaded.append(torch.load(paths[name], map_location="cpu", weights_only=True))
         except Exception as exc:  # truncated, overwritten or not a checkpoint at all
             # (an unpickling error's own text advises weights_only=False: not for a file --save
             # wrote, which holds tensors only)
@@ -127,7 +162,7 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
     if not isinstance(model_state, dict) or not isinstance(opt, dict) or "state" not in opt:
         raise PipeplanError(f"--resume {d}: {MODEL_FILE} / {OPTIMIZER_FILE} do not hold what --save "
                             "writes; resume from another checkpoint or start again")
-    meta = json.loads((d / META_FILE).read_text())
+    meta = json.loads(paths[META_FILE].read_text())
     return model_state, opt["state"], meta
 
 

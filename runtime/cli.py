@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "momentum (default 0, or the checkpoint's)")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
                    help="clip the whole model's gradient norm, over every stage, to MAX (as "
-                        "torch.nn.utils.clip_grad_norm_ in one process; default: no clipping, or "
-                        "the checkpoint's)")
+                        "torch.nn.utils.clip_grad_norm_ in one process; 0: no clipping; default: "
+                        "none, or the checkpoint's)")
     p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=None,
                    help="the learning rate after warm-up: constant, or falling to 0 at "
                         "--decay-steps, linear or cosine (default constant, or the checkpoint's)")
@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resume_meta(directory: str) -> dict[str, object]:
     """The optimizer, learning rate and seed a checkpoint was trained with (its meta.json)."""
-    path = Path(directory) / "meta.json"
+    from runtime.checkpoint import files_of
+
+    path = files_of(directory)[0]["meta.json"]
     if not path.is_file():
         raise PipeplanError(f"--resume {directory}: no checkpoint there (no meta.json); give a "
                             "directory written by --save")
@@ -97,15 +99,15 @@ def _resume_meta(directory: str) -> dict[str, object]:
     if not bad:  # values --save never writes, which failed on every rank after the launch
         lr, seed = meta.get("lr", 0.0), meta.get("seed", 0)
         clip = meta.get("clip_grad_norm")
-        bad = [k for k, ok in (("step", meta.get("step", 0) >= 0),
+        bad = [k for k, ok in (("step", 0 <= meta.get("step", 0) <= MAX_RUN_STEPS),
                                ("lr", lr_ok(lr)),
                                ("seed", 0 <= seed <= MAX_RUN_SEED),
                                ("optimizer", meta.get("optimizer", "sgd") in get_args(OptimizerName)),
                                ("weight_decay", lr_ok(meta.get("weight_decay", 0.0))),
-                               ("clip_grad_norm", clip is None or (math.isfinite(clip) and clip > 0)),
+                               ("clip_grad_norm", clip is None or (math.isfinite(clip) and clip >= 0)),
                                ("lr_schedule", meta.get("lr_schedule", "constant") in SCHEDULES),
-                               ("warmup_steps", meta.get("warmup_steps", 0) >= 0),
-                               ("decay_steps", meta.get("decay_steps", 1) >= 1))
+                               ("warmup_steps", 0 <= meta.get("warmup_steps", 0) <= MAX_RUN_STEPS),
+                               ("decay_steps", 1 <= meta.get("decay_steps", 1) <= MAX_RUN_STEPS))
                if not ok]
     if "step" not in meta or bad:
         what = ", ".join(f"{k} {meta[k]!r}" for k in bad) if bad else "no step"
@@ -115,6 +117,7 @@ def _resume_meta(directory: str) -> dict[str, object]:
 
 
 MAX_LR = 1e6  # beyond it a typo; above float32's range the optimizer step itself fails
+MAX_RUN_STEPS = 2**40  # steps (done, to run, of a schedule): seed + step must stay a torch seed
 
 
 def lr_ok(lr: float) -> bool:
@@ -127,8 +130,8 @@ MAX_TIMEOUT_S = 1e7  # ~115 days; 1e14 overflowed the process group's timedelta 
 
 
 def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
-    if args.steps < 1:
-        raise PipeplanError("--steps must be at least 1")
+    if not 1 <= args.steps <= MAX_RUN_STEPS:
+        raise PipeplanError(f"--steps {args.steps}: give from 1 to {MAX_RUN_STEPS} steps")
     if not (math.isfinite(args.timeout) and MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S):
         # nan and inf passed `<= 0` and crashed every rank in init_process_group; under a
         # second, gloo's own connect timed out before the ranks had started
@@ -158,7 +161,9 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         save = Path(args.save)
         if save.exists() and not save.is_dir():
             raise PipeplanError(f"--save {args.save}: is a file; --save writes a directory")
-        if save.is_dir() and not (save / "meta.json").is_file() and any(save.iterdir()):
+        from runtime.checkpoint import files_of
+
+        if save.is_dir() and not files_of(save)[0]["meta.json"].is_file() and any(save.iterdir()):
             raise PipeplanError(
                 f"--save {args.save}: the directory holds files but no checkpoint (no meta.json), "
                 "and --save would overwrite model.pt and optimizer.pt there: give a new or empty "
@@ -192,21 +197,28 @@ def _training_rule(args: argparse.Namespace, meta: dict[str, object]) -> dict[st
         value = getattr(args, name)
         return value if value is not None else meta.get(name, default)
 
+    def said(name: str) -> str:  # where a value came from
+        flag = "--" + name.replace("_", "-")
+        return flag if getattr(args, name) is not None or name not in meta else \
+            f"{flag} (the checkpoint's)"
+
     wd, clip = float(given("weight_decay", 0.0)), given("clip_grad_norm", None)  # type: ignore[arg-type]
     if not lr_ok(wd):
         raise PipeplanError(f"--weight-decay {wd:g}: give a weight decay from 0 to {MAX_LR:g}")
-    if clip is not None and not (math.isfinite(clip) and clip > 0):  # type: ignore[arg-type]
+    if clip is not None and not (math.isfinite(clip) and clip >= 0):  # type: ignore[arg-type]
         raise PipeplanError(f"--clip-grad-norm {clip:g}: give the largest gradient norm, a "
-                            "positive number")
+                            "positive number (0: no clipping)")
     schedule, warmup = str(given("lr_schedule", "constant")), int(given("warmup_steps", 0))  # type: ignore[call-overload]
     last = int(meta.get("step", 0)) + args.steps  # type: ignore[call-overload]
     decay = int(given("decay_steps", last))  # type: ignore[call-overload]
-    if warmup < 0:
-        raise PipeplanError(f"--warmup-steps {warmup}: give 0 or more steps")
+    for name, value in (("warmup_steps", warmup), ("decay_steps", decay)):
+        if not 0 <= value <= MAX_RUN_STEPS:
+            raise PipeplanError(f"--{name.replace('_', '-')} {value}: give from 0 to {MAX_RUN_STEPS} steps")
     if schedule != "constant" and decay <= warmup:
-        raise PipeplanError(f"--decay-steps {decay}: a {schedule} schedule falls to 0 after its "
-                            f"{warmup} warm-up steps, so give more steps than those")
-    return {"weight_decay": wd, "clip_grad_norm": None if clip is None else float(clip),  # type: ignore[arg-type]
+        raise PipeplanError(f"{said('decay_steps')} {decay}: a {schedule} schedule falls to 0 after "
+                            f"its {warmup} warm-up steps ({said('warmup_steps')}), so give more "
+                            "steps than those")
+    return {"weight_decay": wd, "clip_grad_norm": float(clip) if clip else None,  # type: ignore[arg-type]
             "lr_schedule": schedule, "warmup_steps": warmup, "decay_steps": max(decay, 1)}
 
 
@@ -278,6 +290,8 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     Returns the granularity the plan's layers were traced at; with `trace_info`, writes there
     what the ranks need to trace the model without running it."""
 
+    from torch import nn
+
     from profiler.loader import batch_checked, build_checked, load_model_file
     from runtime import rng, stages
     from runtime.checkpoint import state_bytes as checkpoint_state_bytes
@@ -309,6 +323,22 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
             "more than one row)") from None
     if opts.save:
         check_room_for_checkpoint(opts.save, checkpoint_state_bytes(model, opts.optimizer))
+    from runtime.worker import sparse_refused
+
+    sparse = [n for n, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse and (why := sparse_refused(opts)):  # (else every rank failed at its first step)
+        raise PipeplanError(f"{sparse[0]} is nn.Embedding(sparse=True), whose gradient is a sparse gradient, and {why}")
+    if any(st.tp > 1 for st in plan.stages):  # (else rank 1 failed in its first gradient sum)
+        held = [set(stages.named_tensors(m)) for m in stages.build_all_stages(graph, plan)]
+        for names, holders in stages.cross_stage_ties(stages.parameter_name_sets(model), held):
+            tp = [s for s in holders if plan.stages[s].tp > 1]
+            if tp:
+                raise PipeplanError(
+                    f"{names[0]} is tied across stages {', '.join(map(str, holders))} and stage "
+                    f"{tp[0]} is tensor-parallel (tp {plan.stages[tp[0]].tp}): a weight tied across "
+                    "stages cannot be sharded there. Plan that stage with TP degree 1 (--method "
+                    "manual --tp), or untie the weight")
     mismatch = stages.parameter_mismatch(plan, graph, opts.model)
     if mismatch and not opts.allow_mismatch:
         raise PipeplanError(f"{mismatch}: build it as it was profiled, or profile it again and make "
@@ -357,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {plan.world_size} rank processes on {cores} CPU cores; they will share "
               "the cores (for a plan of many devices, start it on its machines with torchrun)",
               file=sys.stderr)
+    if opts.resume:
+        from runtime.checkpoint import files_of
+
+        if files_of(opts.resume)[1]:
+            print(f"warning: the last --save to {opts.resume} was interrupted while it renamed its "
+                  "files in: resuming from the checkpoint before it (its files *.prev there)",
+                  file=sys.stderr)
     # the optimizer is said where it was not given: a plan made without --optimizer records adam
     source = "" if args.optimizer else " (the checkpoint's)" if opts.resume else " (the plan's)"
     print(f"running {plan.world_size} ranks on this machine "

@@ -9,7 +9,8 @@ holder has the summed gradient), and on a tensor-parallel stage each rank's shar
 gradient and a replicated one on the first TP rank only (by the gradient's own placement:
 RowwiseParallel's embedding has a sharded weight whose gradient is whole on every TP rank; a
 partial one is summed over the TP group first). Then, as torch does, every gradient
-is multiplied by min(1, MAX / (norm + 1e-6)).
+is multiplied by min(1, MAX / (norm + 1e-6)), computed in the gradients' dtype (with bfloat16
+parameters the factor is a bfloat16 number, as in one process).
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ def _counted_part(grad: torch.Tensor, first_tp_rank: bool) -> torch.Tensor | Non
     return None
 
 
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the flags' order
+
+
 def squared_sum(params: Iterable[torch.Tensor], first_replica: bool, first_tp_rank: bool,
-                skip: set[int]) -> float:
-    """The sum of the squared gradients this rank counts (see the module's docstring); the
-    parameters in `skip` (by id) are counted by another stage."""
+                skip: set[int]) -> tuple[float, list[float]]:
+    """The sum of the squared norms of the gradients this rank counts (see the module's
+    docstring), each norm taken in its gradient's dtype as `clip_grad_norm_` takes it; and a
+    flag per dtype in DTYPES, 1 where a counted gradient has it. The parameters in `skip` (by
+    id) are counted by another stage."""
+    total, present = 0.0, [0.0] * len(DTYPES)
     if not first_replica:
-        return 0.0
-    total = 0.0
+        return total, present
     for p in params:
         if p.grad is None or id(p) in skip:
             continue
@@ -53,22 +59,34 @@ def squared_sum(params: Iterable[torch.Tensor], first_replica: bool, first_tp_ra
             continue
         if g.is_sparse:
             g = g.coalesce().values()
-        total += float(g.detach().double().pow(2).sum())
-    return total
+        total += float(torch.linalg.vector_norm(g.detach(), 2)) ** 2
+        if g.dtype in DTYPES:
+            present[DTYPES.index(g.dtype)] = 1.0
+    return total, present
 
 
-def clip(params: Iterable[torch.Tensor], mine: float, max_norm: float, device: torch.device,
-         wait: object) -> float:
+def clip(params: Iterable[torch.Tensor], mine: tuple[float, list[float]], max_norm: float,
+         device: torch.device, wait: object) -> float:
     """All-reduce `mine` over every rank and scale this rank's gradients; returns the model's
-    gradient norm before clipping. `wait(work, what)` waits for the all-reduce within the
-    run's timeout."""
-    t = torch.tensor([mine], dtype=torch.float64, device=device)
+    gradient norm before clipping. As `clip_grad_norm_`, the total and the factor are computed
+    in the gradients' dtype (their promotion: bfloat16 where every one is), and every gradient
+    is multiplied by that factor. `wait(work, what)` waits for the all-reduce within the run's
+    timeout."""
+    t = torch.tensor([mine[0], *mine[1]], dtype=torch.float64, device=device)
     wait(dist.all_reduce(t, async_op=True), "the model's gradient norm (--clip-grad-norm)")  # type: ignore[operator]
-    norm = float(t.sqrt())
-    coef = min(1.0, max_norm / (norm + 1e-6))
-    if coef < 1.0 or norm != norm:  # (a nan norm makes the gradients nan, as torch's does)
+    flags = t[1:].tolist()
+    dtype = torch.float32
+    found = [d for d, f in zip(DTYPES, flags, strict=True) if f > 0]
+    if found:
+        dtype = found[0]
+        for d in found[1:]:
+            dtype = torch.promote_types(dtype, d)
+    total = t[0].sqrt().to(dtype)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    norm = float(total)
+    if float(coef) < 1.0 or norm != norm:  # (a nan norm makes the gradients nan, as torch's does)
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
-                    tensor_parallel.local(p.grad).mul_(coef if norm == norm else float("nan"))
+                    tensor_parallel.local(p.grad).mul_(coef)
     return norm

@@ -107,6 +107,18 @@ def _wait(work: object, timeout_s: float, what: str) -> None:
                             f"({str(exc).splitlines()[0][:200]})") from None
 
 
+def sparse_refused(opts: RunOptions) -> str | None:
+    """Why the run's optimizer cannot step a sparse gradient (None: it can)."""
+    if opts.optimizer == "adam":
+        return ("--optimizer adam does not take sparse gradients (torch.optim.Adam refuses them): "
+                "train with --optimizer sgd or momentum, or make the embedding dense (sparse=False)")
+    if opts.weight_decay > 0:
+        return ("--weight-decay adds the dense weights to the gradient, which torch's SGD refuses "
+                "for a sparse one (add(sparse, dense)): train without --weight-decay, or make the "
+                "embedding dense (sparse=False)")
+    return None
+
+
 def _dense(grad: torch.Tensor) -> torch.Tensor:
     """A gradient as a dense tensor (a sparse one, from nn.Embedding(sparse=True), densified)."""
     return grad.to_dense() if grad.is_sparse else grad
@@ -421,11 +433,9 @@ class Worker:
             self.p2p.flush()
             ar = self.sync_grads()
             sparse = [n for n, p in self.params.items() if p.grad is not None and p.grad.is_sparse]
-            if sparse and opts.optimizer == "adam":
-                raise PipeplanError(
-                    f"stage {self.stage}: {sparse[0]} has a sparse gradient (nn.Embedding(sparse=True)) and "
-                    "--optimizer adam does not take sparse gradients (torch.optim.Adam refuses them): "
-                    "train with --optimizer sgd or momentum, or make the embedding dense (sparse=False)")
+            if sparse and (why := sparse_refused(opts)):
+                raise PipeplanError(f"stage {self.stage}: {sparse[0]} has a sparse gradient "
+                                    f"(nn.Embedding(sparse=True)) and {why}")
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the all-reduce's copies are not the step's
             o0 = time.time()

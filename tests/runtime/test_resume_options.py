@@ -3,6 +3,10 @@ otherwise, and refuses an optimizer whose state the checkpoint does not hold."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 from reference import max_abs_diff, reference_train
 from runtime_paths import MODELS
@@ -254,3 +258,39 @@ def test_a_checkpoint_holds_the_models_own_keys_only(run, tmp_path):
     assert sorted(state) == sorted(ns["build_model"]().state_dict())
     rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--resume", tmp_path / "a", "--timeout", 60)
     assert rc == 0, err
+
+
+def test_a_save_interrupted_while_renaming_leaves_the_previous_checkpoint_to_resume(
+        run, tmp_path, monkeypatch):
+    """A rank killed between a --save-every save's renames left a directory with no meta.json:
+    --resume and --save refused it, and both the old checkpoint and the new were lost. The old
+    one's files now keep second names until the new one is in, and --resume takes them."""
+    from runtime import checkpoint
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    ck = tmp_path / "ck"
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--save", ck, "--timeout", 60)
+    assert rc == 0, err
+    state, opt, meta = checkpoint.load(ck)
+    renamed: list[str] = []
+    real = Path.replace
+
+    def dies_after_one(self: Path, target: Path) -> Path:
+        if self.name.endswith(".tmp"):
+            renamed.append(self.name)
+            if len(renamed) == 2:
+                raise KeyboardInterrupt  # the process dies here: nothing after it runs
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "replace", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):  # a later save, of other weights
+        checkpoint.save(ck, {k: torch.zeros_like(v) for k, v in state.items()}, opt, {**meta, "step": 3})
+    monkeypatch.undo()
+    assert not (ck / "meta.json").exists() and (ck / "meta.json.prev").exists()
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--resume", ck, "--save", ck, "--timeout", 60)
+    assert rc == 0, err
+    assert "was interrupted while it renamed its files in" in err
+    assert max_abs_diff(reference_train(str(model), 4), torch.load(ck / "model.pt")) < 1e-5
+    assert json.loads((ck / "meta.json").read_text())["step"] == 4
+    assert not list(ck.glob("*.prev")) and not list(ck.glob("*.tmp"))

@@ -200,3 +200,13 @@ def test_too_big_for_one_device_gets_a_tp_plan_that_runs_exactly(run, tmp_path, 
     assert any(s.get("tp", 1) == 2 for s in _json.loads(plan.read_text())["stages"])
     got, _ = _train(run, gpt, plan, tmp_path)
     assert max_abs_diff(reference_train(str(gpt), 3), got) < TOL
+
+
+def test_a_weight_tied_across_stages_on_a_tp_stage_is_refused_before_any_rank_starts(run, tmp_path, gpt,
+                                                                                    monkeypatch):
+    # rank 1 failed in its first gradient sum (aten.cat of a Tensor and a DTensor), traceback
+    monkeypatch.setenv("PIPEPLAN_GPT_TIED", "1")
+    plan = run.plan(gpt, [2, 2], [1, 1], tp=[2, 1], global_batch=8, microbatch_size=2)
+    rc, out, err, _ = run(plan, "--model", gpt, "--steps", 1, "--timeout", 60)
+    assert rc == 2 and "tok_emb.weight is tied across stages 0, 1" in err and "tensor-parallel" in err, err
+    assert "running" not in out and "Traceback" not in err

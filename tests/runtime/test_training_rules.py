@@ -101,8 +101,24 @@ def test_clipping_a_tensor_parallel_stage_counts_each_shard_once(run, tmp_path, 
     assert min(norms) > 0.3 and _norms(out) == pytest.approx(norms, rel=1e-3)
 
 
+def test_clipping_bfloat16_parameters_computes_the_factor_in_bfloat16(run, tmp_path):
+    # clip_grad_norm_ takes each norm, the total and the factor in the gradients' dtype: a sum
+    # of squares in float64 gave another factor (2.776 against 2.766) and weights a bfloat16
+    # step apart
+    model = MODELS / "bf16_blocks.py"
+    plan = run.plan(model, [2, 3], global_batch=8, microbatch_size=2)
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 3, "--lr", 0.05, "--optimizer", "momentum",
+                          "--clip-grad-norm", 0.2, "--save", tmp_path / "ck", "--timeout", 60)
+    assert rc == 0, err
+    norms: list[float] = []
+    ref = reference_train(str(model), 3, optimizer="momentum", lr=0.05, clip_grad_norm=0.2, norms=norms)
+    assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) == 0.0
+    assert _norms(out) == pytest.approx(norms, rel=1e-3)
+
+
 @pytest.mark.parametrize(("args", "said"), [
-    (["--clip-grad-norm", "0"], "--clip-grad-norm 0: give the largest gradient norm"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm -1: give the largest gradient norm"),
+    (["--steps", "10000000000000"], "--steps 10000000000000: give from 1 to"),
     (["--clip-grad-norm", "nan"], "--clip-grad-norm nan"),
     (["--weight-decay", "-1"], "--weight-decay -1: give a weight decay"),
     (["--warmup-steps", "-2"], "--warmup-steps -2"),
@@ -162,3 +178,26 @@ def make_batch(n):
     ref = reference_train(str(model), 5, optimizer="adam", clip_grad_norm=0.05,
                           global_batch=12, microbatch_size=2)
     assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < TOL
+
+
+def test_a_checkpoints_rule_is_kept_overridden_or_turned_off_and_its_errors_say_whose() -> None:
+    import argparse
+
+    from planner.errors import PipeplanError
+    from runtime.cli import _training_rule
+
+    def args(**kw: object) -> argparse.Namespace:
+        base = dict(steps=3, weight_decay=None, clip_grad_norm=None, lr_schedule=None,
+                    warmup_steps=None, decay_steps=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    meta = {"step": 4, "weight_decay": 0.1, "clip_grad_norm": 1.0, "lr_schedule": "cosine",
+            "warmup_steps": 2, "decay_steps": 10}
+    assert _training_rule(args(), meta) == {"weight_decay": 0.1, "clip_grad_norm": 1.0,
+                                            "lr_schedule": "cosine", "warmup_steps": 2, "decay_steps": 10}
+    off = _training_rule(args(clip_grad_norm=0.0, weight_decay=0.0, lr_schedule="constant"), meta)
+    assert off["clip_grad_norm"] is None and off["weight_decay"] == 0.0
+    assert _training_rule(args(), {"step": 4})["decay_steps"] == 7  # this run's last step
+    with pytest.raises(PipeplanError, match=r"--decay-steps \(the checkpoint's\) 10: .* 12 warm-up "
+                                            r"steps \(--warmup-steps\)"):
+        _training_rule(args(warmup_steps=12), meta)

@@ -136,8 +136,11 @@ def test_sparse_embedding_gradients_on_replicas(run, tmp_path):
         assert rc == 0, err
         ref = reference_train(str(model), 3, optimizer=optimizer)
         assert max_abs_diff(ref, torch.load(ck / "model.pt")) < TOL, optimizer
-    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--optimizer", "adam", "--timeout", 60)
-    assert rc != 0 and "sparse gradient" in err and "Traceback" not in err, err
+    # refused before any rank starts: Adam, and weight decay (SGD adds the dense weights)
+    for extra in (["--optimizer", "adam"], ["--weight-decay", "0.01"]):
+        rc, out, err, _ = run(plan, "--model", model, "--steps", 1, *extra, "--timeout", 60)
+        assert rc == 2 and "sparse gradient" in err and "Traceback" not in err, err
+        assert "running" not in out
 
 
 def test_a_stage_without_parameters_trains_and_resumes(run, tmp_path):
