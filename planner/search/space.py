@@ -258,6 +258,10 @@ class Evaluator:
         self.cache_extra: dict[object, object] = {}  # what move generators derive from the table
         self.stage_costs: dict = {}  # `pipeline_costs`' per-stage numbers, for this table and cluster
         self._idle_end = idle_ends(table)
+        # the layers holding each parameter several layers share (a tied embedding and head):
+        # one tied across stages cannot be on a tensor-parallel stage (the runtime refuses it)
+        self._tied = [sorted({t.first, *t.others}) for t in table.shared if t.kind != "buffer"] \
+            if len(self.degrees) > 1 else []
         # False: a stage that computes nothing is no plan (the search's space and the bound's);
         # True only where no plan without one fits memory (`planner.search._idle_rescue`)
         self.allow_idle = False
@@ -274,7 +278,20 @@ class Evaluator:
             return False
         if st.tp and any(t not in self.degrees for t in st.tp):
             return False
+        if st.tp and self._tied and self._ties_a_tp_stage(st):
+            return False
         return not self.idle_stage(st.bounds)
+
+    def _ties_a_tp_stage(self, st: Structure) -> bool:
+        """A parameter shared by layers of several stages, one of them tensor-parallel."""
+        import bisect
+
+        degrees = st.degrees
+        for layers in self._tied:
+            stages = {bisect.bisect_right(st.bounds, i) - 1 for i in layers}
+            if len(stages) > 1 and any(degrees[k] > 1 for k in stages):
+                return True
+        return False
 
     def has_idle_layers(self) -> bool:
         """Some layer computes nothing (so some stage can)."""

@@ -210,3 +210,32 @@ def test_a_weight_tied_across_stages_on_a_tp_stage_is_refused_before_any_rank_st
     rc, out, err, _ = run(plan, "--model", gpt, "--steps", 1, "--timeout", 60)
     assert rc == 2 and "tok_emb.weight is tied across stages 0, 1" in err and "tensor-parallel" in err, err
     assert "running" not in out and "Traceback" not in err
+
+
+def test_the_planner_gives_no_tp_degree_to_a_stage_of_a_weight_tied_across_stages(tmp_path, gpt, monkeypatch):
+    # the runtime refuses such a plan; the planner searched it (and the bound may still count it:
+    # a relaxation). Devices too small for stage 0 whole leave TP on stages 0 and last the
+    # tempting choice; every plan it gives must run
+    import itertools
+
+    from planner.cli import main as planner_main
+
+    monkeypatch.setenv("PIPEPLAN_GPT_TIED", "1")
+    prof, out = tmp_path / "p.json", tmp_path / "plan.json"
+    assert planner_main(["profile", str(gpt), "--batch-size", "2", "--tp", "2", "--warmup", "0",
+                         "--repeats", "1", "-q", "-o", str(prof)]) == 0
+    tied = [e["layers"] for e in json.loads(prof.read_text()).get("shared_parameters") or []]
+    assert tied, "the tied profile names its shared parameter"
+    for gb, per in itertools.product((0.00012, 0.0002), (4,)):  # 120 kB: TP 2 on both ends was its plan
+        cluster = tmp_path / "c.json"
+        cluster.write_text(json.dumps({"nodes": 1, "devices_per_node": per, "device_memory_gb": gb,
+                                       "intra_node_gb_per_s": 10, "inter_node_gb_per_s": 1}))
+        rc = planner_main(["plan", str(prof), "--cluster", str(cluster), "--global-batch", "8",
+                           "--microbatch-size", "2", "--optimizer", "sgd", "--time-limit", "2", "-o", str(out)])
+        if rc != 0:
+            continue
+        stages = json.loads(out.read_text())["stages"]
+        where = {layer: k for k, st in enumerate(stages) for layer in st["layers"]}
+        for layers in tied:
+            holders = {where[x] for x in layers}
+            assert len(holders) == 1 or all(stages[k].get("tp", 1) == 1 for k in holders), (gb, per, stages)
