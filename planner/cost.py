@@ -483,8 +483,12 @@ def allreduce_ms(param_bytes: float, replicas: int, gb_per_s: float, latency_us:
 def tp_allreduce_ms(nbytes: float, count: float, degree: int, gb_per_s: float,
                     latency_us: float = 0.0) -> float:
     """TP collectives of one stage and microbatch: `count` ring all-reduces over `degree`
-    devices moving `nbytes` in all: `2 (t-1)/t * bytes / bw + count * 2 (t-1) * latency`."""
-    if degree <= 1 or count <= 0:
+    devices moving `nbytes` in all: `2 (t-1)/t * bytes / bw + count * 2 (t-1) * latency`.
+    Linear in both, so a stage's figure is the sum of its layers' (the bound's prefix sums,
+    `search.bound._variants`): a layer profiled with bytes but no count is priced its bytes
+    (it was priced 0 where its stage had no count, above the bound's own price: an OPTIMAL
+    claimed over a plan that was not the best)."""
+    if degree <= 1:
         return 0.0
     t = degree
     return 2 * (t - 1) / t * nbytes / (gb_per_s * GB) * 1e3 + count * 2 * (t - 1) * latency_us / 1e3
