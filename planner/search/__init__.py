@@ -881,6 +881,7 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         err = infeasible_error(table, cluster, options, sizes, ev)
         err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound (inf: none fits)
         raise err
+    best_s, cand = ev.idle_split(cand, best_s)
     best_s, cand = ev.zb_h1_recompute_toggled(cand, best_s)
     obj = best_s.objective_ms
     classed_conds = dict(conds)  # (the loop below may drop their hop classes)

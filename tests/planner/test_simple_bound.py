@@ -128,3 +128,21 @@ def test_zero_bubble_recomputes_a_stage_that_fits_where_that_defers_more() -> No
                                for k, x in enumerate(cand.stages)), cand.microbatch_size, cand.num_microbatches)
         ev = evaluate(table, cl, flip, options)
         assert not ev.fits or ev.iteration_ms >= got * (1 - 1e-9)
+
+
+def test_zero_bubble_splits_off_a_stage_that_computes_nothing_where_that_is_faster() -> None:
+    # 2 layers that compute and 2 of 0 ms holding 261 MB, on nodes of 4, 2 (speed 0.5) and 2
+    # (speed 1.5) devices: zb-h1 gave all four one stage on the fast pair (7.51 ms); the 0-ms
+    # half on a slow device of its own runs 6.53, the exhaustive optimum (1f1b found it)
+    import json
+    from pathlib import Path
+
+    from planner.formats import Cluster
+
+    doc = json.loads((Path(__file__).parent / "data" / "zb_h1_idle_stage_mixed_cluster.json").read_text())
+    profile, cl = Profile.model_validate(doc["profile"]), Cluster.model_validate(doc["cluster"])
+    options = PlanOptions(**doc["options"])
+    cand, info = solve_detailed(profile, cl, options)
+    got = evaluate(layer_table(profile), cl, cand, options).iteration_ms
+    assert got == pytest.approx(doc["optimum_ms"], abs=1e-3) and info["bound"] <= got
+    assert len(cand.stages) == 2 and info.get("idle_stages")
