@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from planner.errors import PipeplanError
+
 _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
 _MODULE_KEYS = frozenset(vars(nn.Module()))  # nn.Module's own: parameters, hooks, `training`
 CONTAINER_ITEMS = 100_000  # a list, dict or set with more values is kept by reference only
@@ -167,8 +169,6 @@ class BlockState:
         lost = [t for k, t in snap.tensors.items() if k not in snap.copies and t._version != snap.versions[k]]
         if lost:
             t = lost[0]
-            from planner.errors import PipeplanError
-
             raise PipeplanError(
                 f"recomputation: the forward of a later microbatch changed "
                 f"{self.names.get(id(t), 'a tensor')} ({t.numel() * t.element_size()} "

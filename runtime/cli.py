@@ -182,7 +182,8 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
     rule = _training_rule(args, meta)
     return RunOptions(
         plan=args.plan, model=args.model, steps=args.steps, lr=lr,
-        optimizer=optimizer, seed=seed, save=args.save, save_every=args.save_every, **rule,
+        optimizer=optimizer, seed=seed, save=args.save, save_every=args.save_every,
+        start_step=int(meta.get("step", 0)), **rule,  # type: ignore[call-overload]
         resume=args.resume, report=args.report, trace=args.trace, timeout=args.timeout,
         allow_mismatch=args.allow_mismatch, granularity=granularity,
         trace_info=getattr(args, "trace_info", None), threads=args.threads,
@@ -323,7 +324,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
             "more than one row)") from None
     if opts.save:
         check_room_for_checkpoint(opts.save, checkpoint_state_bytes(model, opts.optimizer))
-    from runtime.worker import sparse_refused
+    from runtime.options import sparse_refused
 
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan.num_microbatches} microbatches of "
           f"{plan.microbatch_size}, schedule {plan.schedule}; optimizer {opts.optimizer}{source}, "
           f"lr {opts.lr:g}{describe_rule(opts)})", flush=True)
-    start = int(_resume_meta(opts.resume)["step"]) if opts.resume else 0  # type: ignore[call-overload]
+    start = opts.start_step
     if opts.lr_schedule != "constant" and start + opts.steps > opts.decay_steps:
         print(f"warning: the {opts.lr_schedule} schedule reaches a learning rate of 0 at step "
               f"{opts.decay_steps}, before this run's last step ({start + opts.steps}): the steps "

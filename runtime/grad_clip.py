@@ -43,15 +43,15 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the fl
 
 
 def squared_sum(params: Iterable[torch.Tensor], first_replica: bool, first_tp_rank: bool,
-                skip: set[int]) -> tuple[float, list[float]]:
-    """The sum of the squared norms of the gradients this rank counts (see the module's
-    docstring), each norm taken in its gradient's dtype as `clip_grad_norm_` takes it; and a
-    flag per dtype in DTYPES, 1 where a counted gradient has it. The parameters in `skip` (by
-    id) are counted by another stage."""
-    total, present = 0.0, [0.0] * len(DTYPES)
-    if not first_replica:
-        return total, present
-    for p in params:
+                skip: set[int], device: torch.device) -> torch.Tensor:
+    """[the sum of the squared norms of the gradients this rank counts (see the module's
+    docstring), each norm taken in its gradient's dtype as `clip_grad_norm_` takes it; then a
+    flag per dtype in DTYPES, 1 where a counted gradient has it], float64 on `device`, summed
+    there (no read back to the host per parameter). The parameters in `skip` (by id) are
+    counted by another stage."""
+    norms: list[torch.Tensor] = []
+    present = [0.0] * len(DTYPES)
+    for p in params if first_replica else ():
         if p.grad is None or id(p) in skip:
             continue
         g = _counted_part(p.grad, first_tp_rank)
@@ -59,34 +59,32 @@ def squared_sum(params: Iterable[torch.Tensor], first_replica: bool, first_tp_ra
             continue
         if g.is_sparse:
             g = g.coalesce().values()
-        total += float(torch.linalg.vector_norm(g.detach(), 2)) ** 2
+        norms.append(torch.linalg.vector_norm(g.detach(), 2).double())
         if g.dtype in DTYPES:
             present[DTYPES.index(g.dtype)] = 1.0
-    return total, present
+    total = torch.stack(norms).pow(2).sum().view(1) if norms else \
+        torch.zeros(1, dtype=torch.float64, device=device)
+    return torch.cat([total.to(device), torch.tensor(present, dtype=torch.float64, device=device)])
 
 
-def clip(params: Iterable[torch.Tensor], mine: tuple[float, list[float]], max_norm: float,
-         device: torch.device, wait: object) -> float:
-    """All-reduce `mine` over every rank and scale this rank's gradients; returns the model's
-    gradient norm before clipping. As `clip_grad_norm_`, the total and the factor are computed
-    in the gradients' dtype (their promotion: bfloat16 where every one is), and every gradient
-    is multiplied by that factor. `wait(work, what)` waits for the all-reduce within the run's
-    timeout."""
-    t = torch.tensor([mine[0], *mine[1]], dtype=torch.float64, device=device)
-    wait(dist.all_reduce(t, async_op=True), "the model's gradient norm (--clip-grad-norm)")  # type: ignore[operator]
-    flags = t[1:].tolist()
+def clip(params: Iterable[torch.Tensor], mine: torch.Tensor, max_norm: float, wait: object) -> float:
+    """All-reduce `mine` (`squared_sum`'s) over every rank and scale this rank's gradients;
+    returns the model's gradient norm before clipping. As `clip_grad_norm_`, the total and the
+    factor are computed in the gradients' dtype (their promotion: bfloat16 where every one is),
+    and every gradient is multiplied by that factor. `wait(work, what)` waits for the
+    all-reduce within the run's timeout."""
+    wait(dist.all_reduce(mine, async_op=True), "the model's gradient norm (--clip-grad-norm)")  # type: ignore[operator]
+    flags = mine[1:].tolist()
     dtype = torch.float32
     found = [d for d, f in zip(DTYPES, flags, strict=True) if f > 0]
     if found:
         dtype = found[0]
         for d in found[1:]:
             dtype = torch.promote_types(dtype, d)
-    total = t[0].sqrt().to(dtype)
+    total = mine[0].sqrt().to(dtype)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    norm = float(total)
-    if float(coef) < 1.0 or norm != norm:  # (a nan norm makes the gradients nan, as torch's does)
-        with torch.no_grad():
-            for p in params:
-                if p.grad is not None:
-                    tensor_parallel.local(p.grad).mul_(coef)
-    return norm
+    with torch.no_grad():  # (times 1.0 where under the limit: exact; a nan norm makes them nan)
+        for p in params:
+            if p.grad is not None:
+                tensor_parallel.local(p.grad).mul_(coef)
+    return float(total)

@@ -20,6 +20,7 @@ class RunOptions:
     seed: int = 0
     save: str | None = None
     save_every: int | None = None  # --save also at every N-th global step
+    start_step: int = 0  # the steps the --resume checkpoint has done
     resume: str | None = None
     report: str | None = None
     trace: str | None = None
@@ -28,3 +29,15 @@ class RunOptions:
     allow_mismatch: bool = False
     granularity: str | None = None  # how the profiler traced the model into layers (None: find it)
     trace_info: str | None = None  # the launcher's trace record (runtime.stages.save_trace_info)
+
+
+def sparse_refused(opts: RunOptions) -> str | None:
+    """Why the run's optimizer cannot step a sparse gradient (None: it can)."""
+    if opts.optimizer == "adam":
+        return ("--optimizer adam does not take sparse gradients (torch.optim.Adam refuses them): "
+                "train with --optimizer sgd or momentum, or make the embedding dense (sparse=False)")
+    if opts.weight_decay > 0:
+        return ("--weight-decay adds the dense weights to the gradient, which torch's SGD refuses "
+                "for a sparse one (add(sparse, dense)): train without --weight-decay, or make the "
+                "embedding dense (sparse=False)")
+    return None

@@ -14,7 +14,8 @@ counter, running statistics) and plain Python attributes (`self.n += 1`). By the
 backward recomputes microbatch i, the forwards of the microbatches after it have moved that
 state. So each forward keeps what it found (`profiler.module_state.BlockState`: attributes by
 reference, plain values and containers of them, a block's own generators, copies of the
-tensors a forward changes in place), the recomputation runs on it, and then the block's state is put back as the recomputation found it: the
+tensors a forward changes in place), the recomputation runs on it, and then the block's state
+is put back as the recomputation found it: the
 recomputed forward computes what the first one did, and the state moves once per
 microbatch, as in training without recomputation.
 """

@@ -33,7 +33,7 @@ from runtime.comm import P2P, PeerError
 from runtime.deadline import Deadline
 from runtime.executor import StageExecutor, TimedEvent
 from runtime.lr_schedule import lr_factor
-from runtime.options import RunOptions
+from runtime.options import RunOptions, sparse_refused
 from runtime.report import RankRecord, build_report, chrome_trace, measured_simulation
 
 log = logging.getLogger(__name__)
@@ -105,18 +105,6 @@ def _wait(work: object, timeout_s: float, what: str) -> None:
     except Exception as exc:
         raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
                             f"({str(exc).splitlines()[0][:200]})") from None
-
-
-def sparse_refused(opts: RunOptions) -> str | None:
-    """Why the run's optimizer cannot step a sparse gradient (None: it can)."""
-    if opts.optimizer == "adam":
-        return ("--optimizer adam does not take sparse gradients (torch.optim.Adam refuses them): "
-                "train with --optimizer sgd or momentum, or make the embedding dense (sparse=False)")
-    if opts.weight_decay > 0:
-        return ("--weight-decay adds the dense weights to the gradient, which torch's SGD refuses "
-                "for a sparse one (add(sparse, dense)): train without --weight-decay, or make the "
-                "embedding dense (sparse=False)")
-    return None
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -359,8 +347,8 @@ class Worker:
         """--clip-grad-norm: the model's gradient norm over every rank (runtime.grad_clip),
         the gradients scaled to it; returns the norm before clipping."""
         mine = grad_clip.squared_sum(self.unique_params, self.replica == 0, self.tp_rank == 0,
-                                     self.counted_elsewhere)
-        return grad_clip.clip(self.unique_params, mine, float(self.opts.clip_grad_norm), self.device,
+                                     self.counted_elsewhere, self.device)
+        return grad_clip.clip(self.unique_params, mine, float(self.opts.clip_grad_norm),
                               lambda work, what: _wait(work, self.opts.timeout, what))
 
     # ------------------------------------------------------------------ training
