@@ -513,7 +513,8 @@ def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], 
     allows at `obj` simulated (`exhaust`), which proves the optimum; where too many, at 1 %
     below it, which proves the 1 %. Raises `bounds` in place; the best plan found faster than
     `obj` (None if none), and the work spent (at most about `max_work`, one DP at most more).
-    With powers of two its plans only, no proof (exhaust.py says why). Under zb-h1 it simulates every set of
+    With powers of two, the DP's plans as plans of such counts (`exhaust.powers_of_two_plans`).
+    Under zb-h1 it simulates every set of
     recomputed stages (before, it ran there only where the bound's DP, its memory priced at
     the largest device, had no recomputed variant, and simulated only the recomputation of the
     stages that overflow: on two nodes of 2 and 16 GB it proved a plan 10.8 % slower than one
@@ -525,11 +526,6 @@ def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], 
     options = ev.options
     if options.objective != "iteration":
         return found, spent
-    # with powers of two the DP lists at most m replicas a stage, where more, rounded up to a
-    # power of two, can be the only allowed plan: what it simulates proves nothing there, but
-    # its plans (the evaluator allows powers of two only) are plans: the only ones that give
-    # a stage of layers that compute nothing devices of its own
-    prove = not options.powers_of_two
     idle = ev.has_idle_layers()
     proven_over_all = floors if idle else bounds  # what a bound must reach to skip a size
     for b, c in conds.items():
@@ -549,9 +545,8 @@ def _exhaust_all(conds: dict[int, Conditions | None], bounds: dict[int, float], 
                 found = got.best
             proven = got.bound(T)
             if proven is not None:
-                if prove:
-                    bounds[b] = max(bounds[b], proven)
-                    floors[b] = max(floors[b], proven)
+                bounds[b] = max(bounds[b], proven)
+                floors[b] = max(floors[b], proven)
                 break
     return found, spent
 
@@ -795,6 +790,12 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
         dp_spent += used
         bp = found[0] if found else None
         bounds[b] = max(bp.bound_ms if bp else 0.0, simple)
+        if done and found and bp is None and not ev.has_idle_layers():
+            # the bisected DP, whose memory is priced optimistically, admits no plan at any
+            # time: no plan of this size fits (a plan with a 0-ms stage the DP leaves out may,
+            # hence not with such layers). It bounds nothing: with --schedule auto, GPipe that
+            # fits nowhere left the work bound as the bound of a proven 1F1B plan (59.6 % gap)
+            bounds[b] = math.inf
         # what holds over plans with a 0-ms stage too: the round-trip DP leaves them out (as the
         # search does), the layer-only DP and the simple bound do not (`_idle_checked`)
         floors[b] = simple if done else bounds[b]
@@ -878,7 +879,8 @@ def _solve_one(profile: Profile, cluster: Cluster, options: PlanOptions
             return _idle_plan(*found, table, cluster, options, sizes, ev, t0, deadline,
                               dp_spent + seed_work)
     if cand is None or best_s is None or not best_s.fits:
-        err = infeasible_error(table, cluster, options, sizes, ev)
+        err = infeasible_error(table, cluster, options, sizes, ev,
+                               proven=all(math.isinf(v) for v in bounds.values()))
         err.bound_ms = min(bounds.values())  # type: ignore[attr-defined]  # still a bound (inf: none fits)
         raise err
     best_s, cand = ev.idle_split(cand, best_s)

@@ -30,9 +30,10 @@ def check_transfers(table: LayerTable, cluster: Cluster, scale: float) -> None:
 
 
 def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
-                     sizes: list[int], ev) -> PipeplanError:
+                     sizes: list[int], ev, proven: bool = False) -> PipeplanError:
     """Why no plan fits. `ev` (the search's Evaluator) holds every plan it scored: the one that
-    came closest is described with its own figures, so the message never contradicts itself."""
+    came closest is described with its own figures, so the message never contradicts itself.
+    `proven`: the bound's DP admits no plan of any size (none fits, whatever the time limit)."""
     devices = cluster.devices()
     biggest = max(d.memory_bytes for d in devices)
     b = min(sizes)
@@ -84,9 +85,12 @@ def infeasible_error(table: LayerTable, cluster: Cluster, options: PlanOptions,
     tries = ([] if b <= 1 else ["a smaller microbatch size"]) \
         + ([] if options.optimizer == "sgd" else ["--optimizer sgd"]) \
         + ([] if options.allow_recompute else ["recomputation (leave out --no-recompute)"]) \
-        + ["more devices, devices with more memory or a longer --time-limit (on a large model the "
-           "search may not have reached a plan that fits)"]
+        + (["--schedule 1f1b (GPipe keeps every microbatch's activations)"] if options.schedule == "gpipe" else []) \
+        + (["more or larger devices"] if proven else
+           ["more devices, devices with more memory or a longer --time-limit (on a large model the "
+            "search may not have reached a plan that fits)"])
+    what = (f"no {options.schedule} plan fits" if proven else "no plan found that fits")
     return PipeplanError(
-        f"no plan found that fits in device memory ({format_bytes(biggest)} per device, "
+        f"{what} in device memory ({format_bytes(biggest)} per device, "
         f"{len(devices)} devices, microbatch sizes {','.join(map(str, sizes))}){detail}. Try "
         + ", ".join(tries[:-1]) + (" or " if len(tries) > 1 else "") + tries[-1])

@@ -427,8 +427,10 @@ def test_no_plan_found_suggests_only_what_the_options_leave_to_try() -> None:
     profile = chain_profile([10.0, 5.0, 10.0], params=[2 * 10**9] * 3, act=[6 * 10**8] * 3,
                             out=[10**6] * 3, batch_size=1)
     options = PlanOptions(global_batch=8, microbatch_size=1, optimizer="sgd", allow_recompute=False)
-    with pytest.raises(PipeplanError, match="no plan found that fits") as exc:
+    with pytest.raises(PipeplanError, match="no 1f1b plan fits") as exc:
         solve(profile, cluster(per_node=4, memory_gb=5.0), options)
     text = str(exc.value)
     assert "leave out --no-recompute" in text and "--optimizer sgd" not in text
     assert "smaller microbatch" not in text
+    # the bound's DP proved that none fits: a longer search would not find one
+    assert "--time-limit" not in text
