@@ -88,7 +88,8 @@ def placed_stages(bounds: list[int], placement: list, ranks_of_node: list[list[i
 def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
                 microbatch_sizes: list[int]) -> Best:
     """The smallest simulated iteration time over every plan that fits memory: every split,
-    TP degree per stage, placement, schedule (all three with `auto`) and, where a plan does
+    TP degree per stage, placement (replica counts that are powers of two only, with
+    `powers_of_two`), schedule (all three with `auto`) and, where a plan does
     not fit without it, recomputation on the stages that overflow (every set of stages under
     ZB-H1)."""
     table = layer_table(profile)
@@ -109,6 +110,9 @@ def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions,
                     if key in seen:
                         continue
                     seen.add(key)
+                    if options.powers_of_two and any((sum(vec) // t) & (sum(vec) // t - 1)
+                                                     for vec, t in zip(placement, tps, strict=True)):
+                        continue
                     busy = 0.0
                     for s, vec in enumerate(placement):
                         speed = min(specs[n].speed for n, v in enumerate(vec) if v)
