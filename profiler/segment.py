@@ -346,6 +346,13 @@ def merge_mutated(segs: list[Segment], owner: dict[str, int], gm: fx.GraphModule
     or after it would see another value than in the whole model.)"""
     parent = list(range(len(segs)))
     by_name = {n.name: n for n in gm.graph.nodes}
+    # fx reads a module's buffer or parameter anew at every use (`buf`, `buf_1`, ...): a
+    # change through one of those nodes changes what all of them read (a top-level buffer
+    # passed to every block that updates it in place)
+    attrs: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            attrs.setdefault(str(n.target), []).append(n)
     last = len(segs) - 1
     for name, targets in mutates.items():
         if name not in owner:
@@ -355,9 +362,10 @@ def merge_mutated(segs: list[Segment], owner: dict[str, int], gm: fx.GraphModule
             node = by_name.get(t)
             if node is None:
                 continue
-            if t in owner:
-                involved.add(owner[t])
-            involved.update(owner.get(u.name, last) for u in node.users)
+            for same in attrs[str(node.target)] if node.op == "get_attr" else [node]:
+                if same.name in owner:
+                    involved.add(owner[same.name])
+                involved.update(owner.get(u.name, last) for u in same.users)
         lo, hi = min(involved), max(involved)
         for i in range(lo + 1, hi + 1):
             parent[i] = parent[i - 1]

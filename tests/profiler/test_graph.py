@@ -342,6 +342,57 @@ def test_tensors_modified_in_place_keep_their_readers_in_one_layer(granularity: 
     assert bare.layer_names() != names  # the record is what keeps them together
 
 
+class _DecayBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        scale.mul_(0.9)  # the model's buffer, passed in, updated in place
+        return x + torch.tanh(self.lin(x)) * scale.clone()
+
+
+class _SharedBuffer(torch.nn.Module):
+    """A buffer of the model itself, passed to every block, which updates it in place: fx reads
+    it anew at each use (`scale`, `scale_1`, ...), so each change was seen on one read only,
+    and stages cut between the blocks trained otherwise than one process (an outside review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 6)
+        self.blocks = torch.nn.ModuleList([_DecayBlock() for _ in range(3)])
+        self.out = torch.nn.Linear(6, 2)
+        self.register_buffer("scale", torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h, self.scale)
+        return self.out(h)
+
+
+def test_a_buffer_the_blocks_update_in_place_keeps_them_in_one_layer() -> None:
+    torch.manual_seed(0)
+    ref = _SharedBuffer()
+    torch.manual_seed(0)
+    model = _SharedBuffer()
+    x, target = torch.randn(5, 4), torch.randn(5, 2)
+    ref_out = ref(x)
+    torch.nn.functional.mse_loss(ref_out, target).backward()
+    lg = trace(model, (x,))
+    names = lg.layer_names()
+    assert "blocks.0+blocks.1+blocks.2" in names, names
+    for sizes in _partitions(len(names), random.Random(2)):
+        model.zero_grad(set_to_none=True)
+        model.scale.fill_(1.0)
+        out, _, stages = run_pipeline(lg, _cut(names, sizes), (x,), target, torch.nn.functional.mse_loss)
+        assert torch.equal(out, ref_out), sizes
+        assert torch.equal(model.scale, ref.scale), sizes
+        for st in stages.values():
+            for k, p in st.named_parameters():
+                assert torch.equal(p.grad, dict(ref.named_parameters())[k].grad), (sizes, k)
+
+
 def test_a_module_with_buffers_called_by_two_layers_is_warned_about() -> None:
     """Its parameters are tied across stages (gradients summed), its buffers cannot be: each
     stage would update its own running statistics. A module without buffers: no warning."""
