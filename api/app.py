@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from api import docs, openapi, service
+from api.body import value_limits
 from api.deps import RateLimiter, before_body, open_client, require_client
 from api.head import HeadAsGet
 from api.jobs import JobManager
@@ -219,8 +220,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise
         if lost:
             log.warning("%d job(s) left unfinished by the previous server marked failed", lost)
-        manager = JobManager(storage, settings.workers, settings.queue_size, observe=metrics.solve)
-        renders = RenderPool(settings.render_workers, settings.render_queue_size, settings.render_timeout_s)
+        manager = JobManager(storage, settings.workers, settings.queue_size, observe=metrics.solve,
+                             memory_mb=settings.worker_memory_mb)
+        renders = RenderPool(settings.render_workers, settings.render_queue_size, settings.render_timeout_s,
+                             settings.worker_memory_mb)
         manager.start()
         renders.start()
         app.state.storage, app.state.jobs, app.state.renders = storage, manager, renders
@@ -261,6 +264,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.rate = RateLimiter(settings.quota_requests_per_minute)
     app.state.before_body = before_body  # every JSON body is under /v1, behind the client check
+    app.state.max_values = value_limits(settings.max_layers, settings.max_edges)
     app.state.prechecks = {Profile: service.precheck_profile_body,
                            PlanRequest: service.precheck_plan_body,
                            CompareRequest: service.precheck_plan_body}

@@ -4,7 +4,10 @@ FastAPI on its own decodes a body with `json.loads` (which accepts `NaN`, `Infin
 depth, and answers a non-UTF-8 body with an undocumented 400) and validates it in pydantic's lax
 mode (`true` is accepted as the integer 1). `StrictJSONRoute` reads every JSON body first:
 
-1. UTF-8, JSON without `NaN`/`Infinity`, at most `MAX_DEPTH` levels of nesting, no NUL
+0. at most `app.state.max_values` JSON values and objects (`value_limits`), counted on the raw
+   bytes (`count_values`), so a body of millions of tiny values is refused before it is parsed;
+1. UTF-8, JSON without `NaN`/`Infinity` (nor numbers too large for a float, which read as
+   infinity), at most `MAX_DEPTH` levels of nesting, no NUL
    character in any string (each a 422 `json_invalid` naming the problem);
 2. size limits that cost nothing to check on the raw document (number of layers, number of
    devices of a cluster: `nodes: 1e9` is refused before anything proportional to it is built);
@@ -21,6 +24,7 @@ FastAPI's own validation receives the validated model and passes it through.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -45,6 +49,32 @@ def _constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows; send finite numbers only")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float, refused where it is too large for one: `1e400` reads as
+    infinity, which was stored as null where the command line refuses the same file."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large for a float (it reads as infinity); "
+                         "send finite numbers only")
+    return value
+
+
+def count_values(raw: bytes) -> tuple[int, int]:
+    """At least the number of values and of objects in the JSON document `raw` (each value but
+    the first follows a comma or opens a container; commas and braces inside strings count
+    too, so never fewer), counted on the bytes without parsing them."""
+    objects = raw.count(b"{")
+    return raw.count(b",") + raw.count(b"[") + objects + 1, objects
+
+
+def value_limits(max_layers: int, max_edges: int) -> tuple[int, int]:
+    """The most values and objects a body may hold: a profile's layer is one object of about
+    20 values, and one more of about 10 per TP degree profiled; an edge one object of 4; plus
+    room for a cluster, the options and extra fields (a real 6-layer profile with 2 TP degrees:
+    53 values and 3 objects a layer)."""
+    return 200 * max_layers + 8 * max_edges + 100_000, 12 * max_layers + 2 * max_edges + 10_000
+
+
 def depth_and_nul(doc: Any, max_depth: int = MAX_DEPTH) -> tuple[Loc, str] | None:
     """The first place where `doc` nests deeper than `max_depth` or a string (or key) holds a NUL
     character or a lone surrogate, with the reason; None if none (`planner.io.bad_strings`,
@@ -61,7 +91,7 @@ def parse(raw: bytes) -> Any:
         raise invalid(("body",), f"the body is not UTF-8 text (byte {exc.start}); send JSON "
                       "encoded as UTF-8") from None
     try:
-        doc = json.loads(text, parse_constant=_constant, object_pairs_hook=unique_keys)
+        doc = json.loads(text, parse_constant=_constant, parse_float=_finite, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise invalid(("body", exc.pos), f"JSON decode error: {exc.msg} (line {exc.lineno}, "
                       f"column {exc.colno})") from None
@@ -108,6 +138,16 @@ class StrictJSONRoute(APIRoute):
         adapter: TypeAdapter[Any] = TypeAdapter(body_type)
 
         def read(request: Request, raw: bytes) -> Any:
+            limits = getattr(request.app.state, "max_values", None)
+            if limits is not None:
+                # parsed, a body of millions of small values took seconds and hundreds of MB
+                # before its layers could be counted (eight at once: 6 GB)
+                for n, most, what in zip(count_values(raw), limits, ("JSON values", "JSON objects"),
+                                         strict=True):
+                    if n > most:
+                        raise invalid(("body",), f"the body holds {n} {what} or more; this server "
+                                      f"reads at most {most} (from PIPEPLAN_MAX_LAYERS and "
+                                      "PIPEPLAN_MAX_EDGES)", "limit")
             doc = parse(raw)
             check = getattr(request.app.state, "prechecks", {}).get(body_type)
             if check is not None:

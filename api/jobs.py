@@ -80,8 +80,9 @@ def timeout_message(method: str, deadline_s: float, limit_s: float) -> str:
 
 class JobManager:
     def __init__(self, storage: Storage, workers: int, queue_size: int,
-                 observe: Observer | None = None) -> None:
+                 observe: Observer | None = None, memory_mb: int = 0) -> None:
         self.storage = storage
+        self.memory_mb = memory_mb  # each solver process's limit (`api.worker.limit_memory`)
         self.workers = workers
         self.capacity = workers + queue_size
         self.observe = observe
@@ -275,7 +276,7 @@ class JobManager:
         if proc is None or not proc.alive() or proc.tasks >= TASKS_PER_PROCESS:
             if proc is not None:
                 self._drop(holder, kill=False)
-            proc = WorkerProcess(self._ctx, "pipeplan-solver")
+            proc = WorkerProcess(self._ctx, "pipeplan-solver", self.memory_mb)
             holder[0] = proc
             self.procs[id(proc)] = proc
         t0 = time.monotonic()

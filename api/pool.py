@@ -45,10 +45,12 @@ def context() -> multiprocessing.context.BaseContext:
 class WorkerProcess:
     """One long-lived worker process, the parent's end of its task pipe and of its lifeline."""
 
-    def __init__(self, ctx: multiprocessing.context.BaseContext, name: str = "pipeplan-worker") -> None:
+    def __init__(self, ctx: multiprocessing.context.BaseContext, name: str = "pipeplan-worker",
+                 memory_mb: int = 0) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         lifeline_r, self._lifeline_w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=worker.serve, args=(child, lifeline_r), daemon=True, name=name)
+        self.proc = ctx.Process(target=worker.serve, args=(child, lifeline_r, memory_mb), daemon=True,
+                                name=name)
         self.proc.start()
         child.close()
         lifeline_r.close()
@@ -133,8 +135,9 @@ class RenderPool:
     """Draws timelines in worker processes: `submit(key, payload)` returns a future of
     `(status, value)`; the same key while one is in flight joins it."""
 
-    def __init__(self, workers: int, queue_size: int, timeout_s: float) -> None:
+    def __init__(self, workers: int, queue_size: int, timeout_s: float, memory_mb: int = 0) -> None:
         self.workers, self.capacity, self.timeout_s = workers, workers + queue_size, timeout_s
+        self.memory_mb = memory_mb
         self._ctx = context()
         self._queue: queue.Queue[RenderTask | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -192,7 +195,7 @@ class RenderPool:
                         if proc is not None:
                             self.procs.pop(id(proc), None)
                             proc.close()
-                        proc = WorkerProcess(self._ctx, "pipeplan-render")
+                        proc = WorkerProcess(self._ctx, "pipeplan-render", self.memory_mb)
                         self.procs[id(proc)] = proc
                     result = proc.run(task.payload, self.timeout_s, lambda: False)
                     if result[0] not in ("ok", "user", "internal"):

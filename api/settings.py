@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     # own wall-clock net (`planner.solve.solve_deadline_s`: its budget is work, the CLI's plan)
     solve_grace_s: float = Field(default=1.0, ge=0)
     render_timeout_s: float = Field(default=60.0, gt=0)
+    # memory a solver or render process may take beyond what it starts with (0: no limit); past
+    # it the job fails with an error that says so, and the process is replaced
+    worker_memory_mb: int = Field(default=4096, ge=0)
 
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # larger bodies get 413
     body_timeout_s: float = Field(default=30.0, gt=0)  # a body not arrived by then gets 408

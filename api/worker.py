@@ -86,12 +86,37 @@ def _exit_with_server(lifeline: Any) -> None:
     threading.Thread(target=watch_parent, daemon=True, name="parent-watch").start()
 
 
-def run_one(task: dict[str, Any]) -> tuple[str, Any]:
-    """One task -> ("ok", result) | ("user", message) | ("internal", message); never raises."""
+def limit_memory(extra_bytes: int) -> None:
+    """Let this process's address space grow by at most `extra_bytes` beyond its size now (0:
+    no limit): a solve of a huge manual plan (4096 stages, GPipe, 4096 microbatches) grew one
+    worker to 5 GB before its time limit (an outside review), and each worker can run one."""
+    if extra_bytes <= 0 or not hasattr(os, "sysconf"):
+        return
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = size + extra_bytes
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (OSError, ValueError, StopIteration):  # not Linux, or not allowed: no limit
+        return
+
+
+def run_one(task: dict[str, Any], memory_mb: int = 0) -> tuple[str, Any]:
+    """One task -> ("ok", result) | ("user", message) | ("internal", message); never raises.
+    A MemoryError is the user's message "needs more memory" (`memory_mb`: the limit)."""
     try:
         return "ok", execute(task)
     except PipeplanError as exc:
         return "user", in_api_words(str(exc))
+    except MemoryError:
+        return "user", (f"this request needs more memory than a worker of this server may take "
+                        f"({memory_mb} MB, PIPEPLAN_WORKER_MEMORY_MB): plan a smaller problem "
+                        "(fewer stages, devices or microbatches) or raise that limit")
     except Exception as exc:  # noqa: BLE001 - any bug is reported to the parent, not lost
         # the traceback goes to the server's log (this process's stderr), not to the client
         log.error("internal error in a %s task:\n%s", task.get("kind", "?"),
@@ -100,14 +125,17 @@ def run_one(task: dict[str, Any]) -> tuple[str, Any]:
                             "logged its traceback")
 
 
-def serve(conn: Any, lifeline: Any = None) -> None:
-    """Entry point of a worker process: lower priority (HTTP stays responsive), then answer
-    tasks from the pipe one at a time until it sends None or closes."""
+def serve(conn: Any, lifeline: Any = None, memory_mb: int = 0) -> None:
+    """Entry point of a worker process: lower priority (HTTP stays responsive), its memory
+    limited (`limit_memory`), then answer tasks from the pipe one at a time until it sends None
+    or closes. After a task that ran out of memory it exits (the server starts another):
+    whatever failed to allocate may have left state half made."""
     _exit_with_server(lifeline)
     try:
         os.nice(10)
     except OSError:  # not permitted here; run at normal priority
         pass
+    limit_memory(memory_mb * 2**20)
     while True:
         try:
             task = conn.recv()
@@ -115,4 +143,7 @@ def serve(conn: Any, lifeline: Any = None) -> None:
             return
         if task is None:
             return
-        conn.send(run_one(task))
+        answer = run_one(task, memory_mb)
+        conn.send(answer)
+        if answer[0] == "user" and "PIPEPLAN_WORKER_MEMORY_MB" in answer[1]:
+            return

@@ -70,6 +70,14 @@ def bad_requests() -> list[tuple[str, str, bytes, str]]:
     out.append(("true as an integer", "/v1/plans", json.dumps(boolean).encode(), "integer"))
     extra = {**profile_doc(), "blob": "x" * 200_000}
     out.append(("200 kB of extra fields", "/v1/profiles", json.dumps(extra).encode(), "does not define"))
+    # a number only a float's overflow makes infinite, where no field is numeric (it was
+    # stored as null; the command line refuses the same file)
+    out.append(("1e400 in an extra field", "/v1/profiles",
+                json.dumps({**profile_doc(), "note": [1]}).replace("[1]", "[1e400]").encode(), "too large"))
+    # 8 MB of tiny values: parsed and walked, 5-6 s and 700 MB each before the layers were
+    # counted (an outside review; eight at once took the server past 6 GB)
+    out.append(("4M numbers as layers", "/v1/profiles", b'{"layers":[' + b"0," * 4_000_000 + b"0]}", "JSON values"))
+    out.append(("600k empty objects", "/v1/profiles", b"[" + b"{}," * 600_000 + b"{}]", "JSON objects"))
     return out
 
 
@@ -488,3 +496,28 @@ def test_a_client_that_sends_a_too_large_body_before_reading_gets_the_413(tmp_pa
         r = conn.getresponse()
         assert r.status == 413
         conn.close()
+
+
+def test_a_solve_past_the_worker_memory_limit_fails_clearly_and_the_next_one_runs(tmp_path: Path) -> None:
+    """A manual plan inside every limit of the request (1,500 one-layer stages, GPipe, 4,096
+    microbatches) simulates millions of actions: a worker grew to 5 GB with it (an outside
+    review). Under PIPEPLAN_WORKER_MEMORY_MB it fails in seconds, saying so, and the server's
+    next solve runs in a fresh process."""
+    n = 1500
+    body = {"profile": profile_doc(n_layers=n, param_bytes=1000),
+            "cluster": {**cluster_doc(), "devices_per_node": n},
+            "options": {"method": "manual", "split": [1] * n, "global_batch": 4096 * 8, "microbatch_size": 8,
+                        "schedule": "gpipe", "time_limit_s": 30.0}}
+    with Server(tmp_path / "pipeplan.db", worker_memory_mb=300) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        t0 = time.monotonic()
+        r = http.post("/v1/plans", json=body)
+        job = r.json()
+        while job["status"] in ("queued", "running") and time.monotonic() - t0 < 60:
+            time.sleep(0.5)
+            job = http.get(r.headers["location"]).json()
+        assert job["status"] == "failed", job
+        assert "PIPEPLAN_WORKER_MEMORY_MB" in job["error"] and "300 MB" in job["error"], job
+        assert time.monotonic() - t0 < 30
+        r = http.post("/v1/plans", json=plan_body("cpsat"))
+        assert r.status_code == 201, r.text
