@@ -104,10 +104,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """`sig` to the rank's process group (its own, `_start`): the rank and whatever it started
+    (a data loader's workers, a `subprocess` of the model file)."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is gone
+        pass
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
+    """Stop every rank and every process it started: SIGTERM, and SIGKILL to what is left of
+    each group after 3 s (a rank's child outlived a failed run before, holding the caller's
+    pipe: `python -m runtime ... | tail` waited for it; an outside review). Ranks that have
+    exited already leave only their children to stop."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+        if os.name == "posix":
+            _signal_group(p, signal.SIGTERM)
     deadline = time.time() + 3.0
     for p in procs:
         try:
@@ -115,6 +130,20 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    if os.name == "posix":
+        left = [p for p in procs if _group_alive(p)]
+        if left:
+            time.sleep(0.2)  # children that end on SIGTERM
+            for p in left:
+                _signal_group(p, signal.SIGKILL)
+
+
+def _group_alive(p: subprocess.Popen) -> bool:
+    try:
+        os.killpg(p.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _hung(failures: list[Failure], alive: list[int]) -> list[Failure]:
@@ -185,7 +214,10 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
                 ERROR_FILE_ENV: str(error_files[rank]),
                 LAUNCHER_PID_ENV: str(os.getpid()),
             })
-            procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env))
+            # each rank leads a process group of its own, which `_stop` ends whole (Ctrl-C
+            # reaches the launcher, which stops them, as SIGTERM does)
+            procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env,
+                                          start_new_session=os.name == "posix"))
 
         def on_term(signum: int, frame: object) -> None:
             raise Terminated  # stop the ranks too when the launcher is told to stop
@@ -200,6 +232,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
                     if all(_done_file(f).exists() for f in error_files):
+                        _stop(procs)  # what the ranks started and left running
                         return []
                     break  # one exited 0 before finishing its steps
                 if any(c not in (None, 0) for c in codes):

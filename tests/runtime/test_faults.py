@@ -30,6 +30,32 @@ def test_a_rank_that_raises_stops_every_rank_with_its_error(run, fault):
     assert "runtime/executor.py" not in err and "torch/nn/modules" not in err
 
 
+def test_what_a_failed_rank_started_is_stopped_with_it(run, fault, tmp_path, monkeypatch):
+    """A rank's own child process (a data loader's worker, a `subprocess` in the model file)
+    ends with the run: it outlived a failed run before, re-parented to init, and held the
+    caller's pipe open (`python -m runtime ... | tail` waited for it; an outside review)."""
+    import time
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [1, 3, 2])  # Faulty is layer 2: on rank 1
+    fault("child-raise", 1)
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("PIPEPLAN_TEST_CHILD_PID", str(pid_file))
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 3, "--timeout", 60)
+    assert rc == 1 and "deliberate failure after starting a child process" in err
+    child = int(pid_file.read_text())
+    deadline = time.time() + 5
+    while time.time() < deadline and "Z" not in _state(child):
+        time.sleep(0.1)
+    try:
+        assert "Z" in _state(child), f"the rank's child {child} outlived the run"
+    finally:
+        try:
+            os.kill(child, 9)
+        except OSError:
+            pass
+
+
 def test_a_hung_rank_is_detected_by_the_timeout_and_named(run, fault):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, [1, 3, 2])  # Faulty is layer 2: on rank 1

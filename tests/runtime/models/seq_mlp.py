@@ -2,7 +2,8 @@
 
 PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's second layer's
 forward: `raise` (an exception), `die` (the process vanishes), `exit0` (it vanishes with status 0)
-or `hang` (sleeps for ever); or,
+`hang` (sleeps for ever) or `child-raise` (starts `sleep 600`, writes its pid to
+PIPEPLAN_TEST_CHILD_PID, raises); or,
 `import-hang`, while that rank imports this file (before it joins the process group); or
 `trace-hang:any`, in every process's forward without gradients (the one that traces the model).
 PIPEPLAN_TEST_FREEZE=<i>,<j>,... freezes (requires_grad=False) the parameters of those layers.
@@ -37,6 +38,13 @@ class Faulty(nn.Module):
                 os._exit(0)
             if kind == "hang":
                 time.sleep(3600)
+            if kind == "child-raise":  # a process of its own left running, then an error
+                import subprocess
+
+                child = subprocess.Popen(["sleep", "600"])
+                with open(os.environ["PIPEPLAN_TEST_CHILD_PID"], "w") as f:
+                    f.write(str(child.pid))
+                raise ValueError("deliberate failure after starting a child process")
         return torch.tanh(self.lin(x))
 
 
