@@ -89,6 +89,15 @@ def batch_digest(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> int:
     return tensors_digest((*inputs, target))
 
 
+def structure_digest(model: nn.Module) -> int:
+    """A digest of a model's parameters' and buffers' names, shapes and dtypes (not their
+    values): equal on every rank exactly where they built the same architecture."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted((*model.named_parameters(), *model.named_buffers()), key=lambda x: x[0]):
+        h.update(f"{name}:{t.dtype}{tuple(t.shape)};".encode())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
 def model_digest(model: nn.Module) -> int:
     """A digest of a model's parameters as built (or resumed): every rank builds the whole model,
     so it is equal on every rank exactly where their weights are. Not its buffers: one made with

@@ -166,6 +166,7 @@ class Worker:
             checkpoint.load_model_state(model, model_state, opts.resume, opts.model)
             self.start_step = int(meta["step"])
         self.model_digest = rng.model_digest(model)
+        self.structure_digest = rng.structure_digest(model)
         # step start_step's batch, drawn here so that make_batch runs once per step and in
         # order (a make_batch that walks a dataset gives the rows single-device training
         # gets); its first microbatch traces the model
@@ -370,11 +371,18 @@ class Worker:
         world = self.env.world_size
         if world == 1:
             return
-        mine = torch.tensor([rng.batch_digest(batch), self.model_digest], dtype=torch.int64,
-                            device=self.device)
+        mine = torch.tensor([rng.batch_digest(batch), self.model_digest, self.structure_digest],
+                            dtype=torch.int64, device=self.device)
         every = [torch.zeros_like(mine) for _ in range(world)]
         _wait(dist.all_gather(every, mine, async_op=True), self.opts.timeout,
               f"comparing the ranks' models and step-{step} batches")
+        other = _first_other([int(t[2].item()) for t in every])
+        if other is not None:  # (named as different weights before: an outside review)
+            raise PipeplanError(
+                f"build_model() gave ranks 0 and {other} different models: their parameters or "
+                "buffers differ in names, shapes or dtypes. Every rank builds the whole model from "
+                "the same file; one that depends on the rank, the host or an environment variable "
+                "set differently on each rank builds another architecture on some of them")
         other = _first_other([int(t[1].item()) for t in every])
         if other is not None:
             raise PipeplanError(

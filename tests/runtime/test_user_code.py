@@ -209,6 +209,12 @@ def test_initial_weights_from_numpy_train_as_one_process_and_others_are_refused(
                         "--timeout", 60)
     assert rc != 0 and "build_model() gave ranks 0 and 1 different weights" in err, err
     assert "Traceback" not in err
+    # another architecture on rank 1 (a bias left out there): named as such, not as weights
+    monkeypatch.setenv("PIPEPLAN_TEST_INIT", "rank-arch")
+    rc, _, err, _ = run(run.plan(model, 2, [2, 1], name="arch.json"), "--model", model, "--steps", 1,
+                        "--timeout", 60)
+    assert rc != 0 and "build_model() gave ranks 0 and 1 different models" in err, err
+    assert "Traceback" not in err
 
 
 def test_a_tensor_the_runtime_cannot_send_across_a_cut_is_named(run, tmp_path):

@@ -2,7 +2,7 @@
 PIPEPLAN_TEST_DATA: `numpy` (numpy's global generator, inputs and targets a fixed function of
 each other), `cursor` (a fixed dataset walked in order, as a DataLoader without shuffling:
 state kept between calls) or `own-rng` (a numpy Generator of its own, seeded from the OS: other
-rows on every process). PIPEPLAN_TEST_INIT `numpy` / `own-rng` draws the first layer's initial
+rows on every process). PIPEPLAN_TEST_INIT `rank-arch` leaves the last bias out on ranks > 0; `numpy` / `own-rng` draws the first layer's initial
 weights from numpy's global generator / that generator of its own."""
 
 import os
@@ -20,6 +20,8 @@ _own = np.random.default_rng()
 def build_model() -> nn.Module:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     init = os.environ.get("PIPEPLAN_TEST_INIT")
+    if init == "rank-arch" and os.environ.get("RANK", "0") != "0":  # another model on ranks > 0
+        model[4] = nn.Linear(16, 4, bias=False)
     if init in ("numpy", "own-rng"):
         draw = np.random.standard_normal if init == "numpy" else _own.standard_normal
         with torch.no_grad():
