@@ -510,7 +510,7 @@ class StagePredicted(_Open):
     bwd_ms: NonNegativeFloat
     compute_ms: NonNegativeFloat  # fwd_ms + bwd_ms
     memory_bytes: NonNegativeInt  # peak per device
-    memory_limit_bytes: NonNegativeInt
+    memory_limit_bytes: PositiveInt  # a device of 0 bytes is no device (refine divided by it)
     allreduce_ms: NonNegativeFloat = 0.0
     optimizer_ms: NonNegativeFloat = 0.0  # one optimizer step, per iteration, after the all-reduce
     bwd_input_ms: NonNegativeFloat | None = None  # zb-h1: B (recomputation included) and W of bwd_ms

@@ -218,30 +218,55 @@ def _check_work_within_iteration(plan: Plan, report: Report, stages: list[StageC
                 "Give the report the runtime wrote for this plan (--report)")
 
 
+# a measured time below this share of its prediction is no measurement of that work (a run on
+# hardware 100x faster than the profile's stays far above it)
+NOTHING = 1e-4
+
+
 def _check_stages_computed(plan: Plan, report: Report) -> None:
     """A rank that ran microbatches of a stage the plan prices above 0 ms cannot have measured
     0 ms of it (the runtime times every forward and backward it runs; 0 is what it writes where
     it ran none): such a report is not a run's, and fitting it turned the stage's scale into 1
-    and pushed the whole gap into a common compute factor."""
+    and pushed the whole gap into a common compute factor. Nor next to nothing (below NOTHING
+    of the prediction), nor an optimizer step of next to nothing where one was predicted: a
+    backward of 1e-300 ms was fitted as the least scale, an optimizer step of 0 ms priced the
+    next plan's steps at 0 (an outside review)."""
     stage = {st.index: st for st in plan.stages}
     for r in report.ranks:
         st = stage[r.stage]
         if replica_microbatches(plan.num_microbatches, st.replicas, r.replica) == 0:
             continue  # a replica without microbatches computes nothing
         p = st.predicted
-        zero = [what for what, measured, predicted in (
-            ("forward", r.fwd_ms_per_microbatch, p.fwd_ms), ("backward", r.bwd_ms_per_microbatch, p.bwd_ms))
-            if measured == 0 and predicted > 0]
+        zero = [f"{measured:.3g} ms of {what} (predicted {predicted:.6g})" for what, measured, predicted in (
+            ("forward per microbatch", r.fwd_ms_per_microbatch, p.fwd_ms),
+            ("backward per microbatch", r.bwd_ms_per_microbatch, p.bwd_ms),
+            ("optimizer step", r.optimizer_ms, r.predicted_optimizer_ms))
+            if measured is not None and predicted is not None and predicted > 0
+            and measured < NOTHING * predicted]
         if zero:
             raise PipeplanError(
-                f"the report says rank {r.rank} (stage {r.stage}, replica {r.replica}) took 0 ms of "
-                f"{' and '.join(zero)} per microbatch, where this plan predicts {p.fwd_ms:.6g} ms forward "
-                f"and {p.bwd_ms:.6g} ms backward: a run never measures 0 ms for a stage that computes. "
-                "Give the report the runtime wrote for this plan (--report)")
+                f"the report says rank {r.rank} (stage {r.stage}, replica {r.replica}) took "
+                f"{' and '.join(zero)}: a run never measures next to nothing for work that takes "
+                "time. Give the report the runtime wrote for this plan (--report)")
+
+
+def _check_recompute_priced(plan: Plan) -> None:
+    """A recomputed stage's predicted backward holds its forward once more (B and W each, where
+    split): a plan whose `recompute` was set by hand after it was priced does not, and its
+    corrected times went negative, the error then blaming the report (an outside review)."""
+    for st in plan.stages:
+        p = st.predicted
+        parts = [p.bwd_ms] + [x for x in (p.bwd_input_ms, p.bwd_weight_ms) if x is not None]
+        if st.recompute and any(x < p.fwd_ms * (1 - 1e-9) for x in parts):
+            raise PipeplanError(
+                f"plan: stage {st.index} is recomputed but its predicted backward ({p.bwd_ms:.6g} ms) "
+                f"does not hold its forward ({p.fwd_ms:.6g} ms) again, as the planner prices it: "
+                "was recompute set by hand? Plan it with --method manual --recompute instead")
 
 
 def fit(plan: Plan, report: Report) -> Corrections:
     """The corrections of the module docstring from one run of `plan`."""
+    _check_recompute_priced(plan)
     if report.plan_profile_sha256 != plan.profile_sha256:
         raise PipeplanError("the report is of a run of another plan (its plan_profile_sha256 "
                             "differs); give the plan that run executed")
@@ -282,6 +307,12 @@ def fit(plan: Plan, report: Report) -> Corrections:
     if foreign:
         why.append(f"this plan's {len(plays)} ranks do not include {', '.join(foreign[:4])}"
                    + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else ""))
+    # every process of the plan reports (a replica's record left out changed the fitted times)
+    absent = sorted(set(plays) - {r.rank for r in report.ranks})
+    if absent and not missing:
+        why.append(f"it has no record of rank(s) {absent} (stage, replica: "
+                   f"{', '.join(f'{plays[k][0]}, {plays[k][1]}' for k in absent[:4])}); a run reports "
+                   "every rank")
     ran = getattr(report, "schedule", None)  # (older reports hold neither)
     if ran is not None and ran != plan.schedule:
         why.append(f"it ran schedule {ran}, this plan's is {plan.schedule}")

@@ -98,6 +98,10 @@ def runnable_plan(plan: Plan) -> Plan:
         if st.index != i:
             raise PipeplanError(f"plan: stages[{i}] has index {st.index}; list the stages in "
                                 f"order, with indices 0..{S - 1}")
+        if st.tp > 1 and st.recompute:  # (`plan` refuses it; a hand edit ran unpriced)
+            raise PipeplanError(f"plan: stage {i} is tensor-parallel (tp {st.tp}) and recomputed; "
+                                "recomputation of a tensor-parallel stage is not supported yet: set "
+                                "its recompute to false, or plan it with --tp 1")
         for d in st.devices:
             if not 0 <= d < plan.cluster.num_devices:
                 raise PipeplanError(f"plan: stage {i} uses device {d} but its cluster has "

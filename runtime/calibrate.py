@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 SIZES = [256, 4096, 65536, 262144, 1 << 20, 4 << 20]  # bytes per message
 IDLE_MS = 2.0  # how long a receiver has been blocked before a cold message arrives
+MAX_ROUNDS = 10_000  # --rounds at most, as profile --repeats
 # all-reduces per size, per --rounds. Ten calibrations of 4 ranks on our 2 cores, alternating
 # 15 and 60 rounds: bandwidth 2.77-3.15 / 2.82-3.07 GB/s, all-reduce efficiency 0.38-0.53 /
 # 0.39-0.47; five more with 60 rounds and 3x the all-reduces: efficiency 0.37-0.43
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nominal", help="a cluster.json with the nominal figures to print beside")
     p.add_argument("--memory-gb", type=float, help="usable memory per device to write instead "
                    "of the measured one")
-    p.add_argument("--rounds", type=int, default=60,
+    p.add_argument("--rounds", type=int, default=60,  # at most MAX_ROUNDS
                    help="messages per size (default 60; all-reduces: 3x as many; iterations of "
                         "the pipeline probe: as many, at least 10)")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -533,8 +534,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.nproc_per_node is not None and args.nproc_per_node > MAX_LOCAL_RANKS:
         raise PipeplanError(f"--nproc-per-node {args.nproc_per_node}: at most {MAX_LOCAL_RANKS} "
                             "ranks on one machine (one per device or core)")
-    if args.rounds < 1:
-        raise PipeplanError("--rounds must be at least 1")
+    if not 1 <= args.rounds <= MAX_ROUNDS:  # (10^12 was taken, and ran until killed)
+        raise PipeplanError(f"--rounds must be from 1 to {MAX_ROUNDS} (the default 60 measures "
+                            "within a few percent)")
     from runtime.cli import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 
     if not (math.isfinite(args.timeout) and MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S):

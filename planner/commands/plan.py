@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.trace, (args.profile, args.cluster), "--trace")
     check_distinct([("-o", args.output), ("--trace", args.trace)])
     profile = load_model(args.profile, Profile, f"profile {args.profile}")
+    # nor the model file the profile was made from (`-o model.py` replaced the source with JSON)
+    check_output(args.output, (profile.model.path,), probe=False)
+    check_output(args.trace, (profile.model.path,), "--trace", probe=False)
     cluster = load_model(args.cluster, Cluster, f"cluster {args.cluster}")
     if len(profile.layers) > (most := max_layers()):
         coarser = ("the graph was imported from PipeDream, so no granularity applies: import a graph "

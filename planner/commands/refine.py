@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
         check_output,
         check_readable,
         load_model,
-        save_model,
-        write_text_atomic,
+        write_texts_atomic,
     )
     from planner.refine import (
         check_profile_applies,
@@ -54,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         format_corrections,
     )
     from planner.report_table import format_plan
+    from planner.runnable import runnable_plan
     from planner.solve import make_plan
 
     if args.profile_out and not args.profile:
@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
         check_output(path, inputs, what)
     check_distinct(outs)
     plan = load_model(args.plan, Plan, f"plan {args.plan}")
+    for what, path in outs:  # nor the model file the plan is of
+        check_output(path, (plan.model.path,), what, probe=False)
+    # every rank's actions complete and consistent, as `simulate` and the runtime check them
+    # (a hand-edited plan with a device its cluster lacks ended refine in a traceback)
+    runnable_plan(plan)
     report = load_model(args.report, Report, f"report {args.report}")
     profile = None
     if args.profile:  # checked before anything is written
@@ -107,14 +112,18 @@ def run(args: argparse.Namespace) -> int:
              "cluster? Run the plan again and refine from that report.")
     for model, path in outputs:
         check_readable(model, path, cause, exclude_none=model is cluster)
-    write_text_atomic(corr_path, corrections.model_dump_json(indent=2) + "\n")
-    write_text_atomic(cluster_path, json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n")
+    # all four or none (a full disk mid-way left new corrections beside the old plan)
+    files: list[tuple[str, str]] = [
+        (corr_path, corrections.model_dump_json(indent=2) + "\n"),
+        (cluster_path, json.dumps(cluster.model_dump(exclude_none=True), indent=2) + "\n"),
+        (args.output, new_plan.model_dump_json(indent=2) + "\n")]
     if new_profile is not None:
-        save_model(new_profile, profile_path)
+        files.append((profile_path, new_profile.model_dump_json(indent=2) + "\n"))
+    write_texts_atomic(files)
+    if new_profile is not None:
         print(f"wrote {corr_path}, {cluster_path}, {profile_path}")
     else:
         print(f"wrote {corr_path}, {cluster_path} (no --profile: the stages stay as they are)")
-    save_model(new_plan, args.output)
     print(format_plan(new_plan))
     print(f"wrote {args.output}")
     return 0

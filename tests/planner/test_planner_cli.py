@@ -187,6 +187,18 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
                      "-o", str(out)]) == 2
         assert message in capsys.readouterr().err
     assert files["profile"].read_bytes() == before
+    # nor the model file the profile was made from (`-o model.py` replaced the source with JSON)
+    source = d / "model.py"
+    source.write_text("def build_model(): ...\n")
+    of_source = json.loads(before)
+    of_source["model"]["path"] = str(source)
+    (d / "of_source.json").write_text(json.dumps(of_source))
+    for flag in ("-o", "--trace"):
+        outs = {"-o": str(d / "p.json"), "--trace": str(d / "t.json"), flag: str(source)}
+        assert main(["plan", str(d / "of_source.json"), "--cluster", str(files["cluster"]), "--method",
+                     "uniform", *[x for k, v in outs.items() for x in (k, v)]]) == 2
+        assert "is the input" in capsys.readouterr().err
+    assert source.read_text() == "def build_model(): ...\n"
     fifo = d / "fifo"  # run as root, `-o /dev/null` replaced the system's /dev/null with a file
     os.mkfifo(fifo)
     outs = [(fifo, "not a regular file")]

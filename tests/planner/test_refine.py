@@ -109,8 +109,9 @@ def test_a_run_faster_than_its_links_allow_is_refused(factor):
                                   "bwd_ms_per_microbatch": r.bwd_ms_per_microbatch * factor})
              for r in report.ranks]
     report = report.model_copy(update={"iteration_ms": report.iteration_ms * factor, "ranks": ranks})
+    # (below 1e-4 of the predicted compute, the ranks' own times are refused first)
     with pytest.raises(PipeplanError, match="less than this plan takes even with its compute "
-                       "scaled to nothing"):
+                       "scaled to nothing|a run never measures next to nothing"):
         fit(plan, report)
 
 
@@ -461,12 +462,47 @@ def test_a_stage_measured_at_0_ms_is_refused():
     stage kept its scale and a common compute factor took the gap)."""
     _, plan = _plan()
     report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=100.0)
-    for update, says in (({"fwd_ms_per_microbatch": 0.0, "bwd_ms_per_microbatch": 0.0}, "forward and backward"),
-                         ({"bwd_ms_per_microbatch": 0.0}, "backward")):
+    # nor next to nothing (a backward of 1e-300 ms was fitted as the least scale), nor an
+    # optimizer step of 0 ms where one is predicted (the next plan priced its steps at 0)
+    for update, says in (({"fwd_ms_per_microbatch": 0.0, "bwd_ms_per_microbatch": 0.0},
+                          r"0 ms of forward per microbatch \(predicted [0-9.]+\) and 0 ms of backward"),
+                         ({"bwd_ms_per_microbatch": 0.0}, "0 ms of backward per microbatch"),
+                         ({"bwd_ms_per_microbatch": 1e-300}, "1e-300 ms of backward per microbatch"),
+                         ({"optimizer_ms": 0.0, "predicted_optimizer_ms": 0.5}, "0 ms of optimizer step")):
         ranks = [r.model_copy(update=update) if r.stage == 1 else r for r in report.ranks]
-        with pytest.raises(PipeplanError, match=rf"rank 1 \(stage 1, replica 0\) took 0 ms of {says} "
-                           "per microbatch, where this plan predicts"):
+        with pytest.raises(PipeplanError, match=rf"rank 1 \(stage 1, replica 0\) took {says}"):
             fit(plan, report.model_copy(update={"ranks": ranks}))
+    # a report missing one replica's record (its stage's other replica reports): refused too,
+    # where it was fitted from the replicas left
+    _, rep = _plan(replicas=(2, 1, 1))
+    full = _run(rep, (1.0,) * 3, (1.0,) * 3, overhead_us=100.0)
+    fit(rep, full)
+    with pytest.raises(PipeplanError, match=r"no record of rank\(s\) \[1\] \(stage, replica: 0, 1\)"):
+        fit(rep, full.model_copy(update={"ranks": [r for r in full.ranks if r.rank != 1]}))
+
+
+def test_a_hand_edited_plan_gets_a_clear_error_and_nothing_is_written(tmp_path, capsys):
+    """What `simulate` and the runtime refuse, refine refuses before any work (a device the
+    cluster lacks ended it in an IndexError, an unknown action in a ValueError, a memory limit
+    of 0 in a ZeroDivisionError), and a stage whose recompute was set by hand after the planner
+    priced it is named (its corrected times went negative and the error blamed the report)."""
+    profile, plan = _plan()
+    report = _run(plan, (1.0,) * 3, (1.0,) * 3, overhead_us=100.0)
+    data = json.loads(plan.model_dump_json())
+    edits = {"device": (lambda d: d["stages"][1].update(devices=[7]), "uses device 7"),
+             "action": (lambda d: d["rank_actions"].update({"0": ["zz"]}), "not an action"),
+             "limit": (lambda d: d["stages"][0]["predicted"].update(memory_limit_bytes=0), "greater than 0"),
+             "recompute": (lambda d: d["stages"][0].update(recompute=True), "was recompute set by hand")}
+    for name, (edit, says) in edits.items():
+        bad = json.loads(json.dumps(data))
+        edit(bad)
+        (tmp_path / f"{name}.json").write_text(json.dumps(bad))
+        (tmp_path / "report.json").write_text(report.model_dump_json())
+        rc = main(["refine", str(tmp_path / f"{name}.json"), str(tmp_path / "report.json"),
+                   "-o", str(tmp_path / f"{name}.new.json")])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and "Traceback" not in err, (name, err)
+        assert not list(tmp_path.glob(f"{name}.new*")), name
 
 
 def test_a_run_without_messages_keeps_the_clusters_overhead():
@@ -485,3 +521,38 @@ def test_a_run_without_messages_keeps_the_clusters_overhead():
     c = fit(plan, slower)
     assert c.p2p_overhead_us_after == 700.0 and c.compute_scale > 1.0
     assert c.predicted_iteration_ms_after == pytest.approx(slower.iteration_ms, rel=1e-6)
+
+
+def test_refine_writes_all_its_files_or_none(tmp_path, capsys, monkeypatch):
+    """A disk that fills while refine writes (its third file here) leaves the first refine's
+    four files as they were: they were renamed in one by one, and the new corrections and
+    cluster sat beside the old plan and profile (an outside review, a 64 kB tmpfs)."""
+    import errno
+    import os
+
+    profile, plan = _plan()
+    report = _run(plan, (2.0, 1.0, 1.0), (2.0, 1.0, 1.0), overhead_us=300.0)
+    _write(tmp_path, profile=profile, plan=plan, report=report)
+    args = ["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
+            "-o", str(tmp_path / "new.json"), "--profile", str(tmp_path / "profile.json")]
+    assert main(args) == 0
+    outputs = sorted(tmp_path.glob("new*"))
+    assert len(outputs) == 4
+    before = {p.name: p.read_bytes() for p in outputs}
+    slower = _run(plan, (3.0, 1.0, 1.0), (3.0, 1.0, 1.0), overhead_us=500.0)
+    _write(tmp_path, report=slower)
+    real_fdopen, opened = os.fdopen, []
+
+    def filling(fd, *a, **k):  # the third file's write finds the disk full
+        opened.append(fd)
+        if len(opened) == 3:
+            os.close(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fdopen(fd, *a, **k)
+
+    monkeypatch.setattr(os, "fdopen", filling)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "none of" in err, err
+    assert {p.name: p.read_bytes() for p in sorted(tmp_path.glob("new*"))} == before
+    assert not list(tmp_path.glob("*.tmp"))

@@ -90,3 +90,12 @@ def test_a_stage_key_the_runtime_does_not_read_is_named_with_the_one_meant() -> 
     assert "the plan has 'schedul'" in lines[1] and "did you mean 'schedule'?" in lines[1]
     assert "stage 0" in lines[2] and "'future_field'" in lines[2] and "did you mean" not in lines[2]
     assert "stage 1" in lines[3] and "'recomput'" in lines[3] and "did you mean 'recompute'?" in lines[3]
+
+
+def test_a_recomputed_tensor_parallel_stage_is_refused_as_plan_refuses_it() -> None:
+    """`plan` refuses recomputation on a TP stage; set by hand, the runtime ran it with costs
+    nobody priced (an outside review)."""
+    plan = _plan()
+    stages = [plan.stages[0].model_copy(update={"tp": 2, "replicas": 1, "recompute": True}), plan.stages[1]]
+    with pytest.raises(PipeplanError, match="stage 0 is tensor-parallel .tp 2. and recomputed"):
+        runnable_plan(plan.model_copy(update={"stages": stages}))

@@ -181,7 +181,7 @@ def test_options_that_would_fail_after_training_are_refused_first(run, tmp_path)
         rc, _, err, secs = run(plan, "--model", model, "--steps", 1, "--timeout", 60,
                                "--resume", tmp_path / "ck")
         assert rc == 2 and f"meta.json is not what --save writes ({what})" in err, (meta, err)
-    for args in (["--nproc-per-node", "100000"], ["--rounds", "0"],
+    for args in (["--nproc-per-node", "100000"], ["--rounds", "0"], ["--rounds", "1000000000000"],
                  ["--timeout", "0"], ["--memory-gb", "nan"]):
         assert calibrate([*args, "-o", str(tmp_path / "c.json")]) == 2
     assert not (tmp_path / "c.json").exists()
