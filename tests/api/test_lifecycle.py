@@ -132,17 +132,18 @@ def test_compare_gives_each_method_its_own_budget(tmp_path: Path) -> None:
     from tests.api.conftest import make_settings
 
     # pipedream needs ~1-2 s here (more than 4 s, its budget before, when CI shared the two
-    # cores with three other jobs); uniform ~45 s
-    limit_s = 8.0
+    # cores with three other jobs; more than 5 beside three busy processes); uniform ~45 s
+    limit_s = 12.0
     body = big_body("uniform", limit_s)
     body["methods"] = ["uniform", "pipedream"]
-    with TestClient(create_app(make_settings(tmp_path, workers=1, sync_wait_s=60.0, solve_grace_s=0.5))) as c:
+    with TestClient(create_app(make_settings(tmp_path, workers=1, sync_wait_s=60.0, solve_grace_s=0.5,
+                                             max_time_limit_s=limit_s))) as c:
         t0 = time.monotonic()
         r = c.post("/v1/plans/compare", json=body)
         elapsed = time.monotonic() - t0
     assert r.status_code == 200, r.text[:300]
     rows = {row["method"]: row for row in r.json()["rows"]}
     assert rows["uniform"]["status"] == "error" and "time budget" in rows["uniform"]["error"]
-    assert rows["pipedream"]["status"] == "ok" and rows["pipedream"]["plan_id"]
+    assert rows["pipedream"]["status"] == "ok" and rows["pipedream"]["plan_id"], rows["pipedream"]["error"]
     assert r.json()["best_method"] == "pipedream"
     assert elapsed < 2 * (limit_s + 0.5) + 6.0  # two budgets, plus slack for a shared CPU
