@@ -90,7 +90,7 @@ def limit_memory(extra_bytes: int) -> None:
     """Let this process's address space grow by at most `extra_bytes` beyond its size now (0:
     no limit): a solve of a huge manual plan (4096 stages, GPipe, 4096 microbatches) grew one
     worker to 5 GB before its time limit (an outside review), and each worker can run one."""
-    if extra_bytes <= 0 or not hasattr(os, "sysconf"):
+    if extra_bytes <= 0:
         return
     import resource
 
@@ -106,6 +106,13 @@ def limit_memory(extra_bytes: int) -> None:
         return
 
 
+def out_of_memory(memory_mb: int) -> tuple[str, str]:
+    """The answer to a task that ran past the memory limit (`limit_memory`)."""
+    return "user", (f"this request needs more memory than a worker of this server may take "
+                    f"({memory_mb} MB, PIPEPLAN_WORKER_MEMORY_MB): plan a smaller problem "
+                    "(fewer stages, devices or microbatches) or raise that limit")
+
+
 def run_one(task: dict[str, Any], memory_mb: int = 0) -> tuple[str, Any]:
     """One task -> ("ok", result) | ("user", message) | ("internal", message); never raises.
     A MemoryError is the user's message "needs more memory" (`memory_mb`: the limit)."""
@@ -114,9 +121,7 @@ def run_one(task: dict[str, Any], memory_mb: int = 0) -> tuple[str, Any]:
     except PipeplanError as exc:
         return "user", in_api_words(str(exc))
     except MemoryError:
-        return "user", (f"this request needs more memory than a worker of this server may take "
-                        f"({memory_mb} MB, PIPEPLAN_WORKER_MEMORY_MB): plan a smaller problem "
-                        "(fewer stages, devices or microbatches) or raise that limit")
+        return out_of_memory(memory_mb)
     except Exception as exc:  # noqa: BLE001 - any bug is reported to the parent, not lost
         # the traceback goes to the server's log (this process's stderr), not to the client
         log.error("internal error in a %s task:\n%s", task.get("kind", "?"),
@@ -145,5 +150,5 @@ def serve(conn: Any, lifeline: Any = None, memory_mb: int = 0) -> None:
             return
         answer = run_one(task, memory_mb)
         conn.send(answer)
-        if answer[0] == "user" and "PIPEPLAN_WORKER_MEMORY_MB" in answer[1]:
+        if answer == out_of_memory(memory_mb):
             return

@@ -303,41 +303,9 @@ def save_model(model: BaseModel, path: str | Path) -> None:
     write_text_atomic(path, model.model_dump_json(indent=2) + "\n")
 
 
-def write_texts_atomic(files: list[tuple[str | Path, str]]) -> None:
-    """Several files, all or none: every one written to a temporary file beside it first, and
-    only then all renamed into place. (`refine` renamed its four files in one after another: a
-    disk that filled while the third was written left the new corrections and cluster beside
-    the old plan and profile.)"""
-    temps: list[tuple[str, Path]] = []
-    try:
-        for path, text in files:
-            path = Path(path)
-            check_output(path)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-            except OSError as exc:
-                raise PipeplanError(f"{path}: cannot write ({exc.strerror or exc}); choose another "
-                                    "path") from None
-            temps.append((tmp, path))
-            try:
-                os.fchmod(fd, 0o666 & ~_UMASK)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-            except OSError as exc:  # the disk full, a quota, the folder gone meanwhile
-                raise PipeplanError(f"{path}: not written ({exc.strerror or exc}); none of "
-                                    f"{', '.join(str(p) for p, _ in files)} was changed: free space "
-                                    "or choose another path, and run the command again") from None
-        for tmp, path in temps:
-            os.replace(tmp, path)
-        temps = []
-    finally:
-        for tmp, _ in temps:
-            Path(tmp).unlink(missing_ok=True)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    path = Path(path)
+def _temp_beside(path: Path, text: str, unchanged: str) -> str:
+    """`text` in a new temporary file beside `path` (its folders made), its name returned; a
+    PipeplanError that says what failed (`unchanged`: which files are as they were)."""
     check_output(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -348,12 +316,38 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(tmp, path)
     except OSError as exc:  # the disk full, a quota, the folder gone meanwhile
         Path(tmp).unlink(missing_ok=True)
-        raise PipeplanError(f"{path}: not written ({exc.strerror or exc}); free space or choose "
-                            "another path, and run the command again") from None
+        raise PipeplanError(f"{path}: not written ({exc.strerror or exc}){unchanged}; free space or "
+                            "choose another path, and run the command again") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return tmp
+
+
+def write_texts_atomic(files: list[tuple[str | Path, str]]) -> None:
+    """Several files, all or none: every one written to a temporary file beside it first, and
+    only then all renamed into place. (`refine` renamed its four files in one after another: a
+    disk that filled while the third was written left the new corrections and cluster beside
+    the old plan and profile.)"""
+    unchanged = "" if len(files) < 2 else f"; none of {', '.join(str(p) for p, _ in files)} was changed"
+    temps: list[tuple[str, Path]] = []
+    try:
+        for path, text in files:
+            temps.append((_temp_beside(Path(path), text, unchanged), Path(path)))
+        for tmp, path in temps:
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:  # the folder gone meanwhile
+                raise PipeplanError(f"{path}: not written ({exc.strerror or exc}); choose another "
+                                    "path, and run the command again") from None
+        temps = []
+    finally:
+        for tmp, _ in temps:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    write_texts_atomic([(path, text)])
 

@@ -309,7 +309,7 @@ def fit(plan: Plan, report: Report) -> Corrections:
                    + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else ""))
     # every process of the plan reports (a replica's record left out changed the fitted times)
     absent = sorted(set(plays) - {r.rank for r in report.ranks})
-    if absent and not missing:
+    if absent:
         why.append(f"it has no record of rank(s) {absent} (stage, replica: "
                    f"{', '.join(f'{plays[k][0]}, {plays[k][1]}' for k in absent[:4])}); a run reports "
                    "every rank")

@@ -104,13 +104,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    """`sig` to the rank's process group (its own, `_start`): the rank and whatever it started
-    (a data loader's workers, a `subprocess` of the model file)."""
+def _signal_group(p: subprocess.Popen, sig: int) -> bool:
+    """`sig` to the rank's process group (its own, `launch` starts it so): the rank and whatever
+    it started (a data loader's workers, a `subprocess` of the model file); False where the
+    group is gone (signal 0: whether any of it is left)."""
     try:
         os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):  # the group is gone
-        pass
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -119,10 +121,10 @@ def _stop(procs: list[subprocess.Popen]) -> None:
     pipe: `python -m runtime ... | tail` waited for it; an outside review). Ranks that have
     exited already leave only their children to stop."""
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
         if os.name == "posix":
-            _signal_group(p, signal.SIGTERM)
+            _signal_group(p, signal.SIGTERM)  # the rank leads its group
+        elif p.poll() is None:
+            p.send_signal(signal.SIGTERM)
     deadline = time.time() + 3.0
     for p in procs:
         try:
@@ -131,19 +133,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
             p.wait()
     if os.name == "posix":
-        left = [p for p in procs if _group_alive(p)]
+        left = [p for p in procs if _signal_group(p, 0)]
         if left:
             time.sleep(0.2)  # children that end on SIGTERM
             for p in left:
                 _signal_group(p, signal.SIGKILL)
 
-
-def _group_alive(p: subprocess.Popen) -> bool:
-    try:
-        os.killpg(p.pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 def _hung(failures: list[Failure], alive: list[int]) -> list[Failure]:
