@@ -93,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
                                 "from (its sha256 differs); give that profile")
         # (a plan refine corrected without --profile keeps its profile's sha256, not its costs)
         check_profile_applies(plan, args.plan, f"--profile {args.profile}")
+    if report.steps == 1:  # the report's medians are then of the first step alone
+        import sys
+
+        print(f"warning: the report {args.report} measured one step, the first, which also pays "
+              "one-time costs (allocations, first messages, warm caches): its corrections may be off "
+              "for later steps. Run with --steps 3 or more for figures of the steady state",
+              file=sys.stderr)
     corrections = fit(plan, report)
     cluster = corrected_cluster(plan.cluster, corrections)
     print(format_corrections(corrections))

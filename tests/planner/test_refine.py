@@ -163,8 +163,9 @@ def test_cli_writes_plan_corrections_cluster_and_profile(tmp_path, capsys):
         (tmp_path / name).write_text(obj.model_dump_json())
     rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "report.json"),
                "-o", str(tmp_path / "new.json"), "--profile", str(tmp_path / "profile.json")])
-    out = capsys.readouterr().out
-    assert rc == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert rc == 0 and "warning" not in captured.err
     assert "x2.000" in out and "p2p_overhead_us" in out
     new = Plan.model_validate_json((tmp_path / "new.json").read_text())
     assert new.predicted.iteration_ms == pytest.approx(report.iteration_ms, rel=1e-6)
@@ -173,6 +174,11 @@ def test_cli_writes_plan_corrections_cluster_and_profile(tmp_path, capsys):
     refined = Cluster.model_validate_json((tmp_path / "new.cluster.json").read_text())
     assert refined.p2p_overhead_us == pytest.approx(300.0, rel=1e-3)
     assert (tmp_path / "new.profile.json").is_file()
+    # a report of one step (its medians are of the first step alone) is refined with a warning
+    (tmp_path / "one.json").write_text(report.model_copy(update={"steps": 1}).model_dump_json())
+    rc = main(["refine", str(tmp_path / "plan.json"), str(tmp_path / "one.json"),
+               "-o", str(tmp_path / "n1.json")])
+    assert rc == 0 and "measured one step" in capsys.readouterr().err
     # the wrong profile is a clear error
     other = chain_profile([9.0] * 6)
     (tmp_path / "other.json").write_text(other.model_dump_json())
