@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.middleware.gzip import GZipMiddleware
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
@@ -159,6 +160,26 @@ def internal_error(request: Request, exc: BaseException) -> JSONResponse:
                           f"logged it with request id {rid}")
 
 
+class JSONCORS(CORSMiddleware):
+    """CORS, with a refused preflight in the one error shape (Starlette answers it text/plain)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "OPTIONS":
+            headers = Headers(scope=scope)
+            if "origin" in headers and "access-control-request-method" in headers:
+                plain = self.preflight_response(request_headers=headers)
+                if plain.status_code == 400:
+                    keep = {k: v for k, v in plain.headers.items()
+                            if k.lower().startswith("access-control-") or k.lower() == "vary"}
+                    reason = bytes(plain.body).decode()
+                    await error_response(Request(scope), 400, (
+                        f"{reason}: a cross-origin request this server does not allow (its "
+                        "PIPEPLAN_CORS_ORIGINS lists the origins it takes; any method and header from "
+                        "those)"), keep)(scope, receive, send)
+                    return
+        await super().__call__(scope, receive, send)
+
+
 class InternalErrors:
     """A route's unexpected exception answered as the one JSON 500 and logged once, with the
     request id. Starlette's handler for Exception answers and then raises the exception again,
@@ -269,14 +290,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            PlanRequest: service.precheck_plan_body,
                            CompareRequest: service.precheck_plan_body}
     # middleware: the last added runs first
-    app.add_middleware(HeadAsGet, router=app.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.body_timeout_s)
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+        app.add_middleware(JSONCORS, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "ETag",
                                                                 "Retry-After"])
     app.add_middleware(GZipMiddleware, minimum_size=settings.gzip_min_bytes)
+    # outside gzip: a HEAD's headers are its GET's, compressed where the GET is (inside, it
+    # named the plain length and no encoding beside the same ETag; an outside review)
+    app.add_middleware(HeadAsGet, router=app.router)
     app.add_middleware(InternalErrors)
     app.add_middleware(RequestContext, metrics=metrics)
     install_error_handlers(app)

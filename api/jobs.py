@@ -90,6 +90,7 @@ class JobManager:
         self._queue: queue.Queue[Task | None] = queue.Queue()
         self._lock = threading.Lock()
         self._finish_lock = threading.Lock()
+        self._submit_lock = threading.Lock()  # submits one at a time (`submit`)
         self._tasks: dict[str, Task] = {}  # job id -> task, while in flight
         self._unstored: dict[str, Outcome] = {}  # finished, but the database refused the write
         self._by_key: dict[str, Task] = {}
@@ -137,18 +138,30 @@ class JobManager:
                payload: dict[str, Any], grace_s: float, on_result: ResultHandler,
                owner: str = "") -> tuple[Task, bool]:
         """Queue a task; returns (task, created). Joins an in-flight task with the same key."""
-        with self._lock:
-            if self._stopped:
-                raise QueueFull("the server is shutting down")
-            existing = self._by_key.get(key)
-            if existing is not None:
-                return existing, False
-            if len(self._tasks) >= self.capacity:
-                raise QueueFull(f"{len(self._tasks)} jobs in flight (capacity {self.capacity})")
+        # Submits take turns (the key join and the capacity check hold over the job's insert),
+        # but the database write is made outside `_lock`: `stats()`, which the health routes
+        # call on the event loop, takes it, and a write waiting for SQLite's lock (up to its
+        # busy timeout) held /healthz and every other route 5 s (an outside review)
+        with self._submit_lock:
+            with self._lock:
+                if self._stopped:
+                    raise QueueFull("the server is shutting down")
+                existing = self._by_key.get(key)
+                if existing is not None:
+                    return existing, False
+                if len(self._tasks) >= self.capacity:
+                    raise QueueFull(f"{len(self._tasks)} jobs in flight (capacity {self.capacity})")
             job = self.storage.create_job(kind, key, profile_id, request, owner)
             task = Task(job.id, key, payload, grace_s, on_result)
-            self._tasks[job.id] = task
-            self._by_key[key] = task
+            with self._lock:
+                stopped = self._stopped
+                if not stopped:
+                    self._tasks[job.id] = task
+                    self._by_key[key] = task
+            if stopped:  # the server began to stop during the insert: no dispatcher will run it
+                self._store(job.id, Outcome("failed", error="the server stopped before this job "
+                                            "started; send the request again", error_kind="shutdown"))
+                raise QueueFull("the server is shutting down")
         self._queue.put(task)
         return task, True
 

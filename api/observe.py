@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 log = logging.getLogger("api.access")
 
@@ -129,7 +130,8 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                headers = [_relative(h) if status in (307, 308) else h
+                           for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
                 headers.append((b"x-request-id", rid.encode()))
                 message = {**message, "headers": headers}
             await send(message)
@@ -147,6 +149,18 @@ class RequestContext:
             log.info("%s %s %d", scope["method"], scope["path"], status,
                      extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
                             "route": template, "status": status, "duration_ms": round(seconds * 1e3, 2)})
+
+
+def _relative(header: tuple[bytes, bytes]) -> tuple[bytes, bytes]:
+    """A redirect's Location as a path: Starlette's trailing-slash redirect names the host the
+    client's Host header gave (`Host: evil.example` got `Location: http://evil.example/...`, which
+    a cache in front could serve to others; an outside review)."""
+    name, value = header
+    if name.lower() != b"location":
+        return header
+    url = urlsplit(value.decode("latin-1"))
+    path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+    return name, path.encode("latin-1")
 
 
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})

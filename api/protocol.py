@@ -9,6 +9,11 @@ things a service open to clients needs and uvicorn does not do.
   where a route reads the body; where none does (`GET /healthz` with a `Content-Length` of a
   megabyte sent a byte at a time, a 404), the connection is closed once the body has not
   arrived `body_timeout_s` (plus a second) after its headers: uvicorn would keep reading it.
+- **Responses read in time.** A connection whose client stops reading (the socket's buffers
+  full and the transport's write buffer over its high-water mark: uvicorn's flow control pauses
+  the response) for `write_timeout_s` is aborted. uvicorn waits for it for ever: a client that
+  pipelined 400 requests and read nothing held its connection and 4 MB of responses (an
+  outside review).
 - **Errors in one shape.** A request that is not valid HTTP gets the JSON error every other
   error gets (`{"detail": ..., "request_id": ...}`), not uvicorn's text/plain 400.
 """
@@ -34,8 +39,32 @@ def _response(status: int, reason: str, detail: str) -> bytes:
 class _Protocol(H11Protocol):
     header_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:  # the transport's write buffer is over its high-water mark
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._unread)
+
+    def resume_writing(self) -> None:
+        self._disarm_write()
+        super().resume_writing()
+
+    def _disarm_write(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _unread(self) -> None:
+        self._write_timer = None
+        if self.transport.is_closing():
+            return
+        self.logger.warning("the client read none of its response for %g s: connection aborted",
+                            self.write_timeout_s)
+        self.transport.abort()  # close() would wait to flush what the client does not read
 
     def _arm(self) -> None:
         if self._header_timer is None:
@@ -101,6 +130,7 @@ class _Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._disarm_body()
+        self._disarm_write()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -111,7 +141,9 @@ class _Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_class(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H11Protocol]:
+def protocol_class(header_timeout_s: float, body_timeout_s: float = 30.0,
+                   write_timeout_s: float = 30.0) -> type[H11Protocol]:
     """The protocol class to give uvicorn (`http=`), with these timeouts."""
     return type("PipeplanHTTP", (_Protocol,), {"header_timeout_s": header_timeout_s,
-                                               "body_timeout_s": body_timeout_s})
+                                               "body_timeout_s": body_timeout_s,
+                                               "write_timeout_s": write_timeout_s})

@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # larger bodies get 413
     body_timeout_s: float = Field(default=30.0, gt=0)  # a body not arrived by then gets 408
     header_timeout_s: float = Field(default=30.0, gt=0)  # and headers (api.protocol)
+    write_timeout_s: float = Field(default=30.0, gt=0)  # a response the client does not read (api.protocol)
     max_layers: int = Field(default=DEFAULT_MAX_LAYERS, ge=1)
     max_edges: int = Field(default=100_000, ge=1)
     max_extra_bytes: int = Field(default=64 * 1024, ge=0)  # fields the format does not define, per profile

@@ -5,6 +5,8 @@ from memory, so it stays fast while every worker is busy), `/livez` (the process
 
 from __future__ import annotations
 
+import logging
+import os
 import platform
 
 from fastapi import APIRouter, Request, Response
@@ -13,6 +15,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from api.deps import JobsDep, RendersDep, StorageDep
 from api.schemas import Health, Ready, Version
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["health"])
 
@@ -40,7 +44,11 @@ async def readyz(storage: StorageDep, jobs: JobsDep, renders: RendersDep) -> JSO
     try:
         db = await run_in_threadpool(storage.writable)
     except Exception as exc:  # noqa: BLE001 - any failure means not ready, said in the detail
-        db, detail = False, f"database: {type(exc).__name__}: {exc}"
+        # the probe is open to any client: the log has the database's path, the answer its name
+        log.warning("readiness probe: database %s: %s: %s", storage.url, type(exc).__name__, exc)
+        folder = os.path.dirname(storage.url)
+        said = str(exc).replace(folder + os.sep, "") if folder else str(exc)
+        db, detail = False, f"database: {type(exc).__name__}: {said}"
     workers = jobs.alive() and renders.alive()
     if not workers:
         detail = (detail + "; " if detail else "") + "a worker dispatcher is not running"

@@ -124,7 +124,11 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
         return await _accepted(storage, settings, task)
     if outcome.status != "succeeded" or outcome.plan_id is None:
         raise _failure(outcome)
-    row = await run_in_threadpool(_plan_row, storage, outcome.plan_id)
+    row = await run_in_threadpool(storage.get_plan, outcome.plan_id)
+    if row is None:  # solved and stored, then deleted by another request before this answer
+        raise HTTPException(409, detail=f"the plan was solved and stored as {shown_id(outcome.plan_id)}, "
+                            "but a DELETE removed it before this answer; send the request again "
+                            "to solve it again")
     response.headers["Location"] = f"/v1/plans/{row.id}"
     return service.plan_out(row, False, prep.warnings)
 
@@ -165,8 +169,11 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
         return service.compare_table(base.profile_row.id, methods, done, base.warnings)
     await run_in_threadpool(service.check_quota, storage, settings, client, 1,
                             f"{len(missing)} new plan(s)")
-    key = "compare:" + service.cache_key(base.profile_row.sha256, base.cluster,
-                                         base.options.model_copy(update={"method": json.dumps(missing)}))
+    # the key holds every method asked for, in order, and those still to solve: a request for
+    # other methods joined an in-flight comparison of the same missing ones and got its table
+    # (an outside review: [cpsat] answered with [blocks, cpsat])
+    key = "compare:" + service.cache_key(base.profile_row.sha256, base.cluster, base.options.model_copy(
+        update={"method": json.dumps({"methods": methods, "missing": missing})}))
     task = await _submit(
         jobs, settings, kind="compare", key=key, profile_id=base.profile_row.id,
         request=service.job_request(base, methods), payload=service.task_payload(base, "compare", missing),

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {settings.host} without an API key; set PIPEPLAN_API_KEY(S)")
     print(f"pipeplan API on http://{settings.host}:{settings.port}  (docs: /docs, database: {settings.db})")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
-                http=protocol_class(settings.header_timeout_s, settings.body_timeout_s),
+                http=protocol_class(settings.header_timeout_s, settings.body_timeout_s, settings.write_timeout_s),
                 log_config=log_config(args.log_level, settings.log_json), access_log=False,
                 timeout_graceful_shutdown=5)
     return 0

@@ -93,7 +93,7 @@ def test_bad_inputs_are_quick_4xx_and_do_not_grow_memory(tmp_path: Path) -> None
                                                            "x-request-id": f"bad-{name[:5]}".replace(" ", "-")})
                 elapsed = time.monotonic() - t0
                 assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
-                assert elapsed < 1.0, (name, elapsed)
+                assert elapsed < 3.0, (name, elapsed)  # 5-6 s before the byte counts, on an idle machine
                 assert r.headers["content-type"] == "application/json", name
                 err = r.json()
                 assert err["request_id"] == r.headers["x-request-id"], name
@@ -325,6 +325,32 @@ def _read_until_closed(s: object, limit_s: float = 20.0) -> tuple[bytes, bool, f
         closed = not chunk
         reply += chunk
     return reply, closed, time.monotonic() - t0
+
+
+def test_a_client_that_reads_no_response_is_cut_off_after_the_write_timeout(tmp_path: Path) -> None:
+    """A client that pipelines requests and reads nothing fills its socket's buffers; uvicorn then
+    pauses the response and waited for ever (an outside review: 400 requests held a connection
+    and 4 MB of answers). Past PIPEPLAN_WRITE_TIMEOUT_S the connection is aborted, and the
+    server serves others meanwhile."""
+    import socket
+
+    n = 400
+    with Server(tmp_path / "pipeplan.db", write_timeout_s="1.5") as server, \
+            httpx.Client(base_url=server.url, timeout=30) as http:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # full after a few answers
+            s.settimeout(20)
+            s.connect(("127.0.0.1", server.port))
+            s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * n)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 4.0:  # past the timeout, reading nothing
+                assert http.get("/healthz").status_code == 200
+                time.sleep(0.5)
+            reply, closed, _ = _read_until_closed(s)
+        answered = reply.count(b"HTTP/1.1 200")
+        assert closed and answered < n, (closed, answered)
+        assert "read none of its response" in server.log.read_text()
+        assert http.get("/healthz").status_code == 200
 
 
 def test_headers_that_never_end_are_a_408_and_bad_http_a_json_400(tmp_path: Path) -> None:

@@ -135,3 +135,69 @@ def test_a_database_that_refuses_the_outcome_fails_the_job_and_keeps_the_dispatc
         # the refused write goes through once the database takes writes (here, with the poll)
         assert c.get(f"/v1/jobs/{job['id']}").json()["status"] == "failed"
         assert storage.get_job(job["id"]).status == "failed"
+
+
+@needs_cpsat
+def test_comparisons_of_other_methods_are_not_joined(tmp_path) -> None:
+    """Two comparisons in flight join only where they ask for the same methods: one of
+    [blocks, cpsat] with blocks cached and one of [cpsat] solved the same missing method and
+    were one job, so the second got the first's table (an outside review)."""
+    body = slow_body(1.0)
+    with TestClient(create_app(make_settings(tmp_path, workers=1, sync_wait_s=0.0))) as c:
+        cached = c.post("/v1/plans", json={**body, "options": {**body["options"], "method": "blocks"}})
+        wait_for(c, cached.json()["id"], {"succeeded"}, 60)
+        both = c.post("/v1/plans/compare", json={**body, "methods": ["blocks", "cpsat"]})
+        one = c.post("/v1/plans/compare", json={**body, "methods": ["cpsat"]})
+        assert both.status_code == one.status_code == 202, (both.text, one.text)
+        assert both.json()["id"] != one.json()["id"]
+        for r, methods in ((both, ["blocks", "cpsat"]), (one, ["cpsat"])):
+            job = wait_for(c, r.json()["id"], {"succeeded", "failed"}, 120)
+            assert [row["method"] for row in job["result"]["rows"]] == methods, job
+
+
+def test_a_job_waiting_for_the_database_does_not_hold_the_health_routes(tmp_path) -> None:
+    """A plan whose job insert waits for SQLite's write lock (another process writing: a slow
+    disk, a checkpoint) held the job manager's lock, which /healthz takes on the event loop:
+    every route waited with it, 5 s in an outside review. /healthz answers at once now."""
+    import sqlite3
+    import threading
+
+    settings = make_settings(tmp_path, workers=1, sync_wait_s=0.0)
+    with TestClient(create_app(settings)) as c:
+        stored = c.post("/v1/plans", json=plan_body("uniform"))  # the profile is stored now
+        wait_for(c, stored.json()["id"], {"succeeded"})
+        holder = sqlite3.connect(settings.db, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, held for 3 s
+        answers: list[int] = []
+        post = threading.Thread(target=lambda: answers.append(
+            c.post("/v1/plans", json=plan_body("blocks")).status_code))
+        post.start()
+        time.sleep(0.5)  # the POST is waiting for the lock now
+        t0 = time.monotonic()
+        health = c.get("/healthz")
+        waited = time.monotonic() - t0
+        time.sleep(max(0.0, 3.0 - waited))
+        holder.execute("COMMIT")
+        holder.close()
+        post.join(60)
+        assert health.status_code == 200 and waited < 1.5, waited
+        assert answers and answers[0] in (201, 202), answers
+
+
+def test_a_plan_deleted_before_its_answer_is_a_409(tmp_path) -> None:
+    """A DELETE between the solve's store and its answer (the POST read the plan back and said
+    404 "no plan with id ..." for an id the client never knew): 409, send it again."""
+    with TestClient(create_app(make_settings(tmp_path, workers=1))) as c:
+        storage = c.app.state.storage
+        real = storage.get_plan
+
+        def deleted_meanwhile(plan_id: str):
+            storage.delete_plan(plan_id)
+            return real(plan_id)
+
+        storage.get_plan = deleted_meanwhile
+        r = c.post("/v1/plans", json=plan_body("blocks"))
+        storage.get_plan = real
+        assert r.status_code == 409 and "send the request again" in r.json()["detail"], r.text
+        again = c.post("/v1/plans", json=plan_body("blocks"))
+        assert again.status_code == 201, again.text

@@ -42,6 +42,10 @@ def test_gzip_and_cors(tmp_path: Path) -> None:
         out = c.post("/v1/plans", json=plan_body("blocks")).json()
         r = c.get(f"/v1/plans/{out['id']}", headers={"Accept-Encoding": "gzip"})
         assert r.headers["content-encoding"] == "gzip"
+        head = c.head(f"/v1/plans/{out['id']}", headers={"Accept-Encoding": "gzip"})
+        assert head.status_code == 200 and head.content == b""
+        assert {k: head.headers.get(k) for k in ("content-encoding", "content-length", "etag")} == {
+            k: r.headers.get(k) for k in ("content-encoding", "content-length", "etag")}, head.headers
         raw = c.get(f"/v1/plans/{out['id']}", headers={"Accept-Encoding": "identity"})
         assert "content-encoding" not in raw.headers and len(raw.content) > 1024
         pre = c.options("/v1/plans", headers={"Origin": "https://ui.example",
@@ -49,6 +53,14 @@ def test_gzip_and_cors(tmp_path: Path) -> None:
         assert pre.headers["access-control-allow-origin"] == "https://ui.example"
         other = c.get("/healthz", headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+        # a refused preflight is the one JSON error (Starlette's is text/plain)
+        refused = c.options("/v1/plans", headers={"Origin": "https://evil.example",
+                                                 "Access-Control-Request-Method": "POST"})
+        assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
+        assert "Disallowed CORS origin" in refused.json()["detail"] and refused.json()["request_id"]
+        # the trailing-slash redirect names no host (it named the one the Host header gave)
+        moved = c.get("/v1/jobs/?limit=2", headers={"Host": "evil.example"}, follow_redirects=False)
+        assert moved.status_code == 307 and moved.headers["location"] == "/v1/jobs?limit=2", moved.headers
     assert gzip.decompress(gzip.compress(b"x")) == b"x"
 
 
@@ -98,6 +110,8 @@ def test_readyz_and_writes_fail_when_the_database_file_is_deleted_or_replaced(tm
         r = c.get("/readyz")
         assert r.status_code == 503 and r.json()["database"] is False
         assert "was deleted" in r.json()["detail"], r.json()
+        # the probe is open to every client: the file's name, not where it lies
+        assert os.path.basename(settings.db) in r.json()["detail"] and str(tmp_path) not in r.json()["detail"]
         r = c.post("/v1/profiles", json=profile_doc())
         assert r.status_code == 503 and "was deleted" in r.json()["detail"]
         assert r.headers["retry-after"] == "30"
@@ -337,7 +351,7 @@ def test_plans_solved_at_once_are_kept_within_the_quota_but_one(tmp_path: Path) 
     from tests.api.server import Server
 
     sizes = []
-    with Server(tmp_path / "pipeplan.db") as probe:  # what a profile and one plan store
+    with Server(tmp_path / "pipeplan.db", sync_wait_s="60") as probe:  # what a profile and one plan store
         pid = httpx.post(f"{probe.url}/v1/profiles", json=profile_doc(), timeout=60).json()["id"]
         sizes.append(_stored(tmp_path / "pipeplan.db"))
         body = {"profile_id": pid, "cluster": cluster_doc(), "options": {"method": "uniform", "global_batch": 32}}
