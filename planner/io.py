@@ -79,6 +79,21 @@ def _lines(described: str) -> str:
     return " " + described.strip() if "\n" not in described else "\n" + described
 
 
+def cannot_read(path: str | Path, exc: OSError) -> str:
+    """What to tell the user of an input that exists but cannot be read (permissions)."""
+    return (f"{path} cannot be read ({exc.strerror or exc}); check its permissions and its "
+            "folders' (the user running pipeplan must be able to read it), or give another file")
+
+
+def is_readable_file(path: str | Path, what: str | None = None) -> bool:
+    """Whether `path` is a regular file; a PipeplanError where it cannot even be looked at (a
+    folder on its way without search permission: `Path.is_file` raises PermissionError)."""
+    try:
+        return Path(path).is_file()
+    except OSError as exc:
+        raise PipeplanError(f"{what}: {cannot_read(path, exc)}" if what else cannot_read(path, exc)) from None
+
+
 def not_a_file(path: str | Path) -> str:
     """Why `path` cannot be read as a file (it is not a regular file): what to tell the user."""
     path = Path(path)
@@ -161,11 +176,17 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
     """Load a JSON file into `cls`; missing file, bad JSON and schema errors become PipeplanError."""
     path = Path(path)
     what = what or f"{path}"
-    if not path.is_file():
+    if not is_readable_file(path, what):
         raise PipeplanError(f"{what}: {not_a_file(path)}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"),  # a byte-order mark ignored
-                          object_pairs_hook=unique_keys)
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark ignored
+    except UnicodeDecodeError as exc:
+        raise PipeplanError(f"{what}: not UTF-8 text (byte {exc.start}); give the JSON file "
+                            "pipeplan wrote, or save it as UTF-8") from None
+    except OSError as exc:  # no read permission (an unreadable input was a traceback)
+        raise PipeplanError(f"{what}: {cannot_read(path, exc)}") from None
+    try:
+        data = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise PipeplanError(f"{what}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except UnicodeDecodeError as exc:
@@ -229,6 +250,9 @@ def check_output(path: str | Path | None, inputs: tuple[str | Path | None, ...] 
         return
     if str(path).strip() == "":
         raise PipeplanError(f"{what} '': an empty path; give a file name")
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash: a file of the folder's name
+        raise PipeplanError(f"{what} {path}: ends in '/', a directory; give a file name in it "
+                            f"(e.g. {str(path).rstrip('/' + os.sep) or '.'}/plan.json)")
     try:
         _check_output(Path(path), path, inputs, what, probe)
     except OSError as exc:  # a folder on the way that cannot be searched (mode 000)
@@ -256,8 +280,8 @@ def _check_output(out: Path, path: str | Path, inputs: tuple[str | Path | None, 
     except OSError as exc:
         raise PipeplanError(f"{what} {path}: cannot write in {folder} ({exc.strerror or exc}); "
                             "choose another path") from None
-    for x in inputs:
-        if x is not None and Path(x).exists() and os.path.realpath(x) == os.path.realpath(out):
+    for x in inputs:  # (os.path.exists: an input that cannot be looked at is its own error)
+        if x is not None and os.path.exists(x) and os.path.realpath(x) == os.path.realpath(out):
             raise PipeplanError(f"{what} {path}: is the input {x}; writing it would destroy it: "
                                 "give another file name")
 

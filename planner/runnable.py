@@ -94,6 +94,14 @@ def runnable_plan(plan: Plan) -> Plan:
     """`plan` checked and renumbered for execution (see the module docstring); a PipeplanError
     says what is inconsistent."""
     S = len(plan.stages)
+    seen: dict[str, int] = {}
+    for st in plan.stages:  # (the runtime refused it against the model; simulate and refine ran it)
+        for name in st.layers:
+            if name in seen:
+                where = "twice" if seen[name] == st.index else f"in stages {seen[name]} and {st.index}"
+                raise PipeplanError(f"plan: layer {name!r} is named {where}; each layer belongs "
+                                    "to one stage, once: make the plan again")
+            seen[name] = st.index
     for i, st in enumerate(plan.stages):
         if st.index != i:
             raise PipeplanError(f"plan: stages[{i}] has index {st.index}; list the stages in "

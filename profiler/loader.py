@@ -117,9 +117,10 @@ def _first_lines(exc: BaseException, most: int = 600) -> str:
 
 def load_model_file(path: str | Path) -> ModelFile:
     """Import `path` as a module and return its three contract functions."""
+    from planner.io import cannot_read, is_readable_file, not_a_file
+
     path = Path(path)
-    if not path.is_file():
-        from planner.io import not_a_file
+    if not is_readable_file(path):
 
         raise PipeplanError(
             f"{path}: {not_a_file(path) if path.exists() else 'no such model file'}. Give the path "
@@ -139,6 +140,14 @@ def load_model_file(path: str | Path) -> ModelFile:
         sys.path.append(str(path.parent))
     try:
         spec.loader.exec_module(module)
+    except PermissionError as exc:  # the file itself unreadable
+        sys.modules.pop(module_name, None)
+        if exc.filename is not None and Path(exc.filename) == path:
+            raise PipeplanError(cannot_read(path, exc)) from None
+        raise PipeplanError(
+            f"{path}: importing the file raised PermissionError: {exc}{user_line(exc, path)}. "
+            "Fix the module-level code of the file (run `python <file>` to see it)."
+        ) from exc
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)
         where = f" at line {exc.lineno}" if exc.lineno else ""  # none for a file holding NUL bytes

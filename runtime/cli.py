@@ -355,16 +355,37 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from runtime.deadline import DeadlinePassed, alarm
     from runtime.launch import ERROR_FILE_ENV, die_with_launcher
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         die_with_launcher()
         return _rank_main(args, os.environ.get(ERROR_FILE_ENV))
+    try:
+        return _launcher_main(args, argv)
+    except KeyboardInterrupt as exc:  # before the ranks start: the plan's check, build_model
+        from planner.cli import _user_frame
+
+        where = _user_frame(exc)
+        print("interrupted" + (f" while running {where} (your code: is it waiting or looping "
+                               "there?)" if where else ""), file=sys.stderr)
+        return 130
+
+
+def _launcher_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """Check the plan and the model in this process, then start the ranks and wait for them."""
     import tempfile
 
     info_dir = tempfile.TemporaryDirectory(prefix="pipeplan-trace-")
     info = os.path.join(info_dir.name, "trace.json")
+    try:
+        return _checked_launch(args, argv, info)
+    finally:
+        info_dir.cleanup()
+
+
+def _checked_launch(args: argparse.Namespace, argv: list[str], info: str) -> int:
+    from runtime.deadline import DeadlinePassed, alarm
+
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))
         opts = options_from_args(args, plan)
@@ -372,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
                    "one forward of the model on a microbatch, to trace it)"):
             granularity = preflight(plan, opts, info)
     except PipeplanError as exc:
-        info_dir.cleanup()
         print(f"error: {exc.message if isinstance(exc, DeadlinePassed) else exc}", file=sys.stderr)
         return 2
     from runtime.launch import check_room, launch
@@ -380,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_room(plan.world_size, f"the plan ({args.plan})")
     except PipeplanError as exc:
-        info_dir.cleanup()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cores = os.cpu_count() or 1
@@ -417,8 +436,6 @@ def main(argv: list[str] | None = None) -> int:
         term = isinstance(exc, Terminated)
         print("terminated (SIGTERM): the ranks were stopped" if term else "interrupted", file=sys.stderr)
         return 143 if term else 130  # 128 + the signal, as a shell reports it
-    finally:
-        info_dir.cleanup()
     if not failures:
         return 0
     first = failures[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from planner.errors import PipeplanError
 from planner.formats import INPUT_NODE, Profile
-from planner.io import not_a_file, parse_model
+from planner.io import cannot_read, is_readable_file, not_a_file, parse_model
 
 _NODE = re.compile(
     r"^(?P<id>\S+) -- (?P<desc>.*) -- forward_compute_time=(?P<f>[^,]+), "
@@ -175,7 +175,7 @@ def import_pipedream(text: str, batch_size: int, source: str = "graph.txt") -> P
 
 def import_pipedream_file(path: str | Path, batch_size: int) -> Profile:
     path = Path(path)
-    if not path.is_file():
+    if not is_readable_file(path):
         raise PipeplanError(f"{path}: {not_a_file(path)}; give a PipeDream graph.txt")
     try:
         # utf-8-sig drops a byte-order mark (editors on Windows add one), which would
@@ -184,4 +184,6 @@ def import_pipedream_file(path: str | Path, batch_size: int) -> Profile:
     except UnicodeDecodeError as exc:
         raise PipeplanError(f"{path}: not a PipeDream graph.txt (not UTF-8 text: byte {exc.start}); "
                             "give the graph.txt its profiler wrote") from None
+    except OSError as exc:
+        raise PipeplanError(cannot_read(path, exc)) from None
     return import_pipedream(text, batch_size, str(path))

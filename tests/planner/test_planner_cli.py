@@ -182,10 +182,12 @@ def test_hostile_files_and_outputs_are_refused_before_any_work(files: dict[str, 
     (d / "afile").write_text("x")
     before = files["profile"].read_bytes()
     for out, message in ((d, "is a directory"), (d / "afile" / "p.json", "is a file"),
-                         (files["profile"], "is the input"), ("", "an empty path")):
+                         (files["profile"], "is the input"), ("", "an empty path"),
+                         (f"{d}/newdir/", "ends in '/', a directory")):  # (it wrote a file 'newdir')
         assert main(["plan", prof, "--cluster", str(files["cluster"]), "--method", "uniform",
                      "-o", str(out)]) == 2
         assert message in capsys.readouterr().err
+    assert not (d / "newdir").exists()
     assert files["profile"].read_bytes() == before
     # nor the model file the profile was made from (`-o model.py` replaced the source with JSON)
     source = d / "model.py"
@@ -451,3 +453,62 @@ def test_an_empty_microbatch_size_is_refused(files: dict[str, Path], capsys: pyt
     with pytest.raises(SystemExit) as exc:
         main(["plan", str(files["profile"]), "--cluster", str(files["cluster"]), "--microbatch-sizes", "4,,8"])
     assert exc.value.code == 2 and "expected comma-separated integers, got '4,,8'" in capsys.readouterr().err
+
+
+def _as_another_user() -> list[str] | None:
+    """The command prefix that runs a process as a user who is not root (root reads every
+    file); None where there is none to be."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        return None
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def test_an_input_that_cannot_be_read_is_a_clear_error() -> None:
+    """An input without read permission, or in a folder without search permission, was a
+    traceback (PermissionError) with exit 1, and the folder case blamed -o (an outside review)."""
+    import shutil
+    import tempfile
+
+    prefix = _as_another_user()
+    if prefix is None:
+        pytest.skip("running as root without setpriv: every file is readable")
+    root = Path(tempfile.mkdtemp(prefix="pipeplan-perm-", dir="/tmp"))
+    try:
+        root.chmod(0o777)
+        cl = root / "cluster.json"
+        cl.write_text(json.dumps({"nodes": 1, "devices_per_node": 2, "device_memory_gb": 16,
+                                  "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}))
+        prof = root / "profile.json"
+        prof.write_text(chain_profile([1.0, 2.0], batch_size=8).model_dump_json())
+        closed = root / "closed"
+        closed.mkdir()
+        shutil.copy(prof, closed / "profile.json")
+        for p in (cl, prof):
+            p.chmod(0o644)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HOME": str(root)}
+        cases = [(["plan", str(root / "unread.json"), "--cluster", str(cl)], root / "unread.json"),
+                 (["plan", str(closed / "profile.json"), "--cluster", str(cl)], closed / "profile.json"),
+                 (["plan", str(prof), "--cluster", str(root / "unread.json")], root / "unread.json"),
+                 (["import-pipedream", str(root / "unread.json"), "--batch-size", "8"], root / "unread.json")]
+        shutil.copy(prof, root / "unread.json")
+        (root / "unread.json").chmod(0o600)
+        if os.geteuid() != 0:
+            (root / "unread.json").chmod(0o000)
+        closed.chmod(0o700 if os.geteuid() == 0 else 0o000)
+        for args, blamed in cases:
+            out = root / "out" / "plan.json"
+            r = subprocess.run([*prefix, sys.executable, "-m", "planner", *args, "-o", str(out)],
+                               capture_output=True, text=True, env=env, timeout=120)
+            assert r.returncode == 2, (args, r.returncode, r.stderr[-800:])
+            assert "Traceback" not in r.stderr and "cannot be read (Permission denied)" in r.stderr, r.stderr
+            assert str(blamed) in r.stderr and "-o" not in r.stderr.split("cannot be read")[0], r.stderr
+            assert not out.exists()
+    finally:
+        for p in (root, root / "closed"):
+            if p.exists():
+                p.chmod(0o777)
+        shutil.rmtree(root, ignore_errors=True)

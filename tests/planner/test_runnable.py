@@ -99,3 +99,16 @@ def test_a_recomputed_tensor_parallel_stage_is_refused_as_plan_refuses_it() -> N
     stages = [plan.stages[0].model_copy(update={"tp": 2, "replicas": 1, "recompute": True}), plan.stages[1]]
     with pytest.raises(PipeplanError, match="stage 0 is tensor-parallel .tp 2. and recomputed"):
         runnable_plan(plan.model_copy(update={"stages": stages}))
+
+
+def test_a_layer_in_two_stages_is_refused() -> None:
+    """`simulate` and `refine` took a plan whose stage 1 also named a layer of stage 0 (the
+    runtime refused it against the model): an outside review."""
+    plan = _plan()
+    first = plan.stages[0].layers[0]
+    stages = [plan.stages[0], plan.stages[1].model_copy(update={"layers": [*plan.stages[1].layers, first]})]
+    with pytest.raises(PipeplanError, match=f"layer '{first}' is named in stages 0 and 1"):
+        runnable_plan(plan.model_copy(update={"stages": stages}))
+    stages = [plan.stages[0].model_copy(update={"layers": [first, *plan.stages[0].layers]}), plan.stages[1]]
+    with pytest.raises(PipeplanError, match=f"layer '{first}' is named twice"):
+        runnable_plan(plan.model_copy(update={"stages": stages}))

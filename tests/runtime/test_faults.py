@@ -273,6 +273,33 @@ def test_a_forward_that_hangs_before_any_rank_starts_is_named_within_the_timeout
     assert "Traceback" not in p.stderr
 
 
+def test_ctrl_c_before_the_ranks_start_names_where_it_waited(run, fault, tmp_path, monkeypatch):
+    """Ctrl-C while the launcher checks the model (build_model, the traced forward) printed a
+    traceback and the process died of the signal; after the ranks started it said
+    "interrupted", 130 (an outside review). Now the same everywhere, naming the user's line."""
+    import shutil
+    import signal
+    import time
+
+    model = tmp_path / "user_model.py"  # outside pipeplan's folders, as a user's is
+    shutil.copy(MODELS / "seq_mlp.py", model)
+    plan = run.plan(model, [3, 3])
+    fault("trace-hang", "any")
+    mark = tmp_path / "hanging"
+    monkeypatch.setenv("PIPEPLAN_TEST_HANG_MARK", str(mark))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model), "--steps", "1",
+                          "--timeout", "300"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not mark.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    assert mark.exists(), "the check before the ranks did not reach the traced forward"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (p.returncode, err[-1500:])
+    assert "Traceback" not in err and "interrupted while running" in err and "user_model.py" in err, err
+
+
 def test_world_size_must_match_under_torchrun(run):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, 2)
@@ -446,8 +473,8 @@ def test_more_local_ranks_than_the_memory_holds_are_refused(monkeypatch):
     from runtime import launch
 
     monkeypatch.setattr(launch, "available_memory_bytes", lambda: 4 * 2**30)
-    launch.check_room(16, "the plan")  # 16 x 150 MB fit in 4 GB
-    with pytest.raises(PipeplanError, match="needs 1000 rank processes.*enough for about 27"):
+    launch.check_room(12, "the plan")  # 12 x 320 MB fit in 4 GB
+    with pytest.raises(PipeplanError, match="needs 1000 rank processes.*enough for about 12"):
         launch.check_room(1000, "--nproc-per-node 1000")
 
 

@@ -5,7 +5,8 @@ forward: `raise` (an exception), `die` (the process vanishes), `exit0` (it vanis
 `hang` (sleeps for ever) or `child-raise` (starts `sleep 600`, writes its pid to
 PIPEPLAN_TEST_CHILD_PID, raises); or,
 `import-hang`, while that rank imports this file (before it joins the process group); or
-`trace-hang:any`, in every process's forward without gradients (the one that traces the model).
+`trace-hang:any`, in every process's forward without gradients (the one that traces the model;
+it creates the file PIPEPLAN_TEST_HANG_MARK names, if set, as it starts to hang).
 PIPEPLAN_TEST_FREEZE=<i>,<j>,... freezes (requires_grad=False) the parameters of those layers.
 """
 
@@ -27,6 +28,8 @@ class Faulty(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind, _, rank = os.environ.get("PIPEPLAN_TEST_FAULT", "::").partition(":")
         if kind == "trace-hang" and not torch.is_grad_enabled():
+            if os.environ.get("PIPEPLAN_TEST_HANG_MARK"):  # the test sees the hang begin
+                open(os.environ["PIPEPLAN_TEST_HANG_MARK"], "w").close()
             time.sleep(3600)
         # only while training (grad enabled), not while the model is traced
         if rank and os.environ.get("RANK") == rank and torch.is_grad_enabled():
