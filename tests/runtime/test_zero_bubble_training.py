@@ -52,6 +52,17 @@ def test_zb_h1_with_fused_stages_beside_split_ones(run, tmp_path, monkeypatch):
     _check(run, model, plan, 2, tmp_path)
 
 
+def test_a_weight_reaching_an_output_by_a_branch_of_its_own_trains_exactly(run, tmp_path):
+    """A middle stage returns `x * g` and `g.expand(...)`: g's gradient through the second, a
+    branch that never meets the stage's input, was dropped by the split W (0.0024 off after 3
+    steps in an outside review; 1F1B exact)."""
+    model = MODELS / "loose_branch.py"
+    plan = run.plan(model, [1, 1, 1], schedule="zb-h1", global_batch=8, microbatch_size=2)
+    stored = json.loads(plan.read_text())
+    assert any("W" in a for a in stored["rank_actions"]["1"])  # the middle stage's B and W apart
+    _check(run, model, plan, 3, tmp_path)
+
+
 def test_reentrant_checkpoint_trains_fused_and_is_refused_split_in_one_line(run, tmp_path):
     """torch.utils.checkpoint(use_reentrant=True) refuses autograd.grad: a fused stage (one
     backward) trains; a split one stops with the fix, not a traceback."""

@@ -1,0 +1,46 @@
+"""B and W apart (runtime.split_backward) give the gradients of one backward: inputs' from B,
+weights' from W, on graphs where weights reach the outputs by the input path, by branches of
+their own, or both (independent reference: one `torch.autograd.backward`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.split_backward import backward_input, backward_weight
+
+CASES = {
+    "weight on the input path": lambda x, g, w: ((x @ w) * g,),
+    "and returned on its own": lambda x, g, w: (x * g, g.expand(2, -1)),
+    "both through a linear": lambda x, g, w: ((x @ w) * g, g.expand(2, -1)),
+    "its own branch computed on": lambda x, g, w: (torch.tanh(x * g), g.expand(2, -1) * 2),
+    "its own branch also used on the path": lambda x, g, w: (x * g.expand(2, -1), g.expand(2, -1).exp()),
+    "views on the path": lambda x, g, w: ((x * g).view(2, 2, 2).transpose(1, 2).reshape(2, 4), g.sum()),
+    "a weight on no input path": lambda x, g, w: (x * g, w.sum(0, keepdim=True)),
+    "two weights, one output of their own": lambda x, g, w: (x @ w, (g @ w).expand(2, -1)),
+}
+
+
+def _grads(fn, split: bool):
+    torch.manual_seed(0)
+    g = torch.nn.Parameter(torch.rand(1, 4) + 0.5)
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    outs = fn(x, g, w)
+    gos = [torch.randn_like(o) for o in outs]
+    if split:
+        (gx,), pending = backward_input(outs, gos, [x], [g, w])
+        backward_weight(pending, [g, w])
+    else:
+        torch.autograd.backward(outs, gos)
+        gx = x.grad
+    return gx, g.grad, w.grad
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_b_and_w_apart_give_one_backwards_gradients(case: str) -> None:
+    for whole, split in zip(_grads(CASES[case], False), _grads(CASES[case], True), strict=True):
+        if whole is None:
+            assert split is None or not split.abs().max(), case
+        else:
+            assert split is not None and torch.allclose(whole, split, atol=1e-6), (case, whole, split)
