@@ -84,6 +84,36 @@ def unread_keys(plan: Plan) -> list[str]:
     return out
 
 
+def not_as_generated(plan: Plan) -> list[str]:
+    """One line where the plan's explicit action lists are not what its schedule's generator
+    gives (a hand edit: `"schedule": "gpipe"` over 1F1B lists ran without a word): they run as
+    listed, which the plan's prediction was not made for. A warning: edited lists that pass
+    the checks are the user's to run. Empty for every plan the planner writes."""
+    if plan.rank_actions is None or plan.generator is None:
+        return []
+    if plan.generator.name != plan.schedule:
+        return [f"plan: schedule is {plan.schedule!r} but its generator is {plan.generator.name!r} "
+                "and its rank_actions run as listed; make the plan again with --schedule "
+                f"{plan.schedule}"]
+    rank_of = process_ranks(plan)
+    stage_devices = [[rank_of[d] for d in st.devices] for st in plan.stages]
+    tps = [st.tp for st in plan.stages]
+    try:
+        made = with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps),
+                                      plan.num_microbatches,
+                                      generator_deferred(plan.generator, len(plan.stages))),
+                             stage_devices, tps)
+        listed = {rank_of[int(k)]: parse_actions(v) for k, v in plan.rank_actions.items()}
+    except (ValueError, KeyError, PipeplanError):
+        return []  # what `runnable_plan` refuses, it names
+    if made == listed:
+        return []
+    differ = sorted(d for d, r in rank_of.items() if made.get(r) != listed.get(r))
+    return [f"plan: the rank_actions of device(s) {differ[:8]}{' ...' if len(differ) > 8 else ''} are not "
+            f"the {plan.schedule} schedule its generator gives (edited by hand?); they run as listed, "
+            "and the plan's predicted time is not theirs: `planner simulate` prices them"]
+
+
 def process_ranks(plan: Plan) -> dict[int, int]:
     """Cluster device -> the process rank that plays it: rank i plays the i-th device the plan
     uses, in cluster order (idle devices get no process)."""

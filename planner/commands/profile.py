@@ -169,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
             bar[0].update(done - bar[0].n)
 
     granularity = args.granularity
+    if args.keep_call_overhead and args.layer_timing != "isolated":  # (it was ignored silently)
+        raise PipeplanError("--keep-call-overhead applies to --layer-timing isolated only (in-whole "
+                            "timing has no per-call cost to subtract); give both, or leave it out")
     if args.split_points is not None:
         points = [x.strip() for x in args.split_points.split(",") if x.strip()]
         if not points or granularity != "blocks":

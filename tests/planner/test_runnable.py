@@ -112,3 +112,37 @@ def test_a_layer_in_two_stages_is_refused() -> None:
     stages = [plan.stages[0].model_copy(update={"layers": [first, *plan.stages[0].layers]}), plan.stages[1]]
     with pytest.raises(PipeplanError, match=f"layer '{first}' is named twice"):
         runnable_plan(plan.model_copy(update={"stages": stages}))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_action_lists_edited_off_their_schedule_are_warned_about(schedule: str) -> None:
+    """A plan whose rank_actions are not what its schedule gives (a hand edit: `"schedule":
+    "gpipe"` over 1F1B lists ran without a word; an outside review) is warned about; no plan
+    the planner writes is (replicas, idle devices renumbered, ZB-H1's deferred and fused W's,
+    tensor parallelism)."""
+    from planner.runnable import not_as_generated
+    from tests.planner.test_tensor_parallel_cost import _profile as tp_profile
+
+    made = [_plan(schedule=schedule),
+            make_plan(chain_profile([1.0, 3.0, 1.0, 2.0, 1.0, 1.0]), cluster(per_node=4),
+                      PlanOptions(global_batch=8, microbatch_size=1, method="cpsat", time_limit_s=2,
+                                  schedule=schedule)),
+            make_plan(tp_profile(), cluster(per_node=4, memory_gb=80.0),
+                      PlanOptions(global_batch=8, microbatch_size=4, method="manual", split=[1, 1],
+                                  replicas=[1, 1], tp=[2, 1], schedule=schedule))]
+    mixed = Cluster.model_validate({
+        "nodes": [{"name": "slow", "devices": 2, "device_memory_gb": 16, "speed": 0.1},
+                  {"name": "fast", "devices": 2, "device_memory_gb": 16, "speed": 1.0}],
+        "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 100})
+    made.append(make_plan(chain_profile([1.0] * 6), mixed, PlanOptions(
+        global_batch=4, microbatch_size=1, method="cpsat", time_limit_s=2, schedule=schedule)))
+    for plan in made:
+        assert not_as_generated(plan) == [] and not_as_generated(runnable_plan(plan)) == []
+    plan = made[0]
+    other = {"1f1b": "gpipe", "gpipe": "1f1b", "zb-h1": "1f1b"}[schedule]
+    relabelled = plan.model_copy(update={"schedule": other})
+    assert "but its generator is" in not_as_generated(relabelled)[0]
+    a = dict(plan.rank_actions)
+    a["2"] = [a["2"][1], a["2"][0], *a["2"][2:]]  # stage 1's first two actions swapped
+    lines = not_as_generated(plan.model_copy(update={"rank_actions": a}))
+    assert len(lines) == 1 and "device(s) [2]" in lines[0] and "planner simulate" in lines[0], lines

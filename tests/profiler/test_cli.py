@@ -107,7 +107,9 @@ def test_bad_model_files_are_clear_errors(tmp_path, case, source, expected) -> N
 @pytest.mark.parametrize("args,expected", [(["--threads", "100000"], "--threads 100000: give 1.."),
                                            (["--repeats", "10000000000"], "--repeats 1..10000"),
                                            # torch's C++ overflow, blamed on make_batch
-                                           (["--batch-size", "99999999999999999999"], "from 1 to 2147483647")])
+                                           (["--batch-size", "99999999999999999999"], "from 1 to 2147483647"),
+                                           # (ignored without a word: an outside review)
+                                           (["--keep-call-overhead"], "applies to --layer-timing isolated only")])
 def test_absurd_threads_and_repeats_are_refused(tmp_path, args, expected) -> None:
     """(--threads 100000 crashed torch with a segmentation fault; 10**10 repeats ran on.)"""
     path = tmp_path / "good.py"
