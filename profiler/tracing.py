@@ -333,6 +333,27 @@ def _clean_export_graph(gm: fx.GraphModule) -> None:
 EXPORT_RTOL = 1e-3  # largest difference to the model's outputs and gradients, relative to their size
 
 
+def _tolerance(dtype: torch.dtype) -> float:
+    """EXPORT_RTOL, or four steps of a low-precision float (a bfloat16 Llama's exported graph
+    sums its backward in another order: 0.0105-0.0118 of a gradient's size, one bfloat16 step of
+    7.8e-3, while the graph was right; an outside review)."""
+    return max(EXPORT_RTOL, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else EXPORT_RTOL
+
+
+def no_generation_cache(model: torch.nn.Module) -> bool:
+    """Turn off `use_cache` on the `transformers` models in `model` (at their default, True, a
+    causal or seq2seq model returns a DynamicCache / EncoderDecoderCache, which no trace can
+    carry: every such model at its default config was refused, with advice that did not apply).
+    Training never reads the cache, so the trained weights are the same. True if one was on."""
+    changed = False
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if type(mod).__module__.startswith("transformers.") and getattr(cfg, "use_cache", None) is True:
+            cfg.use_cache = False
+            changed = True
+    return changed
+
+
 def _run_with_grads(fn: Any, inputs: tuple[torch.Tensor, ...], params: dict[str, torch.Tensor]
                     ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """`fn(*inputs)` from one RNG seed, then the backward of a fixed random weighting of its
@@ -356,20 +377,21 @@ def _run_with_grads(fn: Any, inputs: tuple[torch.Tensor, ...], params: dict[str,
     return [v.detach() for v in leaves], grads
 
 
-def _worst(a: list[torch.Tensor], b: list[torch.Tensor], names: list[str]) -> tuple[float, str]:
-    """The largest difference of b from a, relative to a's size, and where."""
-    worst, where = 0.0, ""
+def _worst(a: list[torch.Tensor], b: list[torch.Tensor], names: list[str]) -> tuple[float, str, float]:
+    """The largest difference of b from a, relative to a's size and in units of its dtype's
+    tolerance (`_tolerance`), where, and that difference relative to a's size."""
+    worst, where, size = 0.0, "", 0.0
     for x, y, name in zip(a, b, names, strict=True):
         if x.shape != y.shape or x.dtype != y.dtype:
-            return float("inf"), name
+            return float("inf"), name, float("inf")
         if not x.is_floating_point():
             d = 0.0 if torch.equal(x, y) else float("inf")
         else:
             d = float((x.double() - y.double()).abs().max()) / max(float(x.double().abs().max()), 1e-30) \
                 if x.numel() else 0.0
-        if d > worst:
-            worst, where = d, name
-    return worst, where
+        if d / _tolerance(x.dtype) > worst:
+            worst, where, size = d / _tolerance(x.dtype), name, d
+    return worst, where, size
 
 
 def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...],
@@ -415,8 +437,8 @@ def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torc
             raise PipeplanError(f"{what} of {name} returns {len(out)} tensors where "
                                 f"the model returns {len(ref_out)}: {advice}")
         return  # the model itself differs from run to run (nondeterministic kernels): no reference
-    d, where = _worst(ref, out + [got[k] for k in keys], names)
-    if d > EXPORT_RTOL:
+    over, where, d = _worst(ref, out + [got[k] for k in keys], names)
+    if over > 1:
         raise PipeplanError(
             f"{what} of {name} does not compute what the model computes ({where} "
             f"differs by {d:.3g} of its size): {advice}")
@@ -429,6 +451,24 @@ _EXPORT_ADVICE = (
     "side effect). Make the top-level forward traceable by torch.fx (no data-dependent Python "
     "control flow such as `if h.requires_grad:`), or move that code inside one of the blocks "
     "(a submodule runs as written), then profile again.")
+
+
+HOOKED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def _transformers_hint(model: torch.nn.Module) -> str:
+    """Where a `transformers` model's config asks for outputs its layers' hooks collect (hidden
+    states, attentions, router logits: a Llama, BERT or Mixtral so configured failed its export
+    check with an IndexError, the advice naming nothing the user could change; an outside
+    review), what to change."""
+    flags = sorted({f for mod in model.modules() if type(mod).__module__.startswith("transformers.")
+                    for f in HOOKED_OUTPUTS if getattr(getattr(mod, "config", None), f, None) is True})
+    if not flags:
+        return ""
+    return (f" This transformers model's config sets {', '.join(flags)}, outputs it collects with "
+            "hooks on its layers, which a traced graph does not keep: set "
+            f"{' and '.join(f'{f}=False' for f in flags)} in the config that build_model() makes "
+            "(compute what the loss needs from the model's other outputs), then profile again.")
 
 
 def _paths(gm: fx.GraphModule) -> dict[str, str]:
@@ -444,6 +484,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
     is run beside the model (`_check_export`; off where that was done before, e.g. a rank
     tracing from its launcher's record, which runs no user code)."""
     given = set(leaves or ())
+    no_generation_cache(model)
     gm, auto, fx_error = _try_fx(model, len(example_inputs), given)
     if gm is not None:
         hooked = _split_hooked(model, given)
@@ -462,7 +503,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
             _clean_export_graph(egm)
             if check:  # (what stopped fx is often the thing to change)
                 _check_export(model, egm, example_inputs,
-                              advice=f"{_EXPORT_ADVICE} torch.fx stopped at: {fx_error}")
+                              advice=f"{_EXPORT_ADVICE} torch.fx stopped at: {fx_error}"
+                              f"{_transformers_hint(model)}")
             return Traced(gm=egm, method="export", paths=_paths(egm), out_spec=None, leaves=list(keep))
     egm, error2 = _try_export(model, example_inputs)
     if egm is not None and keep:
@@ -481,10 +523,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
             "Move the untraceable code (data-dependent Python control flow, calls on tensor "
             "values) out of the model's top-level forward into a submodule: a submodule that "
             "cannot be traced is then called as a whole and becomes part of one layer."
+            f"{_transformers_hint(model)}"
         )
     _clean_export_graph(egm)
     if check:
-        _check_export(model, egm, example_inputs)
+        _check_export(model, egm, example_inputs, advice=_EXPORT_ADVICE + _transformers_hint(model))
     codegen = egm.graph._codegen
     out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
     paths = {n.name: _innermost(n) for n in egm.graph.nodes}
