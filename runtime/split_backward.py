@@ -84,15 +84,19 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
     groups = get_param_groups(input_nodes, [n for n in weight_nodes.values() if n is not None], reverse)
     grouped = {n for g in groups for n in g["params"]}
     # outputs that do not depend on the inputs, which a grouped weight may also reach
+    # (per node, every output it makes: the outputs of one op, `g.chunk(2)`, share a node)
     closure, _ = reverse_closure(input_nodes, set(), reverse)
-    free = {_get_grad_fn_or_grad_acc(o): k for k, o in enumerate(outs)}
-    free = {n: k for n, k in free.items() if n is not None and n not in closure}
+    free: dict[Any, list[int]] = {}
+    for k, o in enumerate(outs):
+        node = _get_grad_fn_or_grad_acc(o)
+        if node is not None and node not in closure:
+            free.setdefault(node, []).append(k)
     for group in groups:
         reached: set[int] = set()
         if free:
             for param in group["params"]:
                 mine, _ = reverse_closure([param], closure, reverse)
-                reached.update(k for n, k in free.items() if n in mine)
+                reached.update(k for n, ks in free.items() if n in mine for k in ks)
         pending.loose.append(sorted(reached))
     pending.direct = [w for w, n in weight_nodes.items() if n not in grouped and n in reverse]
     handles = []

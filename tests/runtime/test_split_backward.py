@@ -18,6 +18,7 @@ CASES = {
     "views on the path": lambda x, g, w: ((x * g).view(2, 2, 2).transpose(1, 2).reshape(2, 4), g.sum()),
     "a weight on no input path": lambda x, g, w: (x * g, w.sum(0, keepdim=True)),
     "two weights, one output of their own": lambda x, g, w: (x @ w, (g @ w).expand(2, -1)),
+    "outputs of one op of their own": lambda x, g, w: (x * g, *(g * 3).expand(2, -1).chunk(2)),
 }
 
 
