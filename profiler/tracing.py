@@ -27,6 +27,7 @@ import contextlib
 import inspect
 import io
 import logging
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,12 +347,21 @@ def no_generation_cache(model: torch.nn.Module) -> bool:
     carry: every such model at its default config was refused, with advice that did not apply).
     Training never reads the cache, so the trained weights are the same. True if one was on."""
     changed = False
-    for mod in model.modules():
-        cfg = getattr(mod, "config", None)
-        if type(mod).__module__.startswith("transformers.") and getattr(cfg, "use_cache", None) is True:
-            cfg.use_cache = False
+    for mod in _transformers_models(model):
+        if getattr(mod.config, "use_cache", None) is True:
+            mod.config.use_cache = False
             changed = True
     return changed
+
+
+def _transformers_models(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The `transformers` models in `model` (itself, or held by a module of the user's; a
+    subclass defined in the model file too), where the model file imported transformers."""
+    tf = sys.modules.get("transformers")
+    base = getattr(tf, "PreTrainedModel", None) if tf is not None else None
+    if base is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, base) and getattr(m, "config", None) is not None]
 
 
 def _run_with_grads(fn: Any, inputs: tuple[torch.Tensor, ...], params: dict[str, torch.Tensor]
@@ -461,8 +471,8 @@ def _transformers_hint(model: torch.nn.Module) -> str:
     states, attentions, router logits: a Llama, BERT or Mixtral so configured failed its export
     check with an IndexError, the advice naming nothing the user could change; an outside
     review), what to change."""
-    flags = sorted({f for mod in model.modules() if type(mod).__module__.startswith("transformers.")
-                    for f in HOOKED_OUTPUTS if getattr(getattr(mod, "config", None), f, None) is True})
+    flags = sorted({f for mod in _transformers_models(model) for f in HOOKED_OUTPUTS
+                    if getattr(mod.config, f, None) is True})
     if not flags:
         return ""
     return (f" This transformers model's config sets {', '.join(flags)}, outputs it collects with "

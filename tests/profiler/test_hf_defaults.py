@@ -71,3 +71,30 @@ def test_outputs_collected_by_hooks_are_named_in_the_error() -> None:
     tokens = torch.randint(0, VOCAB, (2, 13))
     with pytest.raises(PipeplanError, match="set output_hidden_states=False in the config"):
         trace(model, (tokens[:, :-1],), granularity="blocks")
+
+
+def test_a_model_of_the_users_holding_a_causal_lm_has_its_cache_turned_off_too() -> None:
+    """A subclass defined in the model file, or a transformers model held by a module of the
+    user's, is a transformers model as well."""
+
+    class Mine(transformers.LlamaForCausalLM):
+        pass
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = Mine(_llama().config)
+
+        def forward(self, tokens: torch.Tensor):
+            return self.lm(tokens)
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (2, 13))
+    mine = Mine(_llama().config)
+    assert mine.config.use_cache is True
+    assert "model.layers.1" in trace(mine, (tokens[:, :-1],), granularity="blocks").layer_names()
+    assert mine.config.use_cache is False
+    wrapped = Wrapper()
+    assert wrapped.lm.config.use_cache is True
+    trace(wrapped, (tokens[:, :-1],), granularity="blocks")  # (it was refused: a DynamicCache)
+    assert wrapped.lm.config.use_cache is False
