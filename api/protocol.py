@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -44,19 +45,24 @@ class _Protocol(H11Protocol):
     _body_timer: asyncio.TimerHandle | None = None
     _write_timer: asyncio.TimerHandle | None = None
 
+    def _start(self, timer: str, delay_s: float, then: Any) -> None:
+        """Start the timer held in attribute `timer` unless it runs already."""
+        if getattr(self, timer) is None:
+            setattr(self, timer, self.loop.call_later(delay_s, then))
+
+    def _stop(self, timer: str) -> None:
+        handle = getattr(self, timer)
+        if handle is not None:
+            handle.cancel()
+            setattr(self, timer, None)
+
     def pause_writing(self) -> None:  # the transport's write buffer is over its high-water mark
         super().pause_writing()
-        if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.write_timeout_s, self._unread)
+        self._start("_write_timer", self.write_timeout_s, self._unread)
 
     def resume_writing(self) -> None:
-        self._disarm_write()
+        self._stop("_write_timer")
         super().resume_writing()
-
-    def _disarm_write(self) -> None:
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
 
     def _unread(self) -> None:
         self._write_timer = None
@@ -67,22 +73,16 @@ class _Protocol(H11Protocol):
         self.transport.abort()  # close() would wait to flush what the client does not read
 
     def _arm(self) -> None:
-        if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+        self._start("_header_timer", self.header_timeout_s, self._headers_late)
 
     def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        self._stop("_header_timer")
 
-    def _arm_body(self) -> None:
-        if self._body_timer is None:  # a second after the route's own 408 (api.limits)
-            self._body_timer = self.loop.call_later(self.body_timeout_s + 1.0, self._body_late)
+    def _arm_body(self) -> None:  # a second after the route's own 408 (api.limits)
+        self._start("_body_timer", self.body_timeout_s + 1.0, self._body_late)
 
     def _disarm_body(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        self._stop("_body_timer")
 
     def _body_late(self) -> None:
         self._body_timer = None
@@ -130,7 +130,7 @@ class _Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._disarm_body()
-        self._disarm_write()
+        self._stop("_write_timer")
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:

@@ -22,11 +22,19 @@ from planner.schedules import generate, generator_deferred, tp_leaders, with_tp_
 from planner.validate import ScheduleError, format_grid, validate
 
 
-def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]) -> dict[int, list[Action]]:
+def _generated(plan: Plan, stage_devices: list[list[int]]) -> dict[int, list[Action]]:
+    """Per process rank, the actions the plan's schedule generator gives (`plan.generator`)."""
+    assert plan.generator is not None
     tps = [st.tp for st in plan.stages]
+    return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), plan.num_microbatches,
+                                  generator_deferred(plan.generator, len(plan.stages))), stage_devices, tps)
+
+
+def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]) -> dict[int, list[Action]]:
     m = plan.num_microbatches
     # checked also where the explicit lists are what runs
-    deferred = generator_deferred(plan.generator, len(plan.stages)) if plan.generator is not None else None
+    if plan.generator is not None:
+        generator_deferred(plan.generator, len(plan.stages))
     if plan.rank_actions is None:
         assert plan.generator is not None  # Plan's validator requires one of the two
         if plan.generator.name != plan.schedule:
@@ -36,8 +44,7 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
         if gm != m:
             raise PipeplanError(f"plan: num_microbatches is {m} but the schedule generator's is "
                                 f"{gm}; make the plan again")
-        return with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps), m, deferred),
-                             stage_devices, tps)
+        return _generated(plan, stage_devices)
     try:
         keys = {int(k): k for k in plan.rank_actions}
     except ValueError:
@@ -96,13 +103,8 @@ def not_as_generated(plan: Plan) -> list[str]:
                 "and its rank_actions run as listed; make the plan again with --schedule "
                 f"{plan.schedule}"]
     rank_of = process_ranks(plan)
-    stage_devices = [[rank_of[d] for d in st.devices] for st in plan.stages]
-    tps = [st.tp for st in plan.stages]
     try:
-        made = with_tp_ranks(generate(plan.generator.name, tp_leaders(stage_devices, tps),
-                                      plan.num_microbatches,
-                                      generator_deferred(plan.generator, len(plan.stages))),
-                             stage_devices, tps)
+        made = _generated(plan, [[rank_of[d] for d in st.devices] for st in plan.stages])
         listed = {rank_of[int(k)]: parse_actions(v) for k, v in plan.rank_actions.items()}
     except (ValueError, KeyError, PipeplanError):
         return []  # what `runnable_plan` refuses, it names
@@ -112,6 +114,11 @@ def not_as_generated(plan: Plan) -> list[str]:
     return [f"plan: the rank_actions of device(s) {differ[:8]}{' ...' if len(differ) > 8 else ''} are not "
             f"the {plan.schedule} schedule its generator gives (edited by hand?); they run as listed, "
             "and the plan's predicted time is not theirs: `planner simulate` prices them"]
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """What runs, but not as written or made: unread keys and hand-edited action lists."""
+    return [*unread_keys(plan), *not_as_generated(plan)]
 
 
 def process_ranks(plan: Plan) -> dict[int, int]:

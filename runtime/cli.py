@@ -20,7 +20,7 @@ from planner.errors import PipeplanError
 from planner.formats import OptimizerName, Plan
 from planner.io import check_distinct, check_output, load_model, not_a_file
 from planner.limits import MAX_RUN_SEED, run_seed_arg
-from planner.runnable import not_as_generated, runnable_plan, unread_keys
+from planner.runnable import plan_warnings, runnable_plan
 from runtime.lr_schedule import SCHEDULES
 from runtime.options import RunOptions
 
@@ -248,7 +248,7 @@ def warn_plan(plan: Plan, opts: RunOptions) -> None:
               f"uses {opts.optimizer}: its memory and optimizer-step times are priced for "
               f"{plan.options.optimizer} (plan again with --optimizer {opts.optimizer})",
               file=sys.stderr)
-    for line in [*unread_keys(plan), *not_as_generated(plan)]:
+    for line in plan_warnings(plan):
         print(f"warning: {line}", file=sys.stderr)
 
 

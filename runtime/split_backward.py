@@ -65,13 +65,16 @@ def param_groups(inputs: list[Any], params: list[Any], reverse: dict[Any, Any]
     its merge left a group that a later weight joined through a second intermediate in place
     beside the merged one, so that weight's gradient was computed twice, depending on the order
     a set of nodes was walked in (a fuzz of random graphs: 14 of 3,000 wrong, each about half the
-    time). Here the groups are the connected components, each weight in one."""
+    time). Here the groups are the connected components, each weight in one; each group also
+    holds its weights' nodes off the input path ("reach"), where `backward_input` looks for
+    their own branches to outputs."""
     closure, _ = reverse_closure(inputs, set(), reverse)
     hits: dict[Any, set[Any]] = {}
+    reach: dict[Any, set[Any]] = {}  # each weight's nodes off the input path (its own branches)
     for p in params:
-        _, hit = reverse_closure([p], closure, reverse)
+        mine, hit = reverse_closure([p], closure, reverse)
         if hit:
-            hits[p] = hit
+            hits[p], reach[p] = hit, mine
     parent = {p: p for p in hits}
 
     def find(p: Any) -> Any:
@@ -101,7 +104,8 @@ def param_groups(inputs: list[Any], params: list[Any], reverse: dict[Any, Any]
                 if n not in seen:
                     seen.add(n)
                     inter.append(n)
-        groups.append({"params": ps, "intermediates": inter})
+        groups.append({"params": ps, "intermediates": inter,
+                       "reach": set().union(*(reach[p] for p in ps))})
     return groups, closure
 
 
@@ -138,12 +142,8 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
         if node is not None and node not in closure:
             free.setdefault(node, []).append(k)
     for group in groups:
-        reached: set[int] = set()
-        if free:
-            for param in group["params"]:
-                mine, _ = reverse_closure([param], closure, reverse)
-                reached.update(k for n, ks in free.items() if n in mine for k in ks)
-        pending.loose.append(sorted(reached))
+        reach = group.pop("reach")
+        pending.loose.append(sorted(k for n, ks in free.items() if n in reach for k in ks))
     pending.direct = [w for w, n in weight_nodes.items() if n not in grouped and n in reverse]
     handles = []
     for group in groups:

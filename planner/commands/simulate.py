@@ -21,13 +21,13 @@ def run(args: argparse.Namespace) -> int:
     from planner.formats import Plan
     from planner.io import check_output, load_model
     from planner.report_table import format_simulation
-    from planner.runnable import not_as_generated, runnable_plan, unread_keys
+    from planner.runnable import plan_warnings, runnable_plan
     from planner.simulator import simulate
 
     check_output(args.trace, (args.plan,), "--trace")
     plan = load_model(args.plan, Plan, f"plan {args.plan}")
     runnable_plan(plan)  # every rank's actions, complete and consistent, as the runtime checks
-    for line in [*unread_keys(plan), *not_as_generated(plan)]:  # as the runtime warns of them
+    for line in plan_warnings(plan):  # as the runtime warns of them
         print(f"warning: {line}", file=sys.stderr)
     sim = simulate(plan)
     print(format_simulation(sim))
