@@ -103,7 +103,10 @@ class WorkerProcess:
         `("died", how it ended)` if the process died. Anything but ok/user/internal leaves the
         process unusable (the caller kills it)."""
         self.tasks += 1
-        self.conn.send(payload)
+        try:
+            self.conn.send(payload)
+        except (BrokenPipeError, ConnectionResetError, EOFError):  # died before it got the task
+            return "died", self._exit_status()
         deadline = time.monotonic() + deadline_s
         while True:
             if cancelled():

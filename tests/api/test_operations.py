@@ -378,3 +378,22 @@ def _stored(db: Path) -> int:
         return stored.stored_bytes("anonymous")  # (the client without API keys)
     finally:
         stored.close()
+
+
+def test_a_worker_killed_before_its_task_is_sent_is_a_death_not_a_broken_pipe() -> None:
+    """A solver killed between its start and the task's send (CI caught the test above in that
+    window) failed the job with "internal error: [Errno 32] Broken pipe"."""
+    import os
+    import signal
+
+    from api.pool import WorkerProcess, context
+
+    proc = WorkerProcess(context(), "pipeplan-test")
+    try:
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.proc.join(10)
+        status, how = proc.run({"kind": "plan"}, 5.0, lambda: False)
+        assert status == "died" and "killed by SIGKILL" in how, (status, how)
+    finally:
+        proc.close(kill=True)
