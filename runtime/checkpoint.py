@@ -7,7 +7,9 @@ A checkpoint directory holds
   the original model's parameter names (a tied parameter under each of its names), so a run on
   a different plan can resume from it;
 - `meta.json`: steps done, seed, optimizer, learning rate and the training rule (weight decay,
-  gradient clipping, the learning-rate schedule).
+  gradient clipping, the learning-rate schedule), and `state_digest`: which model it is (the
+  names, shapes and dtypes of its state dict), so a --save into the checkpoint of another model
+  is refused before training instead of replacing it (`check_same_model`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,32 @@ def files_of(directory: str | Path) -> tuple[dict[str, Path], bool]:
     if not (d / META_FILE).is_file() and all((d / (n + PREV)).is_file() for n in FILES):
         return {n: d / (n + PREV) for n in FILES}, True
     return {n: d / n for n in FILES}, False
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """What identifies a model's checkpoint: the names, shapes and dtypes of its state dict (not
+    its values, which training changes)."""
+    import hashlib
+
+    rows = sorted(f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in state.items() if torch.is_tensor(v))
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
+def check_same_model(directory: str | Path, state: dict[str, torch.Tensor], model_path: str) -> None:
+    """--save into a directory that holds another model's checkpoint would replace it: refused.
+    Checkpoints written before `state_digest` was kept are not checked."""
+    paths, _ = files_of(directory)
+    if not paths[META_FILE].is_file():
+        return
+    try:
+        kept = json.loads(paths[META_FILE].read_text()).get("state_digest")
+    except (OSError, ValueError, AttributeError):
+        return  # (--save replaces a damaged meta.json; --resume says what is wrong with it)
+    if isinstance(kept, str) and kept != state_digest(state):
+        raise PipeplanError(
+            f"--save {directory}: the directory holds the checkpoint of another model (its state "
+            f"dict's names, shapes or dtypes differ from {model_path}'s), which this run would "
+            "replace: --save to another directory, or remove that checkpoint first")
 
 
 def _keep(src: Path, dst: Path) -> None:

@@ -323,6 +323,9 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
             "make the plan with a --microbatch-size the model accepts (BatchNorm in training needs "
             "more than one row)") from None
     if opts.save:
+        from runtime.checkpoint import check_same_model
+
+        check_same_model(opts.save, model.state_dict(), opts.model)
         check_room_for_checkpoint(opts.save, checkpoint_state_bytes(model, opts.optimizer))
     from runtime.options import sparse_refused
 

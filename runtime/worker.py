@@ -188,6 +188,10 @@ class Worker:
         # what a checkpoint holds: the model's own keys (a stage's graph module may hold more,
         # e.g. torch.fx's `_tensor_constant0` for a tensor the forward makes from a buffer)
         self.model_keys = frozenset(model.state_dict().keys())
+        if opts.save and self.rank == 0 and not opts.trace_info:
+            # under torchrun (no launcher's check before the ranks): --save into another model's
+            # checkpoint is refused before training, not found replaced after it
+            checkpoint.check_same_model(opts.save, model.state_dict(), opts.model)
         # a parameter two stages hold, under several names (tied weights) or under one (a
         # module called at two depths, a top-level parameter used twice): its gradient is
         # summed over them
@@ -550,6 +554,7 @@ class Worker:
                 "clip_grad_norm": opts.clip_grad_norm, "lr_schedule": opts.lr_schedule,
                 "warmup_steps": opts.warmup_steps, "decay_steps": opts.decay_steps,
                 "profile_sha256": plan.profile_sha256,
+                "state_digest": checkpoint.state_digest(model_state),
             })
 
     def _write_outputs(self, records: list[RankRecord]) -> None:

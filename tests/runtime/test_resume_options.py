@@ -294,3 +294,38 @@ def test_a_save_interrupted_while_renaming_leaves_the_previous_checkpoint_to_res
     assert max_abs_diff(reference_train(str(model), 4), torch.load(ck / "model.pt")) < 1e-5
     assert json.loads((ck / "meta.json").read_text())["step"] == 4
     assert not list(ck.glob("*.prev")) and not list(ck.glob("*.tmp"))
+
+
+def test_save_into_another_models_checkpoint_is_refused_and_loses_nothing(run, tmp_path):
+    """--save to a directory holding another model's checkpoint replaced it with no word; the
+    same model's checkpoint (a run continued, a periodic save) is still replaced as before."""
+    first, other = MODELS / "seq_mlp.py", MODELS / "tanh_chain.py"
+    plan = run.plan(first, 2)
+    rc, _, err, _ = run(plan, "--model", first, "--steps", 1, "--save", tmp_path / "a", "--timeout", 60)
+    assert rc == 0, err
+    kept = (tmp_path / "a" / "model.pt").read_bytes()
+    rc, _, err, _ = run(plan, "--model", first, "--steps", 1, "--resume", tmp_path / "a",
+                        "--save", tmp_path / "a", "--timeout", 60)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "a" / "meta.json").read_text())["step"] == 2
+    kept = (tmp_path / "a" / "model.pt").read_bytes()
+    other_plan = run.plan(other, 2)
+    rc, _, err, _ = run(other_plan, "--model", other, "--steps", 1, "--save", tmp_path / "a",
+                        "--timeout", 60)
+    assert rc == 2 and "holds the checkpoint of another model" in err and "Traceback" not in err, err
+    assert (tmp_path / "a" / "model.pt").read_bytes() == kept
+    assert json.loads((tmp_path / "a" / "meta.json").read_text())["step"] == 2
+
+
+def test_the_checkpoints_model_digest_is_the_models_state_dict(tmp_path):
+    """What the launcher compares (a built model's state dict) is what a save recorded."""
+    from runtime import checkpoint
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint.save(tmp_path, state, {}, {"step": 1, "state_digest": checkpoint.state_digest(state)})
+    checkpoint.check_same_model(tmp_path, model.state_dict(), "m.py")
+    with pytest.raises(Exception, match="another model"):
+        checkpoint.check_same_model(tmp_path, torch.nn.Linear(3, 5).state_dict(), "m.py")
+    with pytest.raises(Exception, match="another model"):
+        checkpoint.check_same_model(tmp_path, model.half().state_dict(), "m.py")
