@@ -162,6 +162,7 @@ class StageModule(fx.GraphModule):
     input_keys: list[str]
     output_keys: list[str]
     layer_names: list[str]
+    mutated_inputs: list[str]  # the input keys its forward changes in place (`LayerGraph.mutations`)
 
 
 # ---------------------------------------------------------------- tracing
@@ -484,6 +485,8 @@ def build_stage(layer_graph: LayerGraph, layer_names: list[str]) -> StageModule:
             _copy_state(lg.root, stage, key)
     stage.input_keys = input_keys
     stage.output_keys = output_keys
+    changed = {m for n in nodes for m in lg.mutations.get(n.name, ())}
+    stage.mutated_inputs = [key for name, key in zip(needed, input_keys, strict=True) if name in changed]
     stage.layer_names = [n for n in lg.layer_names() if n in set(layer_names)]
     return stage
 

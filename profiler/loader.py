@@ -207,6 +207,17 @@ def build_checked(mf: ModelFile, batch_size: int | None = None) -> Any:
     return model
 
 
+def eval_mode_note(mf: ModelFile, model: Any) -> str | None:
+    """Every module trains in the mode `build_model()` left it in (a BatchNorm it put in eval
+    mode stays frozen, as in a loop of training steps on that model): where the model itself is
+    in eval mode (as `from_pretrained` leaves it), a note saying so, else None."""
+    if getattr(model, "training", True):
+        return None
+    return (f"{mf.path}: build_model() returned the model in eval mode (as transformers' "
+            "from_pretrained does): it is profiled and trained so, with dropout off and batch norm "
+            "on its running statistics; call model.train() in build_model to train it in training mode")
+
+
 def materialize_lazy(mf: ModelFile, model: Any, batch_size: int) -> None:
     """Initialise the parameters and buffers of lazy modules (`nn.LazyLinear`, ...) the way
     a training loop's first forward does, so that every process holds the same model before

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from profiler.loader import (
     batch_checked,
     build_checked,
     call_user,
+    eval_mode_note,
     load_model_file,
     loss_checked,
     twice_refused,
@@ -134,7 +136,10 @@ def profile_model_file(
     mf = load_model_file(path)
     workspace = library_workspace_bytes(dev)  # before the model's own work allocates any
     torch.manual_seed(seed)
-    model = build_checked(mf, batch_size).to(dev).train()
+    # the modes build_model left (`loader.eval_mode_note`): the runtime trains in them
+    model = build_checked(mf, batch_size).to(dev)
+    if (note := eval_mode_note(mf, model)) is not None:
+        print(f"warning: {note}", file=sys.stderr)
     inputs, target = batch_checked(mf, batch_size)
     inputs, target = _to(inputs, dev), _to(target, dev)
     try:

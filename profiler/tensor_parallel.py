@@ -86,7 +86,7 @@ def measure_degree(build: Callable[[], torch.nn.Module], inputs: tuple[torch.Ten
     now = time.thread_time if clock == "thread" else time.perf_counter
     from runtime.tensor_parallel import parallelize
 
-    model = build().train()
+    model = build()  # in the modes build_model left, as the runtime trains it
     lg = trace(model, inputs, granularity=granularity)
     values = layer_values(lg, inputs)
     plan = plan_of(model)

@@ -293,7 +293,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
 
     from torch import nn
 
-    from profiler.loader import batch_checked, build_checked, load_model_file
+    from profiler.loader import batch_checked, build_checked, eval_mode_note, load_model_file
     from runtime import rng, stages
     from runtime.checkpoint import state_bytes as checkpoint_state_bytes
     from runtime.worker import split_batch
@@ -305,6 +305,8 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     mf = load_model_file(opts.model)
     rng.seed_build(opts.seed)
     model = build_checked(mf, plan.microbatch_size)
+    if (note := eval_mode_note(mf, model)) is not None:
+        print(f"warning: {note}", file=sys.stderr)
     if opts.resume:
         from runtime import checkpoint
 

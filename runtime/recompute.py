@@ -99,13 +99,15 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
     states = {id(b): BlockState(b) for b in blocks}
 
     def run_block(block: nn.Module, values: Values, found: Snapshot | None,
-                  drawn: tuple[object, object] | None = None) -> Values:
+                  drawn: tuple[object, object] | None = None, pristine: Values | None = None) -> Values:
         state = states[id(block)]
         if torch._C._current_graph_task_id() == -1 or found is None:  # not a recomputation
             out = block(values)
             if found is not None:
                 state.learn(found)
             return out
+        if pristine:  # the inputs it changed in place, as the first forward found them
+            values = {**values, **pristine}
         # a recomputation: it runs on the state the forward found, and then the state is put
         # back as it is now (its forward and the later microbatches' have moved it already);
         # so do Python's and numpy's global generators (checkpoint restores torch's only)
@@ -144,7 +146,17 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
                     kept.setdefault(st.data_ptr(), st.nbytes())
             found = states[id(block)].capture() if torch.is_grad_enabled() else None
             drawn = _generators() if found is not None else None
-            env.update(checkpoint(run_block, block, args, found, drawn, use_reentrant=False))
+            # an input the block changes in place (a model that normalises its input with
+            # `x.sub_(...)`) is changed by the time the backward recomputes the block: the
+            # recomputation runs on a copy made before (a clone, so its gradient path is the
+            # input's), kept until then; the first forward changes the input itself, as the
+            # layers after it that read it expect
+            pristine = {k: args[k].clone() for k in getattr(block, "mutated_inputs", ())
+                        if isinstance(args.get(k), torch.Tensor)} if found is not None else None
+            for t in (pristine or {}).values():
+                st = t.untyped_storage()
+                kept.setdefault(st.data_ptr(), st.nbytes())
+            env.update(checkpoint(run_block, block, args, found, drawn, pristine, use_reentrant=False))
         forward.kept = kept  # type: ignore[attr-defined]
         return {k: env[k] for k in outputs}
 

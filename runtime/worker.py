@@ -196,13 +196,15 @@ class Worker:
         # module called at two depths, a top-level parameter used twice): its gradient is
         # summed over them
         self.ties = stages.cross_stage_ties(stages.parameter_name_sets(model), names)
+        # every module of the stage (the model's own objects) in the mode build_model left it
+        # in, as in single-device training of that model: a BatchNorm the user froze with
+        # .eval() stays frozen (`.train()` on the stage set them all to training)
         self.module = modules[self.stage].to(self.device)
-        self.module.train()
         self.forward_fn = None
         if getattr(plan.stages[self.stage], "recompute", False):
             from runtime.recompute import block_modules, recomputed_forward
 
-            blocks = [b.to(self.device).train() for b in
+            blocks = [b.to(self.device) for b in
                       block_modules(graph, list(plan.stages[self.stage].layers))]
             self.forward_fn = recomputed_forward(self.module, blocks)
         tp_plan = (tensor_parallel.model_tp_plan(model, self.mf.tp_plan)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from plans import traced_layers
 from reference import max_abs_diff, reference_train
 from runtime_paths import EXAMPLES, MODELS
 
@@ -256,3 +257,44 @@ def test_under_torchrun_the_trace_leaves_the_models_python_state_as_it_found_it(
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = reference_train(str(model), 2)
     assert max_abs_diff(ref, torch.load(tmp_path / "ck" / "model.pt")) < TOL
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_a_recomputed_block_that_changes_its_input_in_place_trains_as_one_process(run, tmp_path, split):
+    """Recomputation ran the block again on its input as the first forward had changed it (a
+    model normalising its input with `x.sub_(...)`): 4.6e-3 off after 3 steps, also on plans
+    the planner made itself where memory binds. It runs on a copy made before now."""
+    model = MODELS / "inplace_input.py"
+    layers = traced_layers(model, 2)
+    plan = run.plan(model, split, recompute=[True] * split, global_batch=8, microbatch_size=2)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 3, "--save", tmp_path / "ck", "--timeout", 60)
+    assert rc == 0, err
+    assert len(layers) >= 3, layers
+    got = torch.load(tmp_path / "ck" / "model.pt")
+    ref = reference_train(str(model), 3)
+    assert max_abs_diff(ref, got) < 1e-6
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_modules_train_in_the_modes_build_model_left(run, tmp_path, monkeypatch, recompute):
+    """A BatchNorm build_model froze with .eval() (fine-tuning) was set to training on every
+    rank (`.train()` on each stage): its statistics moved and every weight came out otherwise.
+    Each module now keeps its mode, on recomputed stages too; a model built in eval mode trains
+    so, with a warning that says how to train it in training mode."""
+    model = MODELS / "frozen_norm.py"
+    plan = run.plan(model, [2, 3], recompute=[recompute, recompute], global_batch=8, microbatch_size=2)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 3, "--save", tmp_path / "ck", "--timeout", 60)
+    assert rc == 0, err
+    assert "eval mode" not in err
+    got = torch.load(tmp_path / "ck" / "model.pt")
+    assert int(got["blocks.1.norm.num_batches_tracked"]) == 0
+    assert int(got["blocks.0.norm.num_batches_tracked"]) == 12
+    assert max_abs_diff(reference_train(str(model), 3), got) < 1e-6
+
+    monkeypatch.setenv("PIPEPLAN_TEST_EVAL", "1")
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--save", tmp_path / "ev", "--timeout", 60)
+    assert rc == 0, err
+    assert "build_model() returned the model in eval mode" in err and "model.train()" in err, err
+    got = torch.load(tmp_path / "ev" / "model.pt")
+    assert all(int(v) == 0 for k, v in got.items() if k.endswith("num_batches_tracked"))
+    assert max_abs_diff(reference_train(str(model), 2), got) < 1e-6
