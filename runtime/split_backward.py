@@ -49,12 +49,19 @@ class PendingWeights:
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """`weight.grad += grad` as autograd's AccumulateGrad does it, then the weight's
+    post-accumulate hooks (`register_post_accumulate_grad_hook`: an optimizer stepped in the
+    backward, a gradient scaled or clipped per weight), which autograd runs only where it
+    accumulates itself: under ZB-H1 they never ran."""
     if grad is None:
         return
     if weight.grad is None:
         weight.grad = grad.detach().clone()
     else:
         weight.grad += grad
+    hooks = getattr(weight, "_post_accumulate_grad_hooks", None)
+    for hook in tuple(hooks.values()) if hooks else ():
+        hook(weight)
 
 
 def param_groups(inputs: list[Any], params: list[Any], reverse: dict[Any, Any]
