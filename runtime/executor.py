@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -269,8 +270,11 @@ class StageExecutor:
                     self.p2p.send(out[key], r, j, key, grad=False)
         saved = sum(seen.values())
         if self.is_last and self.loss_workspace_bytes is None:  # once, outside the timed forward
-            self.loss_workspace_bytes = loss_workspace_bytes(out[OUTPUT_KEY], target, self.loss_fn,
-                                                             self.device)
+            # on a copy of the loss (an nn.Module or other object keeping state, such as DINO's
+            # running centre, moved once more in the first step otherwise): a plain function's
+            # globals are the one state this cannot keep apart
+            self.loss_workspace_bytes = loss_workspace_bytes(out[OUTPUT_KEY], target,
+                                                             _state_copy(self.loss_fn), self.device)
         if self._drop_output:
             out = {k: v for k, v in out.items() if k != OUTPUT_KEY}
         self._inflight[j] = _InFlight(received, out, loss, saved, set(seen))
@@ -404,3 +408,14 @@ class StageExecutor:
         self.events.append(TimedEvent(f"{self.stage}W{j}", "W", self.stage, j, t0, t1))
         st.pending = None
         self._saved_now -= st.saved_bytes
+
+
+def _state_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with a state of its own: a deep copy of a callable object or bound method (a plain
+    function is itself); `fn` where it cannot be copied."""
+    import copy
+
+    try:
+        return copy.deepcopy(fn)
+    except Exception:  # noqa: BLE001 - an object that refuses copying is measured as it is
+        return fn
