@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.errors import PipeplanError
+from planner.errors import PipeplanError, first_line
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -133,7 +133,8 @@ def save(directory: str | Path, model_state: dict[str, torch.Tensor],
         for tmp, _ in tmps:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0][:160]
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            (first_line(str(exc), 160) or type(exc).__name__)
         raise PipeplanError(f"--save {d}: the checkpoint could not be written ({why}); the training "
                             "of this run is not saved. Free space there, or --save to another "
                             "directory") from None
@@ -180,7 +181,8 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
             # (an unpickling error's own text advises weights_only=False: not for a file --save
             # wrote, which holds tensors only)
             why = "not a tensor checkpoint" if isinstance(exc, pickle.UnpicklingError) else \
-                f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                (f"{type(exc).__name__}: {first_line(str(exc), 160)}" if str(exc).strip() else
+                 "empty" if paths[name].stat().st_size == 0 else type(exc).__name__)
             raise PipeplanError(
                 f"--resume {d}: {name} cannot be read as a checkpoint written by --save ({why}); "
                 "it is damaged or was written by something else: resume from another checkpoint "
@@ -192,6 +194,28 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, dict
                             "writes; resume from another checkpoint or start again")
     meta = json.loads(paths[META_FILE].read_text())
     return model_state, opt["state"], meta
+
+
+def check_optimizer_state(model: nn.Module, state: dict[str, dict[str, torch.Tensor]],
+                          directory: str | Path, model_path: str) -> None:
+    """--resume: optimizer.pt's state belongs to `model`'s parameters (a name it has, each
+    tensor of that parameter's shape), refused in one line before any rank starts; a moment of
+    another shape failed in the first optimizer step with a traceback. A trained parameter
+    without state is allowed (one that had no gradient before the save has none)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, entries in state.items():
+        p = params.get(name)
+        if p is None:
+            raise PipeplanError(
+                f"--resume {directory}: {OPTIMIZER_FILE} holds optimizer state for {name!r}, which "
+                f"{model_path} has no parameter named: it was saved from another model or damaged; "
+                "resume with the model it was saved from")
+        for key, v in (entries.items() if isinstance(entries, dict) else ()):
+            if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
+                raise PipeplanError(
+                    f"--resume {directory}: {OPTIMIZER_FILE} holds {key!r} of {name!r} with shape "
+                    f"{tuple(v.shape)}, but the parameter's is {tuple(p.shape)}: it was saved from "
+                    "another model or damaged; resume with the model it was saved from")
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], directory: str | Path,

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from planner.errors import PipeplanError
+from planner.errors import PipeplanError, first_line
 from planner.formats import OptimizerName, Plan
 from planner.io import check_distinct, check_output, load_model, not_a_file
 from planner.limits import MAX_RUN_SEED, run_seed_arg
@@ -161,9 +161,13 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         save = Path(args.save)
         if save.exists() and not save.is_dir():
             raise PipeplanError(f"--save {args.save}: is a file; --save writes a directory")
-        from runtime.checkpoint import files_of
+        from runtime.checkpoint import FILES, PREV, files_of
 
-        if save.is_dir() and not files_of(save)[0]["meta.json"].is_file() and any(save.iterdir()):
+        # (a first --save interrupted while writing leaves only its own *.tmp files: the same
+        # --save may go on there)
+        ours = {n + ".tmp" for n in FILES} | {n + PREV for n in FILES}
+        if save.is_dir() and not files_of(save)[0]["meta.json"].is_file() \
+                and any(p.name not in ours for p in save.iterdir()):
             raise PipeplanError(
                 f"--save {args.save}: the directory holds files but no checkpoint (no meta.json), "
                 "and --save would overwrite model.pt and optimizer.pt there: give a new or empty "
@@ -310,8 +314,9 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     if opts.resume:
         from runtime import checkpoint
 
-        state, _, _ = checkpoint.load(opts.resume)
+        state, opt_state, _ = checkpoint.load(opts.resume)
         checkpoint.load_model_state(model, state, opts.resume, opts.model)
+        checkpoint.check_optimizer_state(model, opt_state, opts.resume, opts.model)
     batch = batch_checked(mf, plan.microbatch_size)
     example, _ = split_batch(batch, plan.microbatch_size, 1)
     try:
@@ -321,7 +326,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     except Exception as exc:  # the user's model on one microbatch of the plan's size
         raise PipeplanError(
             f"{opts.model}: the model fails on one microbatch of {plan.microbatch_size} rows, the "
-            f"plan's microbatch size ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            f"plan's microbatch size ({type(exc).__name__}: {(first_line(str(exc), 200) or type(exc).__name__)}); "
             "make the plan with a --microbatch-size the model accepts (BatchNorm in training needs "
             "more than one row)") from None
     if opts.save:

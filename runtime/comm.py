@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planner.errors import PipeplanError
+from planner.errors import PipeplanError, first_line
 
 _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -59,7 +59,7 @@ def failure_reason(exc: BaseException, timeout_s: float) -> str:
     text = str(exc)
     if "imed out" in text or "timeout" in text.lower():
         return f"no answer within {timeout_s:g} s (--timeout)"
-    return f"the connection failed ({text.splitlines()[0][:200] if text else type(exc).__name__})"
+    return f"the connection failed ({first_line(text, 200) or type(exc).__name__})"
 
 
 @contextmanager
@@ -195,7 +195,7 @@ class P2P:
             return op(t, peer, tag=tag)  # type: ignore[operator]
         except Exception as exc:  # noqa: BLE001
             raise PeerError(peer, f"{what} with {self._who(peer)}: the connection failed "
-                                  f"({str(exc).splitlines()[0][:200]}); {self._who(peer)} has "
+                                  f"({(first_line(str(exc), 200) or type(exc).__name__)}); {self._who(peer)} has "
                                   "died, raised an error or hangs") from None
 
     def _wait(self, p: _Pending) -> None:
@@ -245,7 +245,7 @@ class P2P:
             peers = sorted({p.peer for p in pend})
             raise PeerError(peers[0], f"{pend[0].what}: the connection with "
                                       f"{', '.join(self._who(q) for q in peers)} failed "
-                                      f"({str(exc).splitlines()[0][:200]}); a peer has died, "
+                                      f"({(first_line(str(exc), 200) or type(exc).__name__)}); a peer has died, "
                                       "raised an error or hangs") from None
         batch = _Batch(list(works))
         for p in pend:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.errors import PipeplanError
+from planner.errors import PipeplanError, first_line
 from planner.formats import Plan
 from profiler.host_memory import keep_large_blocks
 from profiler.optimizers import make_optimizer
@@ -104,7 +104,7 @@ def _wait(work: object, timeout_s: float, what: str) -> None:
         work.wait()  # type: ignore[attr-defined]  # bounded by the process group's timeout
     except Exception as exc:
         raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
-                            f"({str(exc).splitlines()[0][:200]})") from None
+                            f"({(first_line(str(exc), 200) or type(exc).__name__)})") from None
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -164,6 +164,7 @@ class Worker:
         if opts.resume:
             model_state, opt_state, meta = checkpoint.load(opts.resume)
             checkpoint.load_model_state(model, model_state, opts.resume, opts.model)
+            checkpoint.check_optimizer_state(model, opt_state, opts.resume, opts.model)  # (torchrun: no launcher's check)
             self.start_step = int(meta["step"])
         self.model_digest = rng.model_digest(model)
         self.structure_digest = rng.structure_digest(model)

@@ -442,6 +442,14 @@ def test_options_that_would_fail_late_or_lose_files_are_refused_before_any_rank(
     rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--save", mine)
     assert rc == 2 and "holds files but no checkpoint" in err and "Traceback" not in err, err
     assert (mine / "model.pt").read_text() == "the user's own" and "running" not in out
+    # what a first --save killed while writing leaves (its own *.tmp files) was refused the same
+    # way, though that --save wrote it
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "model.pt.tmp").write_bytes(b"half a checkpoint")
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--save", cut)
+    assert rc == 0, err
+    assert (cut / "meta.json").is_file() and not (cut / "model.pt.tmp").exists()
 
     # a checkpoint's files are inputs (--resume) and outputs (--save): a report or trace over
     # one destroyed it; the report and the trace in one file lost the report

@@ -44,7 +44,8 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
     checkpoint.save(tmp_path, {"w": torch.ones(3)}, {}, {"step": 1})
     assert checkpoint.load(tmp_path)[0]["w"].sum() == 3
     whole = (tmp_path / checkpoint.MODEL_FILE).read_bytes()
-    for damaged, why in ((b"garbage\n", "not a tensor checkpoint"), (whole[:100], "RuntimeError")):
+    for damaged, why in ((b"garbage\n", "not a tensor checkpoint"), (whole[:100], "RuntimeError"),
+                         (b"", "empty")):  # (an empty file: an EOFError without a message, a traceback)
         (tmp_path / checkpoint.MODEL_FILE).write_bytes(damaged)
         with pytest.raises(PipeplanError, match=f"model.pt cannot be read.*{why}"):
             checkpoint.load(tmp_path)
@@ -329,3 +330,24 @@ def test_the_checkpoints_model_digest_is_the_models_state_dict(tmp_path):
         checkpoint.check_same_model(tmp_path, torch.nn.Linear(3, 5).state_dict(), "m.py")
     with pytest.raises(Exception, match="another model"):
         checkpoint.check_same_model(tmp_path, model.half().state_dict(), "m.py")
+
+
+def test_an_optimizer_state_of_another_shape_is_refused_before_any_rank(run, tmp_path):
+    """optimizer.pt was never checked against the model: a moment of the wrong shape failed in
+    the first optimizer step with torch's traceback."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--optimizer", "adam",
+                        "--save", tmp_path / "a", "--timeout", 60)
+    assert rc == 0, err
+    opt = torch.load(tmp_path / "a" / "optimizer.pt")
+    name = next(iter(opt["state"]))
+    opt["state"][name]["exp_avg"] = torch.zeros(3, 3, 3)
+    torch.save(opt, tmp_path / "a" / "optimizer.pt")
+    rc, out, err, _ = run(plan, "--model", model, "--steps", 1, "--resume", tmp_path / "a", "--timeout", 60)
+    assert rc == 2 and "'exp_avg'" in err and "shape (3, 3, 3)" in err and "Traceback" not in err, err
+    assert "running" not in out
+    opt["state"] = {"no.such.weight": {"step": torch.tensor(1.0)}}
+    torch.save(opt, tmp_path / "a" / "optimizer.pt")
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--resume", tmp_path / "a", "--timeout", 60)
+    assert rc == 2 and "'no.such.weight'" in err, err
