@@ -633,8 +633,13 @@ def layout_warning(plan: Plan, env: DistEnv) -> str | None:
             f"the plan has rank {env.rank} on node {spec.name!r} with ranks {ranks[0]}-{ranks[-1]} "
             f"({len(ranks)} of its {spec.devices} devices): the plan's same-node and cross-node "
             "links are not the ones it runs on. Training is correct but slower than predicted; "
-            f"start torchrun with --nproc-per-node {len(ranks)} on that node and --node-rank in "
-            "the cluster's node order, or plan for this layout")
+            f"start torchrun with --nproc-per-node {len(ranks)} on that node and the nodes in "
+            f"the cluster's order ({PIN_NODES}), or plan for this layout")
+
+
+# torchrun's c10d rendezvous ignores --node-rank (it says so) and numbers the nodes itself
+PIN_NODES = ("torchrun --rdzv-backend static --master-addr HOST --master-port PORT --node-rank N "
+             "with N the node's place in it: the c10d rendezvous ignores --node-rank")
 
 
 def node_name_warning(plan: Plan, env: DistEnv, here: str) -> str | None:
@@ -652,7 +657,7 @@ def node_name_warning(plan: Plan, env: DistEnv, here: str) -> str | None:
     return (f"rank {env.rank} runs on {here}, but the plan put it on {name} (as calibrate "
             "named the nodes): torchrun numbered the nodes in another order than when they were "
             "measured, so the stages may run on nodes of other speed or memory than planned; "
-            "start torchrun with --node-rank in the cluster file's node order")
+            f"start the nodes in the cluster file's order ({PIN_NODES})")
 
 
 def start_rank(env: DistEnv, device: torch.device, backend: str, timeout_s: float,
