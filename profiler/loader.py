@@ -71,6 +71,18 @@ class ModelFile:
     # optional `tp_plan(model) -> {module-name pattern: style}` (see runtime.tensor_parallel)
     tp_plan: Callable[[Any], Any] | None = None
 
+    @property
+    def batch_takes_step(self) -> bool:
+        """make_batch has a `step` parameter (`make_batch(batch_size, step)`): the runtime
+        passes each step's index, so a make_batch that walks a dataset continues where a
+        checkpoint stopped after --resume (other callers pass 0)."""
+        import inspect
+
+        try:
+            return "step" in inspect.signature(self.make_batch).parameters
+        except (TypeError, ValueError):
+            return False
+
 
 def user_line(exc: BaseException, path: Path) -> str:
     """The innermost traceback line inside the user's file, e.g. ' (line 12: x = 1 / 0)'."""
@@ -246,11 +258,15 @@ def materialize_lazy(mf: ModelFile, model: Any, batch_size: int) -> None:
             f"make_batch({batch_size}) does not initialise: call them in forward, or give their sizes")
 
 
-def batch_checked(mf: ModelFile, batch_size: int) -> tuple[tuple[Any, ...], Any]:
-    """`make_batch(batch_size)`, checked to return `(tuple_of_tensors, target)`."""
+def batch_checked(mf: ModelFile, batch_size: int, step: int = 0) -> tuple[tuple[Any, ...], Any]:
+    """`make_batch(batch_size)` (with `step` where it takes one: `ModelFile.batch_takes_step`),
+    checked to return `(tuple_of_tensors, target)`."""
+    import functools
+
     import torch
 
-    batch = call_user(mf.path, "make_batch", mf.make_batch, batch_size)
+    fn = functools.partial(mf.make_batch, step=step) if mf.batch_takes_step else mf.make_batch
+    batch = call_user(mf.path, "make_batch", fn, batch_size)
     if not (isinstance(batch, tuple | list) and len(batch) == 2):
         raise PipeplanError(
             f"{mf.path}: make_batch({batch_size}) must return (inputs, target) where inputs is a "

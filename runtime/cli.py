@@ -290,6 +290,19 @@ def check_room_for_checkpoint(directory: str, needed: int) -> None:
                             "free space, or --save to another directory")
 
 
+def resume_data_note(mf: object, opts: RunOptions) -> str | None:
+    """--resume past step 0 with a make_batch that is told no step: one drawing from the
+    seeded generators continues as it would have, one walking a dataset with a cursor of its
+    own starts again at its first rows (it retrained on steps 1-2's rows after a resume at 2)."""
+    if not opts.resume or opts.start_step <= 0 or getattr(mf, "batch_takes_step", True):
+        return None
+    return (f"--resume at step {opts.start_step}: make_batch(batch_size) is told no step, so one that "
+            "walks a dataset in order (a cursor of its own) starts again at its first rows; one that "
+            "draws from torch's, random's or numpy's seeded generators continues as it would have. "
+            "Give it a step parameter, make_batch(batch_size, step=0), to continue where the "
+            "checkpoint stopped (each step's index is passed)")
+
+
 def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> str:
     """Before any process starts: the model file matches and has every layer the plan names.
     Returns the granularity the plan's layers were traced at; with `trace_info`, writes there
@@ -317,6 +330,8 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
         state, opt_state, _ = checkpoint.load(opts.resume)
         checkpoint.load_model_state(model, state, opts.resume, opts.model)
         checkpoint.check_optimizer_state(model, opt_state, opts.resume, opts.model)
+    if (note := resume_data_note(mf, opts)) is not None:
+        print(f"warning: {note}", file=sys.stderr)
     batch = batch_checked(mf, plan.microbatch_size)
     example, _ = split_batch(batch, plan.microbatch_size, 1)
     try:

@@ -189,6 +189,11 @@ class Worker:
         # what a checkpoint holds: the model's own keys (a stage's graph module may hold more,
         # e.g. torch.fx's `_tensor_constant0` for a tensor the forward makes from a buffer)
         self.model_keys = frozenset(model.state_dict().keys())
+        if self.rank == 0 and not opts.trace_info:  # under torchrun: what the launcher says
+            from runtime.cli import resume_data_note
+
+            if (note := resume_data_note(self.mf, opts)) is not None:
+                print(f"warning: {note}", file=sys.stderr, flush=True)
         if opts.save and self.rank == 0 and not opts.trace_info:
             # under torchrun (no launcher's check before the ranks): --save into another model's
             # checkpoint is refused before training, not found replaced after it
@@ -367,7 +372,7 @@ class Worker:
         from profiler.loader import batch_checked
 
         rng.seed_batch(self.opts.seed, step)
-        inputs, target = batch_checked(self.mf, self.plan.global_batch)
+        inputs, target = batch_checked(self.mf, self.plan.global_batch, step)
         return tuple(inputs), target
 
     def check_same_batch(self, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], step: int) -> None:

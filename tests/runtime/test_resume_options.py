@@ -351,3 +351,32 @@ def test_an_optimizer_state_of_another_shape_is_refused_before_any_rank(run, tmp
     torch.save(opt, tmp_path / "a" / "optimizer.pt")
     rc, _, err, _ = run(plan, "--model", model, "--steps", 1, "--resume", tmp_path / "a", "--timeout", 60)
     assert rc == 2 and "'no.such.weight'" in err, err
+
+
+def test_make_batch_told_the_step_continues_after_resume(run, tmp_path, monkeypatch):
+    """A make_batch walking a dataset in order started again at its first rows after --resume
+    (steps 3-4 retrained on the rows of steps 1-2, no word). Told the step (`make_batch(n,
+    step)`) it continues: 2 steps + 2 resumed equal 4; one that is not told is warned about."""
+    model = MODELS / "stepped_data.py"
+    plan = run.plan(model, 2)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 4, "--save", tmp_path / "four", "--timeout", 60)
+    assert rc == 0, err
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--save", tmp_path / "two", "--timeout", 60)
+    assert rc == 0, err
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--resume", tmp_path / "two",
+                        "--save", tmp_path / "resumed", "--timeout", 60)
+    assert rc == 0 and "is told no step" not in err, err
+    four = torch.load(tmp_path / "four" / "model.pt")
+    assert max_abs_diff(four, torch.load(tmp_path / "resumed" / "model.pt")) == 0.0
+    # (and the steps trained on rows of their own: not 4 steps on make_batch's step-0 rows)
+    from reference import reference_train
+
+    assert max_abs_diff(four, reference_train(str(model), 4)) > 1e-4
+
+    monkeypatch.setenv("PIPEPLAN_TEST_DATA", "cursor")
+    cursor = MODELS / "data_sources.py"
+    plan = run.plan(cursor, 2)
+    rc, _, err, _ = run(plan, "--model", cursor, "--steps", 1, "--save", tmp_path / "c", "--timeout", 60)
+    assert rc == 0 and "is told no step" not in err, err
+    rc, _, err, _ = run(plan, "--model", cursor, "--steps", 1, "--resume", tmp_path / "c", "--timeout", 60)
+    assert rc == 0 and "--resume at step 1: make_batch(batch_size) is told no step" in err, err
