@@ -935,12 +935,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         klass = np.searchsorted(starts, np.arange(len(ra)), side="right") - 1  # (Ra,): its choice
         # per choice the fewest warm-up forwards any of its replica counts runs (what it holds)
         w_least = _class_min(np.maximum(inflight, 1), starts, len(rs))
-        # per replica count, the most warm-up forwards a replica runs (`cost.warmup_1f1b`: the
-        # stages after it have at most (devices left) / (smallest degree) replicas; GPipe: all)
-        w_most = np.broadcast_to(na[:, None], valida.shape) if c.schedule == "gpipe" else \
-            np.minimum(na[:, None], np.ceil((ra[:, None] + left / tmin) / ra[:, None] - 1e-9))
         per_variant.append((v, rs, n[:, None, None], dd, flat_link, ar_gbps, w[:, None, :],
-                            (ra, starts, dda, valida, idxa, np.maximum(inflight, 1)), (mine, after, klass, w_most),
+                            (ra, starts, dda, valida, idxa, np.maximum(inflight, 1)), (mine, after, klass),
                             w_least[:, None, :]))
     band = memory_band(c)
     for i in range(L - 1, -1, -1):
@@ -1000,8 +996,8 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
         best_y = np.full((D + 1, P + 1), np.inf)
         best_u = np.full((D + 1, P + 1), np.inf)
         best_zv = np.full((D + 1, P + 1, M), np.inf)
-        for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight), \
-                (mine, after, klass, w_most), w_least in per_variant:
+        for v, rs, n, dd, flat_link, ar_gbps, w, (ra, starts, dda, valida, idxa, inflight), (mine, after, klass), \
+                w_least in per_variant:
             if len(rs) == 0:
                 continue
             fwd, crit, wgt, comp, (static, params), act = _stage_costs(c, v, i, j, share, zb)
@@ -1097,13 +1093,7 @@ def _suffix_dp(c: Conditions, T: float, want_plan: bool = False, edges: StageEdg
                     Ra = len(nxt_zv)
                     of = klass[:Ra]
                     back = nxt_zv + np.where(last_j, hop[of][:, :, None], 0.0)[..., None]  # (Ra, J, D+1, M)
-                    # after q's backward its replica runs the backward of every later microbatch
-                    # it has and the forwards past its warm-up (1F1B and ZB-H1 run the forward
-                    # of its (k + w)-th microbatch after the backward of its k-th): at least
-                    # `after - w_most` of them
-                    late_f = np.maximum(after[:Ra, None, None, :] - w_most[:Ra, None, :, None], 0.0)
-                    tail = _class_min((back + c2[..., None] * after[:Ra, None, None, :]
-                                       + f2[..., None] * late_f).max(axis=3),
+                    tail = _class_min((back + c2[..., None] * after[:Ra, None, None, :]).max(axis=3),
                                       starts[rows], len(rows))
                     t_stage = np.maximum(t_stage, tail + np.maximum(Ts, ar[rows][:, :, None]))
                     Hq = Hs[of]  # (Ra, 1 or J, D+1)
