@@ -355,9 +355,20 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse and (why := sparse_refused(opts)):  # (else every rank failed at its first step)
         raise PipeplanError(f"{sparse[0]} is nn.Embedding(sparse=True), whose gradient is a sparse gradient, and {why}")
-    if any(st.tp > 1 for st in plan.stages):  # (else rank 1 failed in its first gradient sum)
+    hooked = [n for n, p in model.named_parameters()
+              if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if any(st.tp > 1 for st in plan.stages) or (hooked and len(plan.stages) > 1):
         held = [set(stages.named_tensors(m)) for m in stages.build_all_stages(graph, plan)]
         for names, holders in stages.cross_stage_ties(stages.parameter_name_sets(model), held):
+            if set(names) & set(hooked):
+                # each stage's backward runs the weight's hooks on its own part of the gradient
+                # (the parts are summed after the step's backwards): clamp(a) + clamp(b) where one
+                # process computes clamp(a + b)
+                print(f"warning: {names[0]} is tied across stages {', '.join(map(str, holders))} and has "
+                      "gradient hooks (register_hook / register_post_accumulate_grad_hook): each stage "
+                      "runs them on its own part of the gradient, so a hook that is not linear (a clamp, "
+                      "a norm) trains otherwise than one process; keep the tied layers on one stage "
+                      "(plan --method manual --split) or apply the hook after the backward", file=sys.stderr)
             tp = [s for s in holders if plan.stages[s].tp > 1]
             if tp:
                 raise PipeplanError(

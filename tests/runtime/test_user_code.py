@@ -235,3 +235,13 @@ def test_a_loss_that_keeps_state_is_called_once_per_microbatch(run, tmp_path):
     got = _train(run, tmp_path, run.plan(model, 2), model)
     ref = reference_train(str(model), 3)
     assert _diff(got, ref, ref) < TOL
+
+
+def test_a_hook_on_a_weight_tied_across_stages_is_warned_about(run, tmp_path):
+    """Each stage runs a tied weight's gradient hooks on its own part of the gradient (clamp(a)
+    + clamp(b) where one process computes clamp(a + b)): said before the ranks start."""
+    model = MODELS / "tied_hook.py"
+    rc, _, err, _ = run(run.plan(model, 1), "--model", model, "--steps", 1, "--timeout", 60)
+    assert rc == 0 and "tied across stages" not in err, err
+    rc, _, err, _ = run(run.plan(model, 2, name="two.json"), "--model", model, "--steps", 1, "--timeout", 60)
+    assert rc == 0 and "emb.weight is tied across stages 0, 1 and has gradient hooks" in err, err
