@@ -13,6 +13,7 @@ What is kept, per module:
   first capture that sees it (`BlockState.learn`);
 - numbers, strings and the like by value; lists, dicts, sets and deques of such values (and of
   tensors) by a deep copy, put back into the same container object (`self.hist.append(x)`);
+  tensors of an autograd graph in them (a stack of activations) by reference (`_copy_contents`);
 - generators of its own (`torch.Generator`, `random.Random`, numpy's `Generator` and
   `RandomState`) by their state.
 Anything else (an attribute holding another object) is kept by reference only.
@@ -53,6 +54,26 @@ def _plain(v: object, left: list[int], depth: int = 0) -> bool:
     if left[0] < 0 or depth > 8:
         return False
     return all(_plain(x, left, depth + 1) for x in items)
+
+
+def _copy_contents(v: object) -> object:
+    """A deep copy of a plain container (`_plain`) that keeps the tensors of an autograd graph
+    (not leaves, needing a gradient: activations a forward kept, a U-Net's stack of features) by
+    reference: deepcopy refuses them ("Only Tensors created explicitly by the user support the
+    deepcopy protocol"), and what a recomputation needs is the same tensors back in the list."""
+    memo: dict[int, object] = {}
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad and not x.is_leaf:
+                memo[id(x)] = x
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset, deque)):
+            stack.extend(x)
+    return copy.deepcopy(v, memo)
 
 
 def _generator_state(v: object) -> object | None:
@@ -143,7 +164,7 @@ class BlockState:
                 if (state := _generator_state(v)) is not None:
                     gens[k] = state
                 elif _plain(v, [CONTAINER_ITEMS]) and not isinstance(v, (tuple, frozenset)):
-                    contents[k] = copy.deepcopy(v)
+                    contents[k] = _copy_contents(v)
             snap.refs.append(refs)
             snap.buffers.append(dict(m._buffers))
             snap.contents.append(contents)
@@ -180,7 +201,7 @@ class BlockState:
             m.__dict__.update(refs)
             m._buffers.update(bufs)  # type: ignore[arg-type]
             for k, saved in contents.items():
-                _put_back(refs[k], copy.deepcopy(saved))
+                _put_back(refs[k], _copy_contents(saved))
             for k, state in gens.items():
                 _set_generator_state(refs[k], state)
         with torch.no_grad():

@@ -298,3 +298,14 @@ def test_modules_train_in_the_modes_build_model_left(run, tmp_path, monkeypatch,
     got = torch.load(tmp_path / "ev" / "model.pt")
     assert all(int(v) == 0 for k, v in got.items() if k.endswith("num_batches_tracked"))
     assert max_abs_diff(reference_train(str(model), 2), got) < 1e-6
+
+
+def test_a_recomputed_block_whose_list_attribute_holds_activations(run, tmp_path):
+    """A block keeping activations in a Python list (a feature stack) failed on a recomputed
+    stage with deepcopy's "Only Tensors created explicitly by the user support the deepcopy
+    protocol": the state kept for the recomputation now holds such tensors by reference."""
+    model = MODELS / "feature_stack.py"
+    plan = run.plan(model, 1, recompute=[True], global_batch=8, microbatch_size=2)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 3, "--save", tmp_path / "ck", "--timeout", 60)
+    assert rc == 0, err
+    assert max_abs_diff(reference_train(str(model), 3), torch.load(tmp_path / "ck" / "model.pt")) < 1e-6
