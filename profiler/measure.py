@@ -165,10 +165,11 @@ def _fresh(stage: StageModule, values: dict[str, torch.Tensor]) -> dict[str, tor
     autograd forbids that on a leaf, while in the whole model the tensor is an intermediate."""
     feed = {}
     copy = getattr(stage, "copy_inputs", False)
+    needs = getattr(values, "needs_grad", None)  # (`layer_values`: else every float value)
     for k in stage.input_keys:
         v = values[k]
         if not k.startswith(INPUT_NODE):
-            grad = v.is_floating_point() or v.is_complex()
+            grad = (v.is_floating_point() or v.is_complex()) and (needs is None or needs.get(k, True))
             v = v.detach().requires_grad_(grad)
             if copy:
                 v = v.clone()
@@ -205,13 +206,29 @@ def _detached(t: Any) -> Any:
     return t
 
 
-def layer_values(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-    """Every value crossing a layer boundary, from running the layers one by one (no grad)."""
-    values: dict[str, Any] = {input_key(i): t for i, t in enumerate(inputs)}
-    with torch.no_grad():
-        for name in lg.layer_names():
-            stage = build_stage(lg, [name])
-            values.update(stage({k: values[k] for k in stage.input_keys}))
+class LayerValues(dict):  # type: ignore[type-arg]
+    """`layer_values`: value key -> value, and `needs_grad`: key -> whether it needs a gradient
+    in training (made from trained weights or from values that need one)."""
+
+    needs_grad: dict[str, bool]
+
+
+def layer_values(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> LayerValues:
+    """Every value crossing a layer boundary, from running the layers one by one, each on its
+    inputs as training has them (as new leaves needing a gradient where that value does, so
+    `needs_grad` follows: a frozen feature extractor's output under no_grad needs none, and
+    code that reads it with `.numpy()`, legal in one process, failed on a leaf made to need one);
+    each layer's autograd graph is dropped after it."""
+    values = LayerValues({input_key(i): t for i, t in enumerate(inputs)})
+    values.needs_grad = {}
+    for name in lg.layer_names():
+        stage = build_stage(lg, [name])
+        with torch.enable_grad():
+            _, out, _ = _forward_fresh(stage, values)
+        for k, v in out.items():
+            leaves = [t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+            values.needs_grad[k] = any(t.requires_grad for t in leaves)
+            values[k] = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, v)
     return values
 
 

@@ -42,7 +42,11 @@ _DTYPES: list[torch.dtype] = [
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]  # not complex: sent as their real views they trained 3e-3 away from one process (not found why)
 _MAX_DIMS = 8
-_HEADER_LEN = 2 + 2 * _MAX_DIMS  # dtype code, ndim, up to 8 dims, their order in memory
+# dtype code, ndim, up to 8 dims, their order in memory, and a flag: forward, whether the tensor
+# needs a gradient (the receiver marks it so, and only then sends one back); backward, whether
+# there is a gradient at all (none: no transfer of it follows, the sender's tensor gets none)
+_HEADER_LEN = 3 + 2 * _MAX_DIMS
+_FLAG = _HEADER_LEN - 1
 
 
 class PeerError(RuntimeError):
@@ -123,10 +127,13 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _header(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+def _header(t: torch.Tensor | None, order: tuple[int, ...], flag: bool) -> torch.Tensor:
+    h = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+    h[_FLAG] = int(flag)
+    if t is None:  # no gradient
+        return h
     if t.dim() > _MAX_DIMS:
         raise ValueError(f"tensors with more than {_MAX_DIMS} dimensions cannot be sent")
-    h = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     h[0] = _DTYPES.index(t.dtype)
     h[1] = t.dim()
     for i, d in enumerate(t.shape):
@@ -178,6 +185,9 @@ class P2P:
         field(default_factory=dict)
     _sends: list[_Pending] = field(default_factory=list)
     _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
+    # (peer, key, grad, sending) -> the header's flag (`_HEADER_LEN`): forward, the tensor needs
+    # a gradient; backward, a gradient exists (False: none is ever sent, `NO_GRAD`)
+    _flags: dict[tuple[int, str, bool, bool], bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if os.environ.get("PIPEPLAN_P2P_LOG") and self.log is None:
@@ -259,12 +269,39 @@ class P2P:
             self.comm_ms += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ sends
-    def send(self, t: torch.Tensor, peer: int, mb: int, key: str, grad: bool) -> None:
+    def needs_grad(self, peer: int, key: str, sending: bool) -> bool:
+        """Whether `key`, sent to (`sending`) or received from `peer`, was marked as needing a
+        gradient at its first transfer: a gradient of it comes back (or is to be sent back)."""
+        return self._flags.get((peer, key, False, sending), False)
+
+    def send(self, t: torch.Tensor | None, peer: int, mb: int, key: str, grad: bool) -> None:
+        """Send `t` (None: a gradient that does not exist, as autograd leaves one for a tensor
+        that does not reach the loss; its producer's weights then get none, as in one process)."""
         t0 = time.perf_counter()
+        skey = (peer, key, grad, True)
+        if t is None:
+            if not grad:
+                raise ValueError("only a gradient may be missing")
+            if skey not in self._flags:  # the first: a header that says none, and nothing after
+                self._flags[skey] = False
+                h = _header(None, (), False).to(self.device)
+                what = f"sending that {key!r} of microbatch {mb} has no gradient"
+                self._sends.append(self._submit(True, h, peer, self._tag(0, key, grad, True), what))
+            if not self._flags[skey]:
+                self.comm_ms += (time.perf_counter() - t0) * 1e3
+                return
+            dtype, dims, _ = self._shapes[skey]
+            t = torch.zeros(dims, dtype=dtype, device=self.device)  # none this time, some before
+        elif grad and self._flags.get(skey) is False:
+            raise PipeplanError(
+                f"the gradient of {key!r} exists in microbatch {mb} but did not in the first one: "
+                "pipeplan sends a tensor's gradient in every microbatch or in none (a stage whose "
+                "output reaches the loss only in some microbatches); keep the layers that make and "
+                "read it in one stage (plan --method manual --split)")
+        needs = bool(t.requires_grad) if not grad else True
         t = t.detach()
         if t.device != self.device:
             t = t.to(self.device)
-        skey = (peer, key, grad, True)
         what = f"sending {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
         if skey in self._shapes and self._shapes[skey][:2] != (t.dtype, tuple(t.shape)):
             raise PipeplanError(
@@ -282,7 +319,8 @@ class P2P:
                     "it in one stage (plan --method manual --split), or hand on a tensor that can "
                     "be sent (another dtype, or reshaped)")
             self._shapes[skey] = (t.dtype, tuple(t.shape), memory_order(t))
-            h = _header(t, self._shapes[skey][2]).to(self.device)
+            self._flags[skey] = needs
+            h = _header(t, self._shapes[skey][2], needs).to(self.device)
             # the header's tag names no microbatch: the receiver's first receive of this key
             # may be for another microbatch than the sender's first send (a hand-ordered
             # plan's actions), and it takes whichever header comes
@@ -311,8 +349,8 @@ class P2P:
     def post_recv(self, peer: int, mb: int, key: str, grad: bool) -> bool:
         """Post the receive early if the shape is known; True if posted (or already)."""
         rkey = (peer, key, mb, grad)
-        if rkey in self._recvs:
-            return True
+        if rkey in self._recvs or (grad and self._flags.get((peer, key, grad, False)) is False):
+            return True  # (posted, or no gradient ever comes)
         shape = self._shapes.get((peer, key, grad, False))
         if shape is None:
             return False
@@ -322,13 +360,21 @@ class P2P:
         self._recvs[rkey] = self._submit(False, buf, peer, self._tag(mb, key, grad, False), what)
         return True
 
-    def recv(self, peer: int, mb: int, key: str, grad: bool) -> torch.Tensor:
+    def recv(self, peer: int, mb: int, key: str, grad: bool) -> torch.Tensor | None:
+        """The tensor; None for a gradient the peer has none of (`send`)."""
+        rkey = (peer, key, grad, False)
         if not self.post_recv(peer, mb, key, grad):
             h = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             what = f"receiving {'the gradient of ' if grad else ''}{key!r} of microbatch {mb}"
             self._wait(self._submit(False, h, peer, self._tag(0, key, grad, True), what))
-            self._shapes[(peer, key, grad, False)] = _parse_header(h.cpu())
+            h = h.cpu()
+            self._flags[rkey] = bool(h[_FLAG])
+            if grad and not self._flags[rkey]:
+                return None
+            self._shapes[rkey] = _parse_header(h)
             self.post_recv(peer, mb, key, grad)
+        if grad and self._flags.get(rkey) is False:
+            return None
         p = self._recvs.pop((peer, key, mb, grad))
         self._wait(p)
         order = self._shapes[(peer, key, grad, False)][2]

@@ -148,6 +148,7 @@ class StageExecutor:
         # the loss's backward working memory, measured once on CPU (`profiler.measure.
         # loss_workspace_bytes`); on CUDA the allocator's peak sees it. None: not measured yet
         self.loss_workspace_bytes: int | None = None if device.type != "cuda" else 0
+        self._sent_needs_grad: dict[str, bool] = {}  # per key sent on: `forward`
         self.split_backward = False  # set by run() when the actions include W
         # count what autograd saves (a Python hook per saved tensor, ~10 % of a small stage's
         # forward on CPU): the worker turns it on for a run's first step only, whose actions and
@@ -234,8 +235,12 @@ class StageExecutor:
             if key.startswith(INPUT_PREFIX):
                 feed[key] = inputs[int(key[len(INPUT_PREFIX):])].to(self.device)
         for key, src in self._recvs:
-            t = self.p2p.recv(self.peer_in(src, j), j, key, grad=False)
-            if t.is_floating_point():
+            peer = self.peer_in(src, j)
+            t = self.p2p.recv(peer, j, key, grad=False)
+            assert t is not None
+            # a gradient only for what needs one where it was made (an activation, not a frozen
+            # feature extractor's output under no_grad, which the user's code may call .numpy() on)
+            if t.is_floating_point() and self.p2p.needs_grad(peer, key, sending=False):
                 t.requires_grad_(True)
                 received[key] = t
             feed[key] = t
@@ -265,6 +270,9 @@ class StageExecutor:
         self.stats.fwd_ms.append((t1 - t0) * 1e3)
         self.events.append(TimedEvent(f"{self.stage}F{j}", "F", self.stage, j, t0, t1))
         for key, dsts in self._sends:
+            # what the first send's header says of it, on every TP rank of the stage alike (their
+            # outputs are the same): whether its gradient comes back
+            self._sent_needs_grad.setdefault(key, bool(out[key].requires_grad))
             for t in dsts:
                 for r in self.peers_out(t, j):
                     self.p2p.send(out[key], r, j, key, grad=False)
@@ -348,11 +356,17 @@ class StageExecutor:
             out = st.outputs[key]
             if not out.is_floating_point():
                 continue
+            if not self._sent_needs_grad.get(key, False):
+                continue  # sent as needing none (`P2P.send`'s header): no gradient comes back
             g = None
             for t in dsts:
                 gt = self.p2p.recv(self.peer_in(t, j), j, key, grad=True)
-                g = gt if g is None else g + gt
-            if out.requires_grad:
+                if gt is not None:  # (None: it reached no loss there)
+                    g = gt if g is None else g + gt
+            # an output whose gradient is none (the loss does not read it) is left out of the
+            # backward, as autograd leaves it: the weights that made only it get no gradient (a
+            # zero gradient sent for it moved them under weight decay and momentum)
+            if out.requires_grad and g is not None:
                 tensors.append(out)
                 grads.append(g)
         t0 = time.time()
@@ -382,9 +396,8 @@ class StageExecutor:
             if x is None:
                 continue
             g = input_grads.get(key) if self.split_backward else x.grad
-            g = g if g is not None else torch.zeros_like(x)
             for r in self.peers_out(src, j):
-                self.p2p.send(g, r, j, key, grad=True)
+                self.p2p.send(g, r, j, key, grad=True)  # (None: it has no gradient)
         if not self.split_backward:
             self._saved_now -= st.saved_bytes
 

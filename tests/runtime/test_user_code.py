@@ -245,3 +245,31 @@ def test_a_hook_on_a_weight_tied_across_stages_is_warned_about(run, tmp_path):
     assert rc == 0 and "tied across stages" not in err, err
     rc, _, err, _ = run(run.plan(model, 2, name="two.json"), "--model", model, "--steps", 1, "--timeout", 60)
     assert rc == 0 and "emb.weight is tied across stages 0, 1 and has gradient hooks" in err, err
+
+
+def test_an_output_the_loss_does_not_read_gives_its_weights_no_gradient(run, tmp_path):
+    """A stage's output the loss ignores (a probe head's, returned beside the prediction) got a
+    zero gradient sent back for it, which made its weights' gradients zeros instead of None: AdamW's
+    weight decay and momentum then moved them (7.2e-4 off after 3 steps). No gradient is sent now,
+    and the weights keep none, as in one process."""
+    model = MODELS / "unused_output.py"
+    plan = run.plan(model, [2, 4])
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 3, "--optimizer", "adam", "--weight-decay", 0.1,
+                        "--save", tmp_path / "ck", "--timeout", 60)
+    assert rc == 0, err
+    got = torch.load(tmp_path / "ck" / "model.pt")
+    ref = reference_train(str(model), 3, optimizer="adam", weight_decay=0.1)
+    assert _diff(got, ref, ref) < TOL
+
+
+def test_a_tensor_that_needs_no_gradient_arrives_needing_none(run, tmp_path):
+    """Every float tensor a stage received was made to need a gradient (and so was every layer's
+    input in the profiler): a block reading a frozen extractor's no_grad output with .numpy(),
+    legal in one process, failed on the rank (and `planner profile` with a traceback)."""
+    from profiler.profile import profile_model_file
+
+    model = MODELS / "frozen_features.py"
+    profile_model_file(str(model), batch_size=2, warmup=1, repeats=1)
+    got = _train(run, tmp_path, run.plan(model, [1, 4]), model)
+    ref = reference_train(str(model), 3)
+    assert _diff(got, ref, ref) < TOL
