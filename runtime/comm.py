@@ -186,7 +186,7 @@ class P2P:
     _sends: list[_Pending] = field(default_factory=list)
     _recvs: dict[tuple[int, str, int, bool], _Pending] = field(default_factory=dict)
     # (peer, key, grad, sending) -> the header's flag (`_HEADER_LEN`): forward, the tensor needs
-    # a gradient; backward, a gradient exists (False: none is ever sent, `NO_GRAD`)
+    # a gradient; backward, a gradient exists (False: none is ever sent for that key)
     _flags: dict[tuple[int, str, bool, bool], bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
