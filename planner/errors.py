@@ -13,3 +13,9 @@ def first_line(text: str, most: int = 300) -> str:
     if len(line) <= most:
         return line
     return line[:most].rsplit(" ", 1)[0].rstrip(" ,;:") + " …"
+
+
+def describe(exc: BaseException, most: int = 300) -> str:
+    """The first line of `exc`'s message (`first_line`), or its type's name where it has none
+    (an EOFError from an empty file: cutting its empty message was an IndexError)."""
+    return first_line(str(exc), most) or type(exc).__name__

@@ -70,18 +70,19 @@ class ModelFile:
     loss_fn: Callable[[Any, Any], Any]
     # optional `tp_plan(model) -> {module-name pattern: style}` (see runtime.tensor_parallel)
     tp_plan: Callable[[Any], Any] | None = None
+    # make_batch has a `step` parameter (`make_batch(batch_size, step)`): the runtime passes
+    # each step's index, so a make_batch that walks a dataset continues where a checkpoint
+    # stopped after --resume (other callers pass 0)
+    batch_takes_step: bool = False
 
-    @property
-    def batch_takes_step(self) -> bool:
-        """make_batch has a `step` parameter (`make_batch(batch_size, step)`): the runtime
-        passes each step's index, so a make_batch that walks a dataset continues where a
-        checkpoint stopped after --resume (other callers pass 0)."""
-        import inspect
 
-        try:
-            return "step" in inspect.signature(self.make_batch).parameters
-        except (TypeError, ValueError):
-            return False
+def _takes_step(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        return "step" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def user_line(exc: BaseException, path: Path) -> str:
@@ -200,6 +201,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         make_batch=module.make_batch,
         loss_fn=module.loss_fn,
         tp_plan=tp if callable(tp := getattr(module, "tp_plan", None)) else None,
+        batch_takes_step=_takes_step(module.make_batch),
     )
 
 

@@ -226,8 +226,7 @@ def layer_values(lg: LayerGraph, inputs: tuple[torch.Tensor, ...]) -> LayerValue
         with torch.enable_grad():
             _, out, _ = _forward_fresh(stage, values)
         for k, v in out.items():
-            leaves = [t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
-            values.needs_grad[k] = any(t.requires_grad for t in leaves)
+            values.needs_grad[k] = bool(_grad_targets(v))
             values[k] = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, v)
     return values
 

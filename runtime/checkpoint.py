@@ -18,17 +18,22 @@ import contextlib
 import json
 import pickle
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from planner.errors import PipeplanError, first_line
+from planner.errors import PipeplanError, describe, first_line
+
+if TYPE_CHECKING:
+    from profiler.loader import ModelFile
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "meta.json"
 FILES = (MODEL_FILE, OPTIMIZER_FILE, META_FILE)
 PREV = ".prev"  # the previous checkpoint's files while a save replaces them (`save`)
+TMP = ".tmp"  # a file being written (`save`), renamed in place once all are
 
 
 def files_of(directory: str | Path) -> tuple[dict[str, Path], bool]:
@@ -40,6 +45,30 @@ def files_of(directory: str | Path) -> tuple[dict[str, Path], bool]:
     if not (d / META_FILE).is_file() and all((d / (n + PREV)).is_file() for n in FILES):
         return {n: d / (n + PREV) for n in FILES}, True
     return {n: d / n for n in FILES}, False
+
+
+def holds_other_files(directory: str | Path) -> bool:
+    """`directory` holds files but no checkpoint (no meta.json, nor a whole previous one): a
+    --save there would overwrite someone's model.pt. What a save leaves when killed while
+    writing (its own *.tmp and *.prev files) does not count: the same --save may go on there."""
+    d = Path(directory)
+    if not d.is_dir() or files_of(d)[0][META_FILE].is_file():
+        return False
+    ours = {n + end for n in FILES for end in (TMP, PREV)}
+    return any(p.name not in ours for p in d.iterdir())
+
+
+def resume_data_note(mf: ModelFile, start_step: int) -> str | None:
+    """--resume past step 0 with a make_batch that is told no step: one drawing from the
+    seeded generators continues as it would have, one walking a dataset with a cursor of its
+    own starts again at its first rows (it retrained on steps 1-2's rows after a resume at 2)."""
+    if start_step <= 0 or mf.batch_takes_step:
+        return None
+    return (f"--resume at step {start_step}: make_batch(batch_size) is told no step, so one that "
+            "walks a dataset in order (a cursor of its own) starts again at its first rows; one that "
+            "draws from torch's, random's or numpy's seeded generators continues as it would have. "
+            "Give it a step parameter, make_batch(batch_size, step=0), to continue where the "
+            "checkpoint stopped (each step's index is passed)")
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
@@ -125,16 +154,16 @@ def save(directory: str | Path, model_state: dict[str, torch.Tensor],
     try:
         d.mkdir(parents=True, exist_ok=True)
         for name, obj in ((MODEL_FILE, model_state), (OPTIMIZER_FILE, {"state": optimizer_state})):
-            tmps.append((d / (name + ".tmp"), d / name))
+            tmps.append((d / (name + TMP), d / name))
             torch.save(obj, tmps[-1][0])
-        tmps.append((d / (META_FILE + ".tmp"), d / META_FILE))
+        tmps.append((d / (META_FILE + TMP), d / META_FILE))
         tmps[-1][0].write_text(json.dumps(meta, indent=2) + "\n")
     except (OSError, RuntimeError) as exc:  # torch.save reports a short write as RuntimeError
         for tmp, _ in tmps:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
-            (first_line(str(exc), 160) or type(exc).__name__)
+            describe(exc, 160)
         raise PipeplanError(f"--save {d}: the checkpoint could not be written ({why}); the training "
                             "of this run is not saved. Free space there, or --save to another "
                             "directory") from None

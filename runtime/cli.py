@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from planner.errors import PipeplanError, first_line
+from planner.errors import PipeplanError, describe
 from planner.formats import OptimizerName, Plan
 from planner.io import check_distinct, check_output, load_model, not_a_file
 from planner.limits import MAX_RUN_SEED, run_seed_arg
@@ -161,13 +161,9 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
         save = Path(args.save)
         if save.exists() and not save.is_dir():
             raise PipeplanError(f"--save {args.save}: is a file; --save writes a directory")
-        from runtime.checkpoint import FILES, PREV, files_of
+        from runtime.checkpoint import holds_other_files
 
-        # (a first --save interrupted while writing leaves only its own *.tmp files: the same
-        # --save may go on there)
-        ours = {n + ".tmp" for n in FILES} | {n + PREV for n in FILES}
-        if save.is_dir() and not files_of(save)[0]["meta.json"].is_file() \
-                and any(p.name not in ours for p in save.iterdir()):
+        if holds_other_files(save):
             raise PipeplanError(
                 f"--save {args.save}: the directory holds files but no checkpoint (no meta.json), "
                 "and --save would overwrite model.pt and optimizer.pt there: give a new or empty "
@@ -290,19 +286,6 @@ def check_room_for_checkpoint(directory: str, needed: int) -> None:
                             "free space, or --save to another directory")
 
 
-def resume_data_note(mf: object, opts: RunOptions) -> str | None:
-    """--resume past step 0 with a make_batch that is told no step: one drawing from the
-    seeded generators continues as it would have, one walking a dataset with a cursor of its
-    own starts again at its first rows (it retrained on steps 1-2's rows after a resume at 2)."""
-    if not opts.resume or opts.start_step <= 0 or getattr(mf, "batch_takes_step", True):
-        return None
-    return (f"--resume at step {opts.start_step}: make_batch(batch_size) is told no step, so one that "
-            "walks a dataset in order (a cursor of its own) starts again at its first rows; one that "
-            "draws from torch's, random's or numpy's seeded generators continues as it would have. "
-            "Give it a step parameter, make_batch(batch_size, step=0), to continue where the "
-            "checkpoint stopped (each step's index is passed)")
-
-
 def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> str:
     """Before any process starts: the model file matches and has every layer the plan names.
     Returns the granularity the plan's layers were traced at; with `trace_info`, writes there
@@ -330,7 +313,9 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
         state, opt_state, _ = checkpoint.load(opts.resume)
         checkpoint.load_model_state(model, state, opts.resume, opts.model)
         checkpoint.check_optimizer_state(model, opt_state, opts.resume, opts.model)
-    if (note := resume_data_note(mf, opts)) is not None:
+    from runtime.checkpoint import resume_data_note
+
+    if (note := resume_data_note(mf, opts.start_step)) is not None:
         print(f"warning: {note}", file=sys.stderr)
     batch = batch_checked(mf, plan.microbatch_size)
     example, _ = split_batch(batch, plan.microbatch_size, 1)
@@ -341,7 +326,7 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
     except Exception as exc:  # the user's model on one microbatch of the plan's size
         raise PipeplanError(
             f"{opts.model}: the model fails on one microbatch of {plan.microbatch_size} rows, the "
-            f"plan's microbatch size ({type(exc).__name__}: {(first_line(str(exc), 200) or type(exc).__name__)}); "
+            f"plan's microbatch size ({type(exc).__name__}: {describe(exc, 200)}); "
             "make the plan with a --microbatch-size the model accepts (BatchNorm in training needs "
             "more than one row)") from None
     if opts.save:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planner.errors import PipeplanError, first_line
+from planner.errors import PipeplanError, describe
 
 _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -63,7 +63,7 @@ def failure_reason(exc: BaseException, timeout_s: float) -> str:
     text = str(exc)
     if "imed out" in text or "timeout" in text.lower():
         return f"no answer within {timeout_s:g} s (--timeout)"
-    return f"the connection failed ({first_line(text, 200) or type(exc).__name__})"
+    return f"the connection failed ({describe(exc, 200)})"
 
 
 @contextmanager
@@ -205,7 +205,7 @@ class P2P:
             return op(t, peer, tag=tag)  # type: ignore[operator]
         except Exception as exc:  # noqa: BLE001
             raise PeerError(peer, f"{what} with {self._who(peer)}: the connection failed "
-                                  f"({(first_line(str(exc), 200) or type(exc).__name__)}); {self._who(peer)} has "
+                                  f"({describe(exc, 200)}); {self._who(peer)} has "
                                   "died, raised an error or hangs") from None
 
     def _wait(self, p: _Pending) -> None:
@@ -255,7 +255,7 @@ class P2P:
             peers = sorted({p.peer for p in pend})
             raise PeerError(peers[0], f"{pend[0].what}: the connection with "
                                       f"{', '.join(self._who(q) for q in peers)} failed "
-                                      f"({(first_line(str(exc), 200) or type(exc).__name__)}); a peer has died, "
+                                      f"({describe(exc, 200)}); a peer has died, "
                                       "raised an error or hangs") from None
         batch = _Batch(list(works))
         for p in pend:
@@ -269,10 +269,10 @@ class P2P:
             self.comm_ms += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ sends
-    def needs_grad(self, peer: int, key: str, sending: bool) -> bool:
-        """Whether `key`, sent to (`sending`) or received from `peer`, was marked as needing a
-        gradient at its first transfer: a gradient of it comes back (or is to be sent back)."""
-        return self._flags.get((peer, key, False, sending), False)
+    def needs_grad(self, peer: int, key: str) -> bool:
+        """Whether `key`, received from `peer`, was marked as needing a gradient at its first
+        transfer (its header's flag): a gradient of it is to be sent back."""
+        return self._flags.get((peer, key, False, False), False)
 
     def send(self, t: torch.Tensor | None, peer: int, mb: int, key: str, grad: bool) -> None:
         """Send `t` (None: a gradient that does not exist, as autograd leaves one for a tensor

@@ -95,7 +95,7 @@ def gather_all(obj: RankCpus) -> list[RankCpus]:
     runtime's other transfers name it."""
     import torch.distributed as dist
 
-    from planner.errors import first_line
+    from planner.errors import describe
     from runtime.comm import PeerError
 
     out: list[RankCpus] = [obj] * dist.get_world_size()
@@ -103,6 +103,6 @@ def gather_all(obj: RankCpus) -> list[RankCpus]:
         dist.all_gather_object(out, obj)
     except RuntimeError as exc:
         raise PeerError(-1, "binding ranks to cores (PIPEPLAN_CPU_BIND=1): gathering every "
-                            f"rank's CPUs failed ({(first_line(str(exc), 200) or type(exc).__name__)}); a peer has "
+                            f"rank's CPUs failed ({describe(exc, 200)}); a peer has "
                             "died, raised an error or hangs") from None
     return out

@@ -240,7 +240,7 @@ class StageExecutor:
             assert t is not None
             # a gradient only for what needs one where it was made (an activation, not a frozen
             # feature extractor's output under no_grad, which the user's code may call .numpy() on)
-            if t.is_floating_point() and self.p2p.needs_grad(peer, key, sending=False):
+            if t.is_floating_point() and self.p2p.needs_grad(peer, key):
                 t.requires_grad_(True)
                 received[key] = t
             feed[key] = t

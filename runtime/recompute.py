@@ -140,10 +140,6 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
         kept: dict[int, int] = {}  # what the checkpoints keep: the blocks' inputs, each storage once
         for block in blocks:
             args = {k: env[k] for k in block.input_keys}  # type: ignore[attr-defined]
-            for t in args.values():
-                if isinstance(t, torch.Tensor) and torch.is_grad_enabled():
-                    st = t.untyped_storage()
-                    kept.setdefault(st.data_ptr(), st.nbytes())
             found = states[id(block)].capture() if torch.is_grad_enabled() else None
             drawn = _generators() if found is not None else None
             # an input the block changes in place (a model that normalises its input with
@@ -153,9 +149,11 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
             # layers after it that read it expect
             pristine = {k: args[k].clone() for k in getattr(block, "mutated_inputs", ())
                         if isinstance(args.get(k), torch.Tensor)} if found is not None else None
-            for t in (pristine or {}).values():
-                st = t.untyped_storage()
-                kept.setdefault(st.data_ptr(), st.nbytes())
+            if found is not None:  # (with grad only)
+                for t in [*args.values(), *(pristine or {}).values()]:
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        kept.setdefault(st.data_ptr(), st.nbytes())
             env.update(checkpoint(run_block, block, args, found, drawn, pristine, use_reentrant=False))
         forward.kept = kept  # type: ignore[attr-defined]
         return {k: env[k] for k in outputs}

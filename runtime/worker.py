@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.errors import PipeplanError, first_line
+from planner.errors import PipeplanError, describe
 from planner.formats import Plan
 from profiler.host_memory import keep_large_blocks
 from profiler.optimizers import make_optimizer
@@ -104,7 +104,7 @@ def _wait(work: object, timeout_s: float, what: str) -> None:
         work.wait()  # type: ignore[attr-defined]  # bounded by the process group's timeout
     except Exception as exc:
         raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
-                            f"({(first_line(str(exc), 200) or type(exc).__name__)})") from None
+                            f"({describe(exc, 200)})") from None
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -190,14 +190,10 @@ class Worker:
         # e.g. torch.fx's `_tensor_constant0` for a tensor the forward makes from a buffer)
         self.model_keys = frozenset(model.state_dict().keys())
         if self.rank == 0 and not opts.trace_info:  # under torchrun: what the launcher says
-            from runtime.cli import resume_data_note
-
-            if (note := resume_data_note(self.mf, opts)) is not None:
+            if (note := checkpoint.resume_data_note(self.mf, self.start_step)) is not None:
                 print(f"warning: {note}", file=sys.stderr, flush=True)
-        if opts.save and self.rank == 0 and not opts.trace_info:
-            # under torchrun (no launcher's check before the ranks): --save into another model's
-            # checkpoint is refused before training, not found replaced after it
-            checkpoint.check_same_model(opts.save, model.state_dict(), opts.model)
+            if opts.save:  # refused before training, not found replaced after it
+                checkpoint.check_same_model(opts.save, model.state_dict(), opts.model)
         # a parameter two stages hold, under several names (tied weights) or under one (a
         # module called at two depths, a top-level parameter used twice): its gradient is
         # summed over them
@@ -276,9 +272,9 @@ class Worker:
             checkpoint.load_optimizer_state(self.optimizer, self.params, opt_state)
 
         keys = self.routing.keys()
-        describe = {d: f"rank {d} (stage {st.index})" for st in plan.stages for d in st.devices}
+        names = {d: f"rank {d} (stage {st.index})" for st in plan.stages for d in st.devices}
         self.p2p = P2P(self.rank, self.device, {k: i for i, k in enumerate(keys)}, opts.timeout,
-                       describe, batched=comm.batched_protocol(self.backend))
+                       names, batched=comm.batched_protocol(self.backend))
         if self.p2p.batched:
             # NCCL matches by order: refuse a plan whose order could hang
             from planner.p2p_order import check_plan
