@@ -27,6 +27,7 @@ from planner.errors import PipeplanError, describe, first_line
 
 if TYPE_CHECKING:
     from profiler.loader import ModelFile
+    from runtime.progress import Counter
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -140,22 +141,54 @@ def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return like(value, param)
 
 
+class _CountingFile:
+    """A file written in pieces of at most `CHUNK` bytes, each added to `counter` once written:
+    what rank 0's heartbeat reports while a large checkpoint goes to disk (`runtime.progress`),
+    where one tensor's write of several GB would otherwise show no progress until it ended."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, f: object, counter: Counter) -> None:
+        self._f, self._counter = f, counter
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self.CHUNK):
+            piece = view[i:i + self.CHUNK]
+            self._f.write(piece)  # type: ignore[attr-defined]
+            self._counter.add(len(piece))
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()  # type: ignore[attr-defined]
+
+
+def _save_tensors(obj: object, path: Path, counter: Counter | None) -> None:
+    if counter is None:
+        torch.save(obj, path)
+        return
+    with open(path, "wb") as f:
+        torch.save(obj, _CountingFile(f, counter))  # type: ignore[arg-type]
+
+
 def save(directory: str | Path, model_state: dict[str, torch.Tensor],
-         optimizer_state: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]) -> None:
+         optimizer_state: dict[str, dict[str, torch.Tensor]], meta: dict[str, object],
+         counter: Counter | None = None) -> None:
     """Write the checkpoint. All three files are written first, then renamed in place: a
     failure while writing (the slow part: a full disk) removes what it wrote and leaves the
     previous checkpoint whole, with a PipeplanError saying why. Before the renames the previous
     checkpoint's files get second names (`.prev`, hard links), then its meta.json goes, and the
     new one comes last: a crash between them leaves the previous checkpoint whole under those
     names, which `load` and --resume take (`files_of`), never new weights beside an old step
-    count; the names go once the new checkpoint is in."""
+    count; the names go once the new checkpoint is in. `counter` (a `runtime.progress.Counter`)
+    is told every MB written, for the ranks that wait on this write."""
     d = Path(directory)
     tmps: list[tuple[Path, Path]] = []
     try:
         d.mkdir(parents=True, exist_ok=True)
         for name, obj in ((MODEL_FILE, model_state), (OPTIMIZER_FILE, {"state": optimizer_state})):
             tmps.append((d / (name + TMP), d / name))
-            torch.save(obj, tmps[-1][0])
+            _save_tensors(obj, tmps[-1][0], counter)
         tmps.append((d / (META_FILE + TMP), d / META_FILE))
         tmps[-1][0].write_text(json.dumps(meta, indent=2) + "\n")
     except (OSError, RuntimeError) as exc:  # torch.save reports a short write as RuntimeError

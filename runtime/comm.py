@@ -430,6 +430,17 @@ def barrier(device: torch.device, what: str = "waiting for every rank (a barrier
             dist.barrier()
 
 
+def default_store() -> object | None:
+    """The store the default process group was made with (the launcher's, or torchrun's
+    agent's): for waits that are not messages (`runtime.progress`). None where this torch
+    does not say."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def batched_protocol(backend: str) -> bool:
     """NCCL issues point-to-point operations in batches; gloo at once. PIPEPLAN_P2P_BATCHED=1
     (or 0) forces the choice, so the NCCL protocol also runs, and is tested, on gloo."""

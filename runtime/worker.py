@@ -28,7 +28,7 @@ from planner.formats import Plan
 from profiler.host_memory import keep_large_blocks
 from profiler.optimizers import make_optimizer
 from profiler.tracing import TracingWarning
-from runtime import checkpoint, comm, cpu_binding, grad_clip, rng, stages, tensor_parallel
+from runtime import checkpoint, comm, cpu_binding, grad_clip, progress, rng, stages, tensor_parallel
 from runtime.comm import P2P, PeerError
 from runtime.deadline import Deadline
 from runtime.executor import StageExecutor, TimedEvent
@@ -413,6 +413,7 @@ class Worker:
         plan, opts = self.plan, self.opts
         step_ms, comm_ms, idle_ms, opt_ms = [], [], [], []
         self.losses: list[float] = []
+        self._saves = 0  # checkpoints written so far (each has its own key in the store)
         last_events: list[TimedEvent] = []
         every_step_memory = os.environ.get("PIPEPLAN_COUNT_MEMORY") == "every-step"
         for s in range(self.start_step, self.start_step + opts.steps):
@@ -461,9 +462,9 @@ class Worker:
             ms = (t1 - t0) * 1e3
             step_ms.append(ms)
             busy = sum(self.executor.stats.fwd_ms[f0:]) + sum(self.executor.stats.bwd_ms[b0:]) + opt_ms[-1]
-            comm = self.p2p.comm_ms - c0 + sum((e.end_s - e.start_s) * 1e3 for e in ar)
-            comm_ms.append(comm)
-            idle_ms.append(max(ms - busy - comm, 0.0))
+            talk = self.p2p.comm_ms - c0 + sum((e.end_s - e.start_s) * 1e3 for e in ar)
+            comm_ms.append(talk)
+            idle_ms.append(max(ms - busy - talk, 0.0))
             last_events = self.executor.events + ar + [
                 TimedEvent(f"optimizer {self.stage}", "optimizer", self.stage, -1, o0, o1)]
             if self.rank == 0:
@@ -480,6 +481,7 @@ class Worker:
             if (opts.save and opts.save_every and (s + 1) % opts.save_every == 0
                     and s + 1 < self.start_step + opts.steps):
                 self.save_checkpoint(s + 1)  # (not timed: the step's figures are taken)
+                comm.barrier(self.device, "starting the step after a checkpoint")  # (together)
                 if self.rank == 0:
                     print(f"step {s + 1}: checkpoint saved to {opts.save}", flush=True)
         self.p2p.flush()
@@ -529,8 +531,10 @@ class Worker:
 
     def save_checkpoint(self, step: int) -> None:
         """--save: every rank's part of the model and optimizer state, written by rank 0 as the
-        checkpoint of `step` steps done (every rank must call this)."""
-        plan, opts = self.plan, self.opts
+        checkpoint of `step` steps done (every rank must call this). The others wait while rank 0
+        writes as long as its write makes progress (`runtime.progress`), not --timeout: a large
+        checkpoint may take minutes."""
+        opts = self.opts
         assert opts.save is not None
         mine = None
         if self.replica == 0:  # whole tensors: sharded ones gathered over the TP group
@@ -542,24 +546,47 @@ class Worker:
         parts: list[object] = [None] * self.env.world_size
         with comm.collective("collecting the checkpoint's parts on rank 0 (--save)", opts.timeout):
             dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
-        if self.rank == 0:
-            model_state: dict = {}
-            opt_state: dict = {}
-            for part in parts:
-                if part is not None:
-                    model_state.update(part[0])  # type: ignore[index]
-                    opt_state.update(part[1])  # type: ignore[index]
-            model_state = {k: v for k, v in stages.complete_aliases(model_state, self.aliases).items()
-                           if k in self.model_keys}
-            opt_state = stages.complete_aliases(opt_state, self.aliases)
-            checkpoint.save(opts.save, model_state, opt_state, {
-                "step": step, "seed": opts.seed,
-                "optimizer": opts.optimizer, "lr": opts.lr, "weight_decay": opts.weight_decay,
-                "clip_grad_norm": opts.clip_grad_norm, "lr_schedule": opts.lr_schedule,
-                "warmup_steps": opts.warmup_steps, "decay_steps": opts.decay_steps,
-                "profile_sha256": plan.profile_sha256,
-                "state_digest": checkpoint.state_digest(model_state),
-            })
+        self._saves += 1
+        store = comm.default_store()
+        # (a key of this launch's attempt: torchrun restarts keep the agent's store)
+        key = (f"pipeplan/save/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+               f"{self._saves}")
+        what = f"writing the checkpoint of step {step} to {opts.save} (--save)"
+        if self.rank != 0:
+            if store is None:
+                comm.barrier(self.device, what)
+                return
+            outcome = progress.wait_for(store, key, opts.timeout, what)
+            if outcome != "ok":
+                raise PeerError(0, f"{what}: rank 0 {outcome}")
+            return
+        counter = progress.Counter()
+        with progress.heartbeat(store, key, counter):
+            self._write_checkpoint(step, parts, counter)
+        if store is None:
+            comm.barrier(self.device, what)
+
+    def _write_checkpoint(self, step: int, parts: list[object], counter: progress.Counter) -> None:
+        """Rank 0: merge the gathered parts and write them (`save_checkpoint`)."""
+        plan, opts = self.plan, self.opts
+        assert opts.save is not None
+        model_state: dict = {}
+        opt_state: dict = {}
+        for part in parts:
+            if part is not None:
+                model_state.update(part[0])  # type: ignore[index]
+                opt_state.update(part[1])  # type: ignore[index]
+        model_state = {k: v for k, v in stages.complete_aliases(model_state, self.aliases).items()
+                       if k in self.model_keys}
+        opt_state = stages.complete_aliases(opt_state, self.aliases)
+        checkpoint.save(opts.save, model_state, opt_state, {
+            "step": step, "seed": opts.seed,
+            "optimizer": opts.optimizer, "lr": opts.lr, "weight_decay": opts.weight_decay,
+            "clip_grad_norm": opts.clip_grad_norm, "lr_schedule": opts.lr_schedule,
+            "warmup_steps": opts.warmup_steps, "decay_steps": opts.decay_steps,
+            "profile_sha256": plan.profile_sha256,
+            "state_digest": checkpoint.state_digest(model_state),
+        }, counter=counter)
 
     def _write_outputs(self, records: list[RankRecord]) -> None:
         from planner.io import save_model
