@@ -98,6 +98,9 @@ class LayerTable:
     # one optimizer step, per optimizer name: prefix sums of the layers' `optimizer_ms` (speed
     # 1; independent of the batch); empty where the profile has none
     optimizer_prefix_ms: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # prefix counts of the layers whose backward runs only whole (`LayerProfile.split_backward`
+    # false): ZB-H1 fuses a stage holding one. Empty: none
+    whole_backward_prefix: tuple[int, ...] = ()
     # per (what, start, stop): the stage totals that scan every tensor (`_memo`); the search
     # asks for the same stages thousands of times
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -382,6 +385,8 @@ def layer_table(profile: Profile) -> LayerTable:
         shared=tuple(shared),
         shared_saved=tuple(saved),
         layer_activation=raw_activation if saved else (),
+        whole_backward_prefix=(_prefix([0 if getattr(x, "split_backward", True) else 1 for x in layers])
+                               if not all(getattr(x, "split_backward", True) for x in layers) else ()),
     )
 
 
@@ -637,6 +642,8 @@ class PipelineCosts:
     # one optimizer step per iteration on every device of the stage, after its all-reduce
     # (None: not measured, 0)
     optimizer_ms: tuple[float, ...] | None = None
+    # stages whose backward runs only whole (a layer's `split_backward` false): ZB-H1 fuses them
+    whole_backward: tuple[bool, ...] | None = None
 
     def bwd_split(self, s: int) -> tuple[float, float]:
         """(B, W) of stage s when its backward is split."""
@@ -821,6 +828,8 @@ def pipeline_costs(table: LayerTable, cluster: Cluster, candidate: Candidate, op
         bwd_weight_ms=tuple(wgt), bwd_input_ms=tuple(inp), weight_hold_bytes_per_microbatch=tuple(hold),
         transient_bytes=tuple(transient), loss_transient_bytes=tuple(loss_tr), recompute=tuple(st.recompute for st in candidate.stages),
         optimizer_ms=tuple(opt) if any(opt) else None,
+        whole_backward=(tuple(table.whole_backward_prefix[st.stop] > table.whole_backward_prefix[st.start]
+                              for st in candidate.stages) if table.whole_backward_prefix else None),
         **({"tp": tps, "tp_comm_fwd_ms": tuple(tp_f), "tp_comm_bwd_ms": tuple(tp_b)}
            if any(t > 1 for t in tps) else {}),
     )

@@ -165,8 +165,9 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     stage on a 2 GB device deferred up to a 2.5 GB peak set by a stage on a 16 GB device, and
     fitted only where a third stage recomputed to lower that peak). `FUSED` (B and W as one
     backward) where that leaves 0: on stage 0, whose B sends nothing (the same time, one
-    action fewer), and on a stage that deferring nothing would still exceed that cap by one
-    microbatch's W gradients (fused, it holds its own 1F1B peak)."""
+    action fewer), on a stage that deferring nothing would still exceed that cap by one
+    microbatch's W gradients (fused, it holds its own 1F1B peak), and on a stage holding a layer
+    whose backward runs only whole (`costs.whole_backward`)."""
     m, S = costs.num_microbatches, costs.num_stages
     replicas = tuple(len(devs) for devs in costs.stage_devices)
     peak = _stage_peak(costs)
@@ -184,7 +185,8 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
                 else:
                     lo = mid
             d = lo
-        if d == 0 and (s == 0 or peak(s, "zb-h1", 0) > cap):
+        if d == 0 and (s == 0 or peak(s, "zb-h1", 0) > cap) or (
+                costs.whole_backward is not None and costs.whole_backward[s]):
             d = FUSED
         out.append(d)
     return out

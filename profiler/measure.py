@@ -78,6 +78,7 @@ class LayerMeasurement:
     output_bytes: int
     bwd_input_ms: float | None = None  # zero bubble: the backward's two parts, measured apart
     bwd_weight_ms: float | None = None
+    split_backward: bool = True  # False: B then W failed on it (`measure_bw_split`)
     split_bytes: SplitBytes | None = None  # zero bubble and recomputation: see `split_bytes`
     frozen_param_bytes: int = 0  # of param_bytes, parameters with requires_grad=False
     # one optimizer step over the layer's trainable parameters, per optimizer (`profiler.optimizers`)
@@ -498,13 +499,33 @@ class SplitRunner:
 
 def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
                      warmup: int = 1, repeats: int = 5, clock: str = "wall"
-                     ) -> dict[str, tuple[float, float]]:
-    """Per layer name: (B ms, W ms), medians of `repeats` after `warmup` rounds."""
+                     ) -> dict[str, tuple[float, float] | None]:
+    """Per layer name: (B ms, W ms), medians of `repeats` after `warmup` rounds; None for a
+    layer whose backward fails when run in those two parts though it ran whole (a custom
+    Function whose backward writes into a tensor it saved: legal where the backward runs once,
+    but W runs its node again). Such a layer is trained by one backward: 1F1B and GPipe as
+    always, ZB-H1 with its stage's backward fused (`LayerProfile.split_backward`). The errors
+    `twice_refused` has advice for (a compiled module's donated buffers, a reentrant
+    checkpoint) are raised: those refuse the runtime's other passes too."""
+    from profiler.loader import twice_refused
+
     values = layer_values(lg, inputs)
-    runners = {name: SplitRunner(build_stage(lg, [name]), values, device, clock)
-               for name in lg.layer_names()}
-    _rounds(list(runners.values()), warmup, repeats, None)
-    return {name: (statistics.median(r.b), statistics.median(r.w)) for name, r in runners.items()}
+    runners: dict[str, SplitRunner | None] = {}
+    for name in lg.layer_names():
+        runner = SplitRunner(build_stage(lg, [name]), values, device, clock)
+        try:
+            runner.once(keep=False)
+        except RuntimeError as exc:
+            if twice_refused(exc) is not None:
+                raise
+            for p in runner.weights:
+                p.grad = None
+            runners[name] = None
+            continue
+        runners[name] = runner
+    _rounds([r for r in runners.values() if r is not None], warmup, repeats, None)
+    return {name: None if r is None else (statistics.median(r.b), statistics.median(r.w))
+            for name, r in runners.items()}
 
 
 @dataclass
@@ -546,7 +567,14 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
     if not targets or not weights:
         return SplitBytes(0, 0, saved_inputs, keys, storages)
     grads = [torch.ones_like(t) for t in targets]
-    _, pending = backward_input(targets, grads, leaves, weights)
+    try:
+        _, pending = backward_input(targets, grads, leaves, weights)
+    except RuntimeError as exc:  # (a backward that runs only whole: `measure_bw_split`)
+        from profiler.loader import twice_refused
+
+        if twice_refused(exc) is not None:
+            raise
+        return SplitBytes(0, 0, saved_inputs, keys, storages)
     outputs = {_storage_key(g)[0] for g in grads}
     held: dict[int, int] = {}
     for group in pending.groups:
@@ -661,7 +689,11 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
     split = measure_bw_split(lg, inputs, device, min(warmup, 1), repeats, clock)
     held = measure_split_bytes(lg, inputs)
     for m in layers:
-        m.bwd_input_ms, m.bwd_weight_ms = split[m.name]
+        parts = split[m.name]
+        if parts is None:  # one backward: all of it on the input's path, nothing to defer
+            m.bwd_input_ms, m.bwd_weight_ms, m.split_backward = m.bwd_ms, 0.0, False
+        else:
+            m.bwd_input_ms, m.bwd_weight_ms = parts
         m.split_bytes = held[m.name]
     from profiler.optimizers import step_ms_all  # (it times with this module's Timer)
 

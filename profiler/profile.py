@@ -218,6 +218,15 @@ def profile_model_file(
             f"{mf.path}: the model ran once, then raised {type(exc).__name__}: {first} while it "
             "was timed (forward and backward passes, whole and layer by layer). Profiling runs "
             "the model many times: it must run the same way each time") from exc
+    if whole_only := [m.name for m in layers if not m.split_backward]:
+        warnings.warn(
+            f"layer {whole_only[0]}: its backward fails when run in two parts, the inputs' gradient "
+            "(B) and then the weights' (W), though it runs whole (a custom autograd.Function whose "
+            "backward writes into a tensor it saved is one cause: W runs its node again). Training "
+            "is unaffected under 1F1B and GPipe; under ZB-H1 the stage holding it runs its backward "
+            "whole (no W deferred), as plans price it"
+            + (f" ({len(whole_only)} such layers)" if len(whole_only) > 1 else ""),
+            ProfileWarning, stacklevel=2)
     layer_sum = sum(m.fwd_ms + m.bwd_ms for m in layers)
     whole_ms = whole.fwd_ms + whole.bwd_ms
     try:
@@ -232,6 +241,7 @@ def profile_model_file(
                     param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
                     output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
                     bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
+                    split_backward=m.split_backward,
                     frozen_param_bytes=m.frozen_param_bytes or None, optimizer_ms=m.optimizer_ms,
                     **({k: v for k, v in dataclasses.asdict(m.split_bytes).items()
                         if k not in ("saved_keys", "saved_storages")}

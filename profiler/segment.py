@@ -192,6 +192,12 @@ def group_keys(
             b = _under(p, block_set)
             if b is not None:
                 key = label = b
+            elif p in ancestors and node.op == "call_module":
+                # a module holding blocks that the trace calls whole (torch.fx could not trace
+                # into it: a wrapped Hugging Face model): a layer of its own, under its own name
+                # (as glue it went into the next layer, named after that one: the whole of
+                # GPT2Model inside a layer called "lm.lm_head")
+                key = label = p
             elif p in ancestors:
                 key = None
             else:
@@ -219,6 +225,14 @@ def merge_at_split_points(segs: list[Segment], owner: dict[str, int],
 
     found = {s for seg in segs for s in starts if any(p == s or p.startswith(s + ".") for p in seg.paths)}
     missing = [s for s in points if s not in found]
+    inside = [(s, p) for s in missing for seg in segs for p in seg.paths if p and s.startswith(p + ".")]
+    if inside:
+        s, p = inside[0]
+        raise PipeplanError(
+            f"--split-points: {s!r} runs inside {p}, which is traced as one piece (torch.fx cannot "
+            "trace its code: see the warning above), so no layer starts there. Split at "
+            f"{p} or around it, or make the model traceable: call {p}'s submodules from a "
+            "forward of your own, or give the profiler a model torch.export can capture")
     if missing:
         raise PipeplanError(
             f"--split-points: {', '.join(map(repr, missing))} never runs in the model's forward; "

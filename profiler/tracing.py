@@ -495,7 +495,28 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
     tracing from its launcher's record, which runs no user code)."""
     given = set(leaves or ())
     no_generation_cache(model)
-    gm, auto, fx_error = _try_fx(model, len(example_inputs), given)
+    with warnings.catch_warnings(record=True) as fx_warnings:
+        warnings.simplefilter("always")
+        gm, auto, fx_error = _try_fx(model, len(example_inputs), given)
+    if gm is not None and keep and any(k.startswith(a + ".") for a in auto for k in keep):
+        # fx got through only by calling a module that holds blocks whole (a Hugging Face model
+        # inside a wrapper of the user's): torch.export may keep those blocks as calls instead,
+        # so stages can start at them; its graph is used only where it computes what the model
+        # does (checked where `check`: the launcher's and the profiler's trace), else fx's
+        # stands, the module one layer, with fx's warnings
+        egm, _ = _try_export(model, example_inputs, list(keep))
+        if egm is not None:
+            _clean_export_graph(egm)
+            try:
+                if check:
+                    _check_export(model, egm, example_inputs)
+            except PipeplanError:
+                pass
+            else:
+                return Traced(gm=egm, method="export", paths=_paths(egm), out_spec=None,
+                              leaves=list(keep))
+    for w in fx_warnings:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if gm is not None:
         hooked = _split_hooked(model, given)
         if check and hooked:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from planner.actions import Action
-from planner.errors import PipeplanError
+from planner.errors import PipeplanError, first_line
 from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes, loss_workspace_bytes
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
@@ -341,6 +341,14 @@ class StageExecutor:
         except RuntimeError as exc:
             if (advice := twice_refused(exc)) is not None:
                 raise PipeplanError(f"stage {self.stage}, zb-h1: {advice}") from None
+            if "modified by an inplace operation" in str(exc):  # (a node run twice finds it changed)
+                raise PipeplanError(
+                    f"stage {self.stage}, zb-h1: its backward fails when run in two parts, the "
+                    f"inputs' gradients (B) and then the weights' (W): {first_line(str(exc).split(':')[0], 120)}. A "
+                    "custom autograd.Function whose backward writes into a tensor it saved does "
+                    "this, and trains with one backward. Profile the model again (the profile "
+                    "marks such layers and ZB-H1 plans run their stage's backward whole) and plan "
+                    "again, or plan --schedule 1f1b") from None
             raise
 
     def backward(self, j: int) -> None:

@@ -273,3 +273,17 @@ def test_a_tensor_that_needs_no_gradient_arrives_needing_none(run, tmp_path):
     got = _train(run, tmp_path, run.plan(model, [1, 4]), model)
     ref = reference_train(str(model), 3)
     assert _diff(got, ref, ref) < TOL
+
+
+def test_a_wrapped_body_fx_cannot_trace_is_split_at_its_blocks(run, tmp_path):
+    """A wrapper of the user's around a body torch.fx calls whole (an outside review's wrapped
+    GPT2LMHeadModel): the body's blocks are layers (torch.export keeps them as calls), the ranks
+    trace the same way, and 3 stages starting inside the body train as one process does."""
+    from plans import traced_layers
+
+    model = MODELS / "wrapped_body.py"
+    names = traced_layers(model, 2)
+    assert [n for n in names if n.startswith("body.blocks.")] == [f"body.blocks.{i}" for i in range(4)]
+    got = _train(run, tmp_path, run.plan(model, 3), model)
+    ref = reference_train(str(model), 3)
+    assert _diff(got, ref, ref) < TOL

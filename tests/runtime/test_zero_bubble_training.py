@@ -135,3 +135,46 @@ def test_post_accumulate_grad_hooks_run_under_zb_h1(run, tmp_path):
     plan = run.plan(model, [3, 3], schedule="zb-h1", global_batch=8, microbatch_size=2)
     assert "1W0" in json.loads(plan.read_text())["rank_actions"]["1"]  # the second stage splits B and W
     _check(run, model, plan, 3, tmp_path)
+
+
+def test_a_backward_that_runs_only_whole_is_profiled_and_fused_under_zb_h1(run, tmp_path):
+    """A custom Function whose backward writes into a tensor it saved: the profiler's B-then-W
+    pass failed on it and refused the model ("it must run the same way each time") though
+    PyTorch and 1F1B train it. Now its layer is profiled as one backward (`split_backward`
+    false, W 0) with a warning, the other layers split as before, and a ZB-H1 plan fuses the
+    stage holding it while splitting the others; it trains as one process does."""
+    import warnings
+
+    from planner.formats import Cluster, PlanOptions
+    from planner.solve import make_plan
+    from profiler.profile import ProfileWarning, profile_model_file
+
+    model = MODELS / "inplace_backward.py"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profile = profile_model_file(model, 2, warmup=0, repeats=1)
+    whole = [x.name for x in profile.layers if not x.split_backward]
+    assert whole == ["blocks.1"], [(x.name, x.split_backward) for x in profile.layers]
+    assert profile.layers[2].bwd_weight_ms == 0 and profile.layers[2].bwd_input_ms == profile.layers[2].bwd_ms
+    assert any(issubclass(w.category, ProfileWarning) and "blocks.1" in str(w.message)
+               and "runs its backward whole" in str(w.message) for w in caught)
+    cluster = Cluster(nodes=1, devices_per_node=4, device_memory_gb=1, intra_node_gb_per_s=10,
+                      inter_node_gb_per_s=10)
+    plan = make_plan(profile, cluster, PlanOptions(
+        global_batch=8, microbatch_size=2, method="manual", split=[2, 1, 1, 2], schedule="zb-h1",
+        optimizer="sgd"))
+    params = plan.generator.params
+    assert params["fused_backward"] == [0, 1], params  # stage 0 (as always) and blocks.1's
+    assert params["deferred_w"][2] > 0 and params["deferred_w"][3] > 0  # the others split
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    _check(run, model, path, 3, tmp_path)
+    # a plan that splits it all the same (made from a profile of before the mark): one line
+    from planner.schedules import FUSED
+
+    split = run.plan(model, [2, 1, 1, 2], schedule="zb-h1", global_batch=8, microbatch_size=2,
+                     deferred=[FUSED, 1, 2, 1], name="split.json")
+    rc, _, err, _ = run(split, "--model", model, "--steps", 2, "--timeout", 60)
+    assert rc != 0 and "Traceback" not in err, err
+    assert "stage 1, zb-h1: its backward fails when run in two parts" in err
+    assert "Profile the model again" in err
