@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from api import docs, openapi, service
 from api.body import value_limits
-from api.deps import RateLimiter, before_body, open_client, require_client
+from api.deps import RateLimiter, before_body, key_is_valid, open_client, require_client
 from api.head import HeadAsGet
 from api.jobs import JobManager
 from api.limits import BodySizeLimit
@@ -291,7 +291,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            CompareRequest: service.precheck_plan_body}
     # middleware: the last added runs first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
-                       timeout_s=settings.body_timeout_s)
+                       timeout_s=settings.body_timeout_s,
+                       authorized=lambda headers: key_is_valid(headers, settings))
     if settings.cors_origins:
         app.add_middleware(JSONCORS, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "ETag",

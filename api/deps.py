@@ -15,6 +15,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.jobs import JobManager
+from api.limits import Unauthorized
 from api.pool import RenderPool
 from api.settings import Settings
 from api.storage import Storage
@@ -80,8 +81,22 @@ def client_name(request: Request, settings: Settings,
         for name, key in clients.items():  # compare with every key: no timing hint which matched
             if secrets.compare_digest(given, key.encode()):
                 return name
-    raise HTTPException(401, detail="missing or wrong API key: send 'Authorization: Bearer <key>'",
-                        headers={"WWW-Authenticate": "Bearer"})
+    raise Unauthorized()
+
+
+def key_is_valid(headers: list[tuple[bytes, bytes]], settings: Settings) -> bool:
+    """An ASGI request's headers carry one of the server's API keys (or it has none): what
+    the body-size middleware asks before it answers about a body (`api.limits`)."""
+    clients = settings.clients()
+    if not clients:
+        return True
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, given = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                token = given.strip().encode()
+                return any([secrets.compare_digest(token, key.encode()) for key in clients.values()])
+    return False
 
 
 def _check_client(request: Request, settings: Settings,

@@ -49,24 +49,39 @@ class BodyTimeout(HTTPException):
                          headers=CLOSE)
 
 
+class Unauthorized(HTTPException):
+    def __init__(self) -> None:
+        super().__init__(401, detail="missing or wrong API key: send 'Authorization: Bearer <key>'",
+                         headers={"WWW-Authenticate": "Bearer"})
+
+
 DRAIN_FACTOR = 4  # of the limit: the most of a refused body read (and dropped) before the 413
 DRAIN_MAX_BYTES = 256 * 1024 * 1024
 DRAIN_S = 10.0  # the longest a drain takes where bodies have no time limit
 
 
 class BodySizeLimit:
-    def __init__(self, app: Any, max_bytes: int, timeout_s: float | None = None) -> None:
+    """`authorized(headers)`: whether a request may be answered about its body at all (its API
+    key is right, or the server has none): a declared body over the limit with a wrong or
+    missing key on a /v1 route is a 401, not the 413 that tells a stranger the limit (the key
+    is checked before the body everywhere else)."""
+
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float | None = None,
+                 authorized: Any = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.authorized = authorized
 
     async def _refuse(self, scope: Scope, send: Any, error: HTTPException) -> None:
         rid = scope.get("state", {}).get("request_id", "")
         body = json.dumps({"detail": error.detail, "request_id": rid}).encode()
+        extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()
+                 if k.lower() != "connection"]
         await send({"type": "http.response.start", "status": error.status_code,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+                                (b"connection", b"close"), *extra]})
         await send({"type": "http.response.body", "body": body})
 
     def _drain_bytes(self) -> int:
@@ -101,7 +116,11 @@ class BodySizeLimit:
                 if declared > self.max_bytes:
                     if declared <= self._drain_bytes():
                         await self._drain(receive, declared)
-                    await self._refuse(scope, send, BodyTooLarge(self.max_bytes))
+                    error: HTTPException = BodyTooLarge(self.max_bytes)
+                    if (self.authorized is not None and str(scope.get("path", "")).startswith("/v1")
+                            and not self.authorized(scope.get("headers", []))):
+                        error = Unauthorized()
+                    await self._refuse(scope, send, error)
                     return
         received = 0
         started = False

@@ -33,7 +33,7 @@ from api.settings import Settings
 from api.storage import JobRow, PlanRow, ProfileRow, Storage
 from api.wording import shown_id
 from planner.formats import Cluster, PlanOptions, Profile, digest_data
-from planner.limits import out_of_range
+from planner.limits import MIN_POSITIVE, out_of_range, small_divisor
 
 
 @dataclass(frozen=True)
@@ -136,9 +136,6 @@ def extra_bytes(obj: Any) -> int:
 
 
 MAX_MICROBATCH_SIZES = 64  # candidate microbatch sizes a request may list
-MIN_POSITIVE = 1e-6  # smallest bandwidth (GB/s), memory (GB) or speed a cluster may state
-
-
 def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> None:
     """Every number of `doc` in range; with `min_positive`, the divisors among them (bandwidths,
     memory, speeds, efficiencies: fields named `*gb_per_s`, `*memory_gb`, `*efficiency`, `speed`) no smaller where positive.
@@ -146,25 +143,9 @@ def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> No
     1e-9 that the command line reads.)"""
     bad = out_of_range(doc)
     if bad is None and min_positive > 0:
-        bad = _small_divisor(doc, (), min_positive)
+        bad = small_divisor(doc, (), min_positive)
     if bad is not None:
         raise limit_error([*loc, *bad[0]], bad[1])
-
-
-def _small_divisor(doc: Any, path: tuple[str | int, ...], least: float
-                   ) -> tuple[tuple[str | int, ...], str] | None:
-    items: Any = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
-    for key, value in items:
-        if key == "calibration":
-            continue  # for people: the planner computes with none of it
-        divisor = isinstance(key, str) and (key.endswith(("gb_per_s", "memory_gb", "efficiency")) or key == "speed")
-        if divisor and isinstance(value, int | float) and not isinstance(value, bool):
-            bad = out_of_range(value, (*path, key), min_positive=least)
-        else:
-            bad = _small_divisor(value, (*path, key), least)
-        if bad is not None:
-            return bad
-    return None
 
 
 # ---------------------------------------------------------------- profiles

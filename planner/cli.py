@@ -12,13 +12,13 @@ import importlib
 import logging
 import sys
 
-from planner.errors import PipeplanError
+from planner.errors import OneLineParser, PipeplanError
 
 COMMANDS = ["profile", "import_pipedream", "plan", "simulate", "refine", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="pipeplan",
         description="Profile a PyTorch model, plan its pipeline-parallel training, run the plan.",
     )

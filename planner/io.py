@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from planner.errors import PipeplanError
-from planner.limits import field_path, out_of_range
+from planner.limits import field_path, out_of_range, small_divisor
 
 M = TypeVar("M", bound=BaseModel)
 _UMASK = os.umask(0)  # (read once: files are written with the permissions open() gives)
@@ -205,6 +205,10 @@ def load_model(path: str | Path, cls: type[M], what: str | None = None) -> M:
         name, file = KINDS[cls.__name__]
         raise PipeplanError(f"{what}: this file is a {KINDS[kind][0]}, not a {name}; give {file}")
     check_numbers(data, what)
+    if cls.__name__ in ("Cluster", "Plan") and isinstance(data, dict):  # (a plan holds its cluster)
+        small = small_divisor(data.get("cluster", data) if cls.__name__ == "Plan" else data)
+        if small is not None:  # as the service refuses it in a body
+            raise PipeplanError(f"{what}: {field_path(small[0])}: {small[1]}; correct that value")
     bad = bad_strings(data)
     if bad is not None:  # as the service refuses them in a body
         where = ".".join(map(str, bad[0])) or "the top level"

@@ -61,6 +61,30 @@ def out_of_range(obj: Any, path: tuple[str | int, ...] = (), min_positive: float
     return None
 
 
+MIN_POSITIVE = 1e-6  # smallest bandwidth (GB/s), memory (GB), speed or efficiency a cluster may state
+
+
+def small_divisor(doc: Any, path: tuple[str | int, ...] = (), least: float = MIN_POSITIVE
+                  ) -> tuple[tuple[str | int, ...], str] | None:
+    """The first divisor of a cluster description (a field named `*gb_per_s`, `*memory_gb`,
+    `*efficiency` or `speed`) that is positive but below `least`, with the reason; None if none.
+    Times are divided by these: 1e-300 made every prediction overflow. (Applied to every
+    number, it refused a latency of 1e-7 us or a calibration's residual of 1e-9.) The service
+    and the command line both check clusters with it."""
+    items: Any = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in items:
+        if key == "calibration":
+            continue  # for people: the planner computes with none of it
+        divisor = isinstance(key, str) and (key.endswith(("gb_per_s", "memory_gb", "efficiency")) or key == "speed")
+        if divisor and isinstance(value, int | float) and not isinstance(value, bool):
+            bad = out_of_range(value, (*path, key), min_positive=least)
+        else:
+            bad = small_divisor(value, (*path, key), least)
+        if bad is not None:
+            return bad
+    return None
+
+
 def field_path(path: tuple[str | int, ...]) -> str:
     """`layers.3.fwd_ms` for a path of `out_of_range`."""
     return ".".join(str(p) for p in path) or "(top level)"

@@ -92,7 +92,10 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
                             "times; optimizer steps alone do not make a pipeline). Profile the "
                             "model again (python -m planner profile), or give the layers' times in "
                             "milliseconds")
-    reserved = reserved_memory_bytes(profile, cluster)
+    # whole bytes, the same figure taken off every device and added back to the plan's
+    # memory and limits (a fractional reserved_memory_gb made a stage that fits show 1 byte
+    # above its limit: the memory got ceil, the limit int)
+    reserved = float(math.ceil(reserved_memory_bytes(profile, cluster)))
     nominal, cluster = cluster, cluster.with_memory_reserved(reserved)
     if options.schedule == "auto":
         candidate, concrete, ev = _auto_schedule(profile, cluster, options, table)
@@ -113,7 +116,7 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
         plan.cluster = nominal
         for st in plan.stages:
             p = st.predicted
-            p.memory_bytes += math.ceil(reserved)
+            p.memory_bytes += int(reserved)
             p.memory_limit_bytes += int(reserved)
             p.reserved_memory_bytes = int(reserved)  # type: ignore[attr-defined]
     if options.schedule == "auto":  # the plan records what the user asked for, and what it got

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.errors import PipeplanError
+from planner.errors import OneLineParser, PipeplanError
 
 if TYPE_CHECKING:
     from runtime.comm import PeerError
@@ -61,7 +61,7 @@ AR_ROUNDS = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m runtime calibrate",
         description="Measure this cluster's links, all-reduce, device speed and memory as the "
                     "runtime will use them; write cluster.json.")

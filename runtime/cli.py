@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from planner.errors import PipeplanError, describe
+from planner.errors import OneLineParser, PipeplanError, describe
 from planner.formats import OptimizerName, Plan
 from planner.io import check_distinct, check_output, load_model, not_a_file
 from planner.limits import MAX_RUN_SEED, run_seed_arg
@@ -28,7 +28,7 @@ log = logging.getLogger("runtime")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m runtime",
         description="Train a model with a pipeline-parallel plan (one process per device of the "
                     "plan on this machine, or one rank under torchrun).",

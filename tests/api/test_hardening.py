@@ -452,6 +452,25 @@ def test_a_client_without_a_valid_key_or_over_its_quota_is_refused_before_its_bo
         assert [c.post("/v1/plans", json=bad, headers=alice).status_code for _ in range(3)] == [422, 422, 429]
 
 
+def test_a_body_over_the_limit_without_a_valid_key_is_a_401(tmp_path: Path) -> None:
+    """An outside review: a wrong or missing key with a body over the size limit got the 413
+    (which tells a stranger the limit), where the README says a wrong key is a 401 whatever the
+    body; a valid key still gets the 413."""
+    from api.app import create_app
+    from tests.api.conftest import make_settings
+
+    settings = make_settings(tmp_path, api_keys="alice:k-a", max_body_bytes=2000)
+    big = b'{"x": "' + b"y" * 5000 + b'"}'
+    with TestClient(create_app(settings)) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k-a"}):
+            r = c.post("/v1/profiles", content=big, headers={**headers, "Content-Type": "application/json"})
+            assert r.status_code == 401 and "API key" in r.json()["detail"], r.text
+            assert r.headers["www-authenticate"] == "Bearer"
+        r = c.post("/v1/profiles", content=big, headers={"Authorization": "Bearer k-a",
+                                                         "Content-Type": "application/json"})
+        assert r.status_code == 413 and "limit of 2000 bytes" in r.json()["detail"], r.text
+
+
 def test_bodies_are_parsed_off_the_event_loop(tmp_path: Path) -> None:
     """JSON parsing and validation ran on the event loop: ten bodies of 4.5 MB held /healthz for
     seconds. They run in a worker thread now (the loop's thread never runs a precheck)."""

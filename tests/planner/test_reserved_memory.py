@@ -89,3 +89,25 @@ def test_a_cpu_profile_reserves_nothing():
     assert p.device.workspace_bytes == 0
     plan = make_plan(p, cluster(1, 1, memory_gb=9.0), _one_stage())
     assert getattr(plan.stages[0].predicted, "reserved_memory_bytes", None) is None
+
+
+@pytest.mark.parametrize("device_gb", [0.4234567895, 0.4234568, 0.43])
+def test_a_fractional_reserve_never_shows_a_fitting_stage_above_its_limit(device_gb):
+    """An outside review: reserved_memory_gb of 0.1234567895 (123456789.5 bytes) on a stage that
+    needs exactly what is left: the plan said it fits with memory_bytes 1 above its
+    memory_limit_bytes (the memory got the reserve rounded up, the limit rounded down), and the
+    simulator's peak was half a byte off the plan's. Whole bytes of reserve now, both sides."""
+    from planner.simulator import simulate
+
+    p = chain_profile([1.0], params=[10**8], act=[10**8]).model_copy(update={"batch_size": 4})
+    c = cluster(1, 1, memory_gb=device_gb).model_copy(update={"reserved_memory_gb": 0.1234567895})
+    opts = PlanOptions(global_batch=4, microbatch_size=4, optimizer="sgd", time_limit_s=2)
+    try:
+        plan = make_plan(p, c, opts)
+    except PipeplanError as exc:
+        assert device_gb < 0.4234568 and "no plan can fit" in str(exc)  # the 1-byte edge
+        return
+    st = plan.stages[0].predicted
+    assert plan.predicted.fits_memory
+    assert st.memory_bytes <= st.memory_limit_bytes <= device_gb * GB + 1  # (+1: float noise, ceil)
+    assert simulate(plan).peak_memory_bytes[0] == st.memory_bytes
