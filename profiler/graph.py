@@ -270,14 +270,16 @@ def _get(root: torch.nn.Module, target: str) -> Any:
 
 def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | list[torch.Tensor],
           granularity: str = "blocks", tensor_kinds: dict[str, bool] | None = None,
-          mutations: dict[str, list[str]] | None = None) -> LayerGraph:
+          mutations: dict[str, list[str]] | None = None, method: str | None = None) -> LayerGraph:
     """Trace `model(*example_inputs)` into layers at `granularity` (blocks | modules | depth:N |
     split:A,B). To learn which values are tensors, and their bytes, the traced graph runs once
     under no_grad (the model's buffers are left as they were; hooks and prints do fire). Given
     `tensor_kinds` (`LayerGraph.is_tensor` of an earlier trace of the same model and
     granularity, e.g. made by the launcher) that run is skipped — no user code runs, and edge
     bytes are 0 — unless the graph's nodes differ from it; `mutations` (`LayerGraph.mutations`
-    of that trace) then says which nodes modify a tensor in place.
+    of that trace) then says which nodes modify a tensor in place, and `method` (its
+    `LayerGraph.method`) how it traced, so this trace takes the same way without running the
+    checks that chose it.
 
     A tensor modified in place keeps in one layer the node that modifies it, the node that
     made it and every node that reads it (`segment.merge_mutated`): autograd forbids the
@@ -300,20 +302,20 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
     state = BlockState(model)
     saved = state.capture(every=True)
     try:
-        return _trace(model, tuple(example_inputs), granularity, tensor_kinds, mutations)
+        return _trace(model, tuple(example_inputs), granularity, tensor_kinds, mutations, method)
     finally:
         state.restore(saved)
 
 
 def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str,
            tensor_kinds: dict[str, bool] | None = None,
-           mutations: dict[str, list[str]] | None = None) -> LayerGraph:
+           mutations: dict[str, list[str]] | None = None, method: str | None = None) -> LayerGraph:
     mode, _ = seg.parse_granularity(granularity)  # a bad value fails before tracing
     leaves = seg.leaf_modules(model, granularity)
     keep = seg.natural_blocks(model)[0] if mode in ("blocks", "split") else None
     # a rank tracing from its launcher's record (`tensor_kinds`) runs no user code: the
     # launcher checked the graph
-    traced = capture(model, inputs, leaves, keep, check=tensor_kinds is None)
+    traced = capture(model, inputs, leaves, keep, check=tensor_kinds is None, method=method)
     gm = traced.gm
     root: torch.nn.Module = model if traced.method == "fx" else gm
     if traced.out_spec is not None:

@@ -487,23 +487,26 @@ def _paths(gm: fx.GraphModule) -> dict[str, str]:
 
 def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
             leaves: set[str] | None = None, keep: list[str] | None = None,
-            check: bool = True) -> Traced:
+            check: bool = True, method: str | None = None) -> Traced:
     """Trace `model` called with `example_inputs` (its positional arguments), calling the
     modules in `leaves` rather than tracing into them; should fx fail, torch.export keeps the
     modules in `keep` (the blocks) as calls to the user's objects. `check`: an exported graph
     is run beside the model (`_check_export`; off where that was done before, e.g. a rank
-    tracing from its launcher's record, which runs no user code)."""
+    tracing from its launcher's record, which runs no user code). `method`: how that record's
+    trace went ("fx" or "export"), where the choice depends on a check this one skips."""
     given = set(leaves or ())
     no_generation_cache(model)
     with warnings.catch_warnings(record=True) as fx_warnings:
         warnings.simplefilter("always")
         gm, auto, fx_error = _try_fx(model, len(example_inputs), given)
-    if gm is not None and keep and any(k.startswith(a + ".") for a in auto for k in keep):
+    if (gm is not None and keep and method != "fx"
+            and any(k.startswith(a + ".") for a in auto for k in keep)):
         # fx got through only by calling a module that holds blocks whole (a Hugging Face model
         # inside a wrapper of the user's): torch.export may keep those blocks as calls instead,
         # so stages can start at them; its graph is used only where it computes what the model
-        # does (checked where `check`: the launcher's and the profiler's trace), else fx's
-        # stands, the module one layer, with fx's warnings
+        # does (checked where `check`: the launcher's and the profiler's trace; a rank tracing
+        # from the launcher's record takes the launcher's choice, `method`), else fx's stands,
+        # the module one layer, with fx's warnings
         egm, _ = _try_export(model, example_inputs, list(keep))
         if egm is not None:
             _clean_export_graph(egm)

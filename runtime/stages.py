@@ -74,7 +74,8 @@ def layer_names(graph: object) -> list[str]:
     return list(graph.layer_names())  # type: ignore[attr-defined]
 
 
-TraceInfo = tuple[dict[str, bool], dict[str, list[str]]]  # LayerGraph.is_tensor, .mutations
+# LayerGraph.is_tensor, .mutations, .method ("fx" or "export"; None in a record without it)
+TraceInfo = tuple[dict[str, bool], dict[str, list[str]], str | None]
 
 
 def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], granularity: str,
@@ -84,16 +85,17 @@ def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], gran
     tensors, or that and which nodes modify a tensor in place (`load_trace_info`)."""
     from profiler.graph import trace
 
-    kinds, mutations = tensor_kinds if isinstance(tensor_kinds, tuple) else (tensor_kinds, None)
+    kinds, mutations, method = tensor_kinds if isinstance(tensor_kinds, tuple) else (tensor_kinds, None, None)
     return trace(model, example_inputs, granularity=granularity, tensor_kinds=kinds,
-                 mutations=mutations)
+                 mutations=mutations, method=method)
 
 
 def save_trace_info(graph: object, granularity: str, path: str | Path) -> None:
     """What a rank needs to trace without running the model (see `load_trace_info`)."""
     Path(path).write_text(json.dumps({"granularity": granularity,
                                       "is_tensor": graph.is_tensor,  # type: ignore[attr-defined]
-                                      "mutations": graph.mutations}))  # type: ignore[attr-defined]
+                                      "mutations": graph.mutations,  # type: ignore[attr-defined]
+                                      "method": graph.method}))  # type: ignore[attr-defined]
 
 
 def load_trace_info(path: str | None, granularity: str | None) -> TraceInfo | None:
@@ -104,7 +106,7 @@ def load_trace_info(path: str | None, granularity: str | None) -> TraceInfo | No
     data = json.loads(Path(path).read_text())
     if data.get("granularity") != granularity:
         return None
-    return data["is_tensor"], data.get("mutations", {})
+    return data["is_tensor"], data.get("mutations", {}), data.get("method")
 
 
 def trace_for_plan(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], plan: Plan,

@@ -287,3 +287,21 @@ def test_a_wrapped_body_fx_cannot_trace_is_split_at_its_blocks(run, tmp_path):
     got = _train(run, tmp_path, run.plan(model, 3), model)
     ref = reference_train(str(model), 3)
     assert _diff(got, ref, ref) < TOL
+
+
+def test_a_wrapped_body_export_gets_wrong_stays_one_layer_on_every_rank(run, tmp_path):
+    """The same wrapper passing a Python number to the blocks: the exported graph drops it
+    (its check against the model fails), so the body is one layer, and the ranks, which trace
+    from the launcher's record without that check, take fx's way too (they took export's, and
+    their layers were not the plan's)."""
+    import warnings
+
+    from plans import traced_layers
+
+    model = MODELS / "wrapped_scalar.py"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert traced_layers(model, 2) == ["body", "head"]
+    got = _train(run, tmp_path, run.plan(model, [1, 1]), model)
+    ref = reference_train(str(model), 3)
+    assert _diff(got, ref, ref) < TOL
