@@ -91,11 +91,12 @@ def key_is_valid(headers: list[tuple[bytes, bytes]], settings: Settings) -> bool
     if not clients:
         return True
     for name, value in headers:
-        if name.lower() == b"authorization":
+        if name.lower() == b"authorization":  # the first one, as the route's check reads it
             scheme, _, given = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer":
-                token = given.strip().encode()
-                return any([secrets.compare_digest(token, key.encode()) for key in clients.values()])
+            if scheme.lower() != "bearer":
+                return False
+            token = given.strip().encode()
+            return any([secrets.compare_digest(token, key.encode()) for key in clients.values()])
     return False
 
 

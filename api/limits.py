@@ -117,7 +117,10 @@ class BodySizeLimit:
                     if declared <= self._drain_bytes():
                         await self._drain(receive, declared)
                     error: HTTPException = BodyTooLarge(self.max_bytes)
-                    if (self.authorized is not None and str(scope.get("path", "")).startswith("/v1")
+                    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+                    if root and path.startswith(root):  # (served under a prefix: mounted, --root-path)
+                        path = path[len(root):]
+                    if (self.authorized is not None and path.startswith("/v1")
                             and not self.authorized(scope.get("headers", []))):
                         error = Unauthorized()
                     await self._refuse(scope, send, error)

@@ -385,8 +385,8 @@ def layer_table(profile: Profile) -> LayerTable:
         shared=tuple(shared),
         shared_saved=tuple(saved),
         layer_activation=raw_activation if saved else (),
-        whole_backward_prefix=(_prefix([0 if getattr(x, "split_backward", True) else 1 for x in layers])
-                               if not all(getattr(x, "split_backward", True) for x in layers) else ()),
+        whole_backward_prefix=(_prefix([int(getattr(x, "split_backward", None) is False) for x in layers])
+                               if any(getattr(x, "split_backward", None) is False for x in layers) else ()),
     )
 
 

@@ -111,8 +111,9 @@ class LayerProfile(_OpenFinite):
     bwd_weight_ms: NonNegativeFloat | None = None
     # False: the layer's backward cannot run as B then W (a custom Function whose backward
     # reuses a tensor it saved, which a second pass finds changed): its B is the whole backward,
-    # and ZB-H1 runs the backward of the stage that holds it as one (1F1B's, `fused_backward`)
-    split_backward: bool = True
+    # and ZB-H1 runs the backward of the stage that holds it as one (1F1B's, `fused_backward`).
+    # Absent (None) or true: it splits (absent keeps the canonical form, and digest, of a profile)
+    split_backward: bool | None = None
     # zero-bubble schedules: bytes of the gradients B keeps for W (at the intermediates where
     # the layer's weights join the input path; its outputs' gradients where one is such an
     # intermediate's, `weight_grad_output_bytes` of them), per profiled batch, measured with the

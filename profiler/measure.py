@@ -497,6 +497,11 @@ class SplitRunner:
             self.w.append(w)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: the device's, not a backward that cannot be split."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
 def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
                      warmup: int = 1, repeats: int = 5, clock: str = "wall"
                      ) -> dict[str, tuple[float, float] | None]:
@@ -516,7 +521,7 @@ def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: t
         try:
             runner.once(keep=False)
         except RuntimeError as exc:
-            if twice_refused(exc) is not None:
+            if twice_refused(exc) is not None or _out_of_memory(exc):
                 raise
             for p in runner.weights:
                 p.grad = None
@@ -572,7 +577,7 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
     except RuntimeError as exc:  # (a backward that runs only whole: `measure_bw_split`)
         from profiler.loader import twice_refused
 
-        if twice_refused(exc) is not None:
+        if twice_refused(exc) is not None or _out_of_memory(exc):
             raise
         return SplitBytes(0, 0, saved_inputs, keys, storages)
     outputs = {_storage_key(g)[0] for g in grads}

@@ -98,15 +98,22 @@ def check_same_model(directory: str | Path, state: dict[str, torch.Tensor], mode
             "replace: --save to another directory, or remove that checkpoint first")
 
 
-def _keep(src: Path, dst: Path) -> None:
-    """`dst` a second name of `src`'s data (a hard link; a copy where links are refused)."""
+def _keep(src: Path, dst: Path, counter: Counter | None = None) -> None:
+    """`dst` a second name of `src`'s data (a hard link; a copy where links are refused, as
+    network and FUSE file systems often do: its bytes told to `counter` as the save's, since the
+    other ranks wait on that count while it runs)."""
     import os
     import shutil
 
     try:
         os.link(src, dst)
     except OSError:
-        shutil.copy2(src, dst)
+        if counter is None:
+            shutil.copy2(src, dst)
+            return
+        with open(src, "rb") as fin, open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, _CountingFile(fout, counter), _CountingFile.CHUNK)  # type: ignore[misc]
+        shutil.copystat(src, dst)
 
 
 def optimizer_state_by_name(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter]
@@ -205,7 +212,7 @@ def save(directory: str | Path, model_state: dict[str, torch.Tensor],
             (d / (n + PREV)).unlink(missing_ok=True)
         for n in FILES:
             if (d / n).is_file():
-                _keep(d / n, d / (n + PREV))
+                _keep(d / n, d / (n + PREV), counter)
     (d / META_FILE).unlink(missing_ok=True)
     for tmp, final in tmps:
         tmp.replace(final)

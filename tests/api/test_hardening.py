@@ -469,6 +469,18 @@ def test_a_body_over_the_limit_without_a_valid_key_is_a_401(tmp_path: Path) -> N
         r = c.post("/v1/profiles", content=big, headers={"Authorization": "Bearer k-a",
                                                          "Content-Type": "application/json"})
         assert r.status_code == 413 and "limit of 2000 bytes" in r.json()["detail"], r.text
+        # the route reads the first Authorization header: so does the size check
+        r = c.post("/v1/profiles", content=big, headers=[("Authorization", "Basic x"),
+                                                         ("Authorization", "Bearer k-a")])
+        assert r.status_code == 401, r.text
+    # served under a prefix (mounted, or uvicorn --root-path): the same
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    outer = Starlette(routes=[Mount("/api", app=create_app(settings))])
+    with TestClient(outer) as c:
+        r = c.post("/api/v1/profiles", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 401, r.text
 
 
 def test_bodies_are_parsed_off_the_event_loop(tmp_path: Path) -> None:

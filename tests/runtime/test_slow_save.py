@@ -107,3 +107,24 @@ def test_wait_for_goes_on_while_the_count_moves_and_stops_when_it_stands():
     with pytest.raises(progress.PeerError, match="rank 0 wrote no more than its 7 bytes for 0.5 s"):
         progress.wait_for(store, "k2", 0.5, "writing")
     t.join()
+
+
+def test_the_copy_that_keeps_the_previous_checkpoint_counts_as_progress(tmp_path, monkeypatch):
+    """Where the file system refuses hard links (SMB, exFAT, s3fs: an outside review), the save
+    keeps the previous checkpoint by copying it, as long as the new one takes to write; its
+    bytes were not counted, so the waiting ranks took rank 0 for stuck."""
+    from runtime import checkpoint
+
+    state = {"w": torch.randn(300_000)}
+    checkpoint.save(tmp_path, state, {}, {"step": 1})
+    before = sum((tmp_path / n).stat().st_size for n in checkpoint.FILES)
+
+    def refuse(src, dst):  # noqa: ANN001, ANN202
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    counter = progress.Counter()
+    checkpoint.save(tmp_path, state, {}, {"step": 2}, counter=counter)
+    written = sum((tmp_path / n).stat().st_size for n in (checkpoint.MODEL_FILE, checkpoint.OPTIMIZER_FILE))
+    assert counter.value >= written + before - (tmp_path / checkpoint.META_FILE).stat().st_size
+    assert checkpoint.load(tmp_path)[2]["step"] == 2
