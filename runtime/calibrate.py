@@ -574,7 +574,16 @@ def _load_nominal(path: str | None) -> dict | None:
 
 
 def _rank(args: argparse.Namespace, error_file: str | None) -> int:
-    from runtime.worker import DistEnv, report_failure
+    try:
+        return _rank_run(args, error_file)
+    except KeyboardInterrupt:  # before the rank could report (while importing torch)
+        print(f"error: rank {os.environ.get('RANK', '?')}: interrupted (SIGINT)", file=sys.stderr,
+              flush=True)
+        os._exit(130)
+
+
+def _rank_run(args: argparse.Namespace, error_file: str | None) -> int:
+    from runtime.worker import DistEnv, exit_status, report_failure
 
     env = DistEnv.from_environ()
     try:
@@ -593,7 +602,7 @@ def _rank(args: argparse.Namespace, error_file: str | None) -> int:
         report_failure(env, exc, error_file)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(2 if isinstance(exc, PipeplanError) else 1)
+        os._exit(exit_status(exc))
     from runtime.launch import finished
 
     finished(error_file)

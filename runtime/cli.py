@@ -468,8 +468,17 @@ def _checked_launch(args: argparse.Namespace, argv: list[str], info: str) -> int
 
 
 def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
+    try:
+        return _rank_run(args, error_file)
+    except KeyboardInterrupt:  # before the rank could report (while importing torch)
+        print(f"error: rank {os.environ.get('RANK', '?')}: interrupted (SIGINT)", file=sys.stderr,
+              flush=True)
+        os._exit(130)
+
+
+def _rank_run(args: argparse.Namespace, error_file: str | None) -> int:
     from runtime.launch import finished
-    from runtime.worker import DistEnv, report_failure, run
+    from runtime.worker import DistEnv, exit_status, report_failure, run
 
     env = DistEnv.from_environ()
 
@@ -478,7 +487,7 @@ def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
         report_failure(env, exc, error_file)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(2 if isinstance(exc, PipeplanError) else 1)
+        os._exit(exit_status(exc))
 
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))

@@ -702,6 +702,50 @@ def start_rank(env: DistEnv, device: torch.device, backend: str, timeout_s: floa
                           cpu_binding.gather_all)
 
 
+# the options every rank must share (the training rule, how long, when to save): torchrun
+# nodes started with different ones deadlock or train apart
+_SHARED_OPTIONS = ("steps", "lr", "optimizer", "weight_decay", "clip_grad_norm",
+                   "lr_schedule", "warmup_steps", "decay_steps", "seed", "save_every", "saves",
+                   "resume", "granularity")
+
+
+def _digest(doc: object) -> int:
+    import hashlib
+
+    text = json.dumps(doc, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def check_same_plan(plan: Plan, opts: RunOptions, env: DistEnv, device: torch.device) -> None:
+    """Every rank runs the same plan with the same options, checked once the process group
+    stands: torchrun nodes given different plan files (a stale copy on one node) deadlocked and
+    named a healthy peer, or sent tensors of other shapes that failed in the user's loss."""
+    if env.world_size == 1:
+        return
+    runs = plan.model_dump(mode="json", include={"model", "schedule", "global_batch", "microbatch_size",
+                                                 "num_microbatches", "stages", "rank_actions", "generator"})
+    for st in runs["stages"]:
+        st.pop("predicted", None)  # the planner's figures, not what runs
+    shared = {k: getattr(opts, k, None) for k in _SHARED_OPTIONS}
+    shared["saves"] = opts.save is not None
+    shared["resume"] = opts.resume is not None
+    mine = torch.tensor([_digest(runs), _digest(shared)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    _wait(dist.all_gather(every, mine, async_op=True), opts.timeout,
+          "comparing the ranks' plans and options")
+    other = _first_other([int(t[0].item()) for t in every])
+    if other is not None:
+        raise PipeplanError(
+            f"rank {other} runs another plan than rank 0 (their plan files differ in the stages, "
+            "the schedule or the microbatching): give every node the same plan.json")
+    other = _first_other([int(t[1].item()) for t in every])
+    if other is not None:
+        raise PipeplanError(
+            f"rank {other} was started with other training options than rank 0 (--steps, --lr, "
+            "--optimizer, --seed, the learning-rate schedule, --save/--save-every or --resume "
+            "differ): start every node with the same options")
+
+
 def _first_other(values: list[int]) -> int | None:
     """The first rank whose value is not rank 0's, if any."""
     return next((r for r, v in enumerate(values) if v != values[0]), None)
@@ -717,6 +761,7 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv, stuck: Callable[[str], None]
                 print(f"warning: {said}", file=sys.stderr, flush=True)
     worker = Worker(plan, opts, env)
     start_rank(env, worker.device, worker.backend, opts.timeout, opts.threads)
+    check_same_plan(plan, opts, env, worker.device)
     worker.setup(stuck)
     gc.collect()
     gc.freeze()  # the model and torch's own objects: no cyclic-GC pauses over them mid-step
@@ -726,11 +771,18 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv, stuck: Callable[[str], None]
     dist.destroy_process_group()
 
 
+def exit_status(exc: BaseException) -> int:
+    """A failed rank's exit status: 2 for the user's input, 130 for Ctrl-C, else 1."""
+    return 2 if isinstance(exc, PipeplanError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+
+
 def report_failure(env: DistEnv, exc: BaseException, error_file: str | None) -> None:
     """Tell the launcher (error file) or the user (stderr) what failed on this rank."""
 
     kind = "peer" if isinstance(exc, PeerError) else "user" if isinstance(exc, PipeplanError) else "error"
     text = str(exc) if kind != "error" else _traceback_text(exc)
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C (torchrun passes SIGINT on to every rank)
+        kind, text = "user", "interrupted (SIGINT)"
     if error_file:
         Path(error_file).write_text(json.dumps({
             "rank": env.rank, "kind": kind, "message": f"rank {env.rank}: {text}", "time": time.time(),

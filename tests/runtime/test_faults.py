@@ -56,6 +56,18 @@ def test_what_a_failed_rank_started_is_stopped_with_it(run, fault, tmp_path, mon
             pass
 
 
+def test_ctrl_c_on_a_rank_is_one_line_not_the_runtimes_traceback(run, fault):
+    """An outside review: SIGINT to a rank (as torchrun passes Ctrl-C on to every rank) printed
+    the runtime's and gloo's frames down to the KeyboardInterrupt on each rank."""
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [3, 2, 1])  # Faulty is layer 2: on rank 0
+    fault("sigint", 0)
+    rc, out, err, wall = run(plan, "--model", model, "--steps", 3, "--timeout", 60)
+    assert rc != 0 and "rank 0: interrupted (SIGINT)" in err, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert wall < 50
+
+
 def test_a_hung_rank_is_detected_by_the_timeout_and_named(run, fault):
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, [1, 3, 2])  # Faulty is layer 2: on rank 1
@@ -310,6 +322,34 @@ def test_world_size_must_match_under_torchrun(run):
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "needs 2 processes" in p.stderr and "WORLD_SIZE is 3" in p.stderr
+
+
+@pytest.mark.parametrize("differ", ["plan", "options"])
+def test_ranks_started_with_other_plans_or_options_are_named(run, differ):
+    """An outside review: two torchrun nodes given different plan files (a stale copy on one)
+    deadlocked and each rank named a healthy peer as hung, or sent tensors of another shape
+    that failed in the user's loss. Ranks compare what they run once the process group stands."""
+    from runtime.launch import free_port
+
+    model = MODELS / "seq_mlp.py"
+    plans = [run.plan(model, [3, 3]), run.plan(model, [2, 4], name="other.json")]
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env.pop("PIPEPLAN_ERROR_FILE", None)
+        plan = plans[rank] if differ == "plan" else plans[0]
+        steps = str(2 + rank) if differ == "options" else "2"
+        procs.append(subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                                       "--steps", steps, "--timeout", "60"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    said = ("rank 1 runs another plan than rank 0" if differ == "plan" else
+            "rank 1 was started with other training options than rank 0")
+    for p, err in zip(procs, errs, strict=True):
+        assert p.returncode == 2 and said in err, err[-2000:]
+        assert "Traceback" not in err
 
 
 def test_a_torchrun_layout_other_than_the_plans_cluster_is_warned_about(run):

@@ -2,7 +2,7 @@
 
 PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's second layer's
 forward: `raise` (an exception), `die` (the process vanishes), `exit0` (it vanishes with status 0)
-`hang` (sleeps for ever) or `child-raise` (starts `sleep 600`, writes its pid to
+`hang` (sleeps for ever), `sigint` (sends itself SIGINT, Ctrl-C) or `child-raise` (starts `sleep 600`, writes its pid to
 PIPEPLAN_TEST_CHILD_PID, raises); or,
 `import-hang`, while that rank imports this file (before it joins the process group); or
 `trace-hang:any`, in every process's forward without gradients (the one that traces the model;
@@ -41,6 +41,11 @@ class Faulty(nn.Module):
                 os._exit(0)
             if kind == "hang":
                 time.sleep(3600)
+            if kind == "sigint":  # Ctrl-C reaching this rank alone (torchrun passes it on to all)
+                import signal
+
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(60)
             if kind == "child-raise":  # a process of its own left running, then an error
                 import subprocess
 
