@@ -280,6 +280,11 @@ def fit(plan: Plan, report: Report) -> Corrections:
     for r in report.ranks:
         by_stage.setdefault(r.stage, []).append(r)
     missing = [st.index for st in plan.stages if st.index not in by_stage]
+    if missing and by_stage and set(by_stage) == set(range(max(by_stage) + 1)):
+        raise PipeplanError(  # (the stages a report has: 0..k-1, all of them, fewer than the plan's)
+            f"the report is of a run of {len(by_stage)} stage(s) and this plan has "
+            f"{len(plan.stages)}: it is of another plan of the same profile; give the plan that "
+            "run executed")
     if missing:
         raise PipeplanError(f"the report has no rank of stage(s) {missing}; give the report of a "
                             "complete run of this plan")

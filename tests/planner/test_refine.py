@@ -122,6 +122,21 @@ def test_report_of_another_plan_is_refused():
         fit(plan, report)
 
 
+def test_a_report_of_a_plan_with_fewer_stages_is_named_as_another_plans():
+    """An outside review: the report of a 2-stage run given with a 3-stage plan of the same
+    profile said only "the report has no rank of stage(s) [2]"."""
+    _, plan = _plan()
+    _, two = _plan(split=(3, 3))
+    report = _run(two, (1, 1), (1, 1), 0.0)
+    with pytest.raises(PipeplanError, match=r"a run of 2 stage\(s\) and this plan has 3: it is of another plan"):
+        fit(plan, report)
+    # a record of stage 1 lost (stages 0 and 2 there): still the missing stage named
+    three = _run(plan, (1, 1, 1), (1, 1, 1), 0.0)
+    gap = three.model_copy(update={"ranks": [r for r in three.ranks if r.stage != 1]})
+    with pytest.raises(PipeplanError, match=r"no rank of stage\(s\) \[1\]"):
+        fit(plan, gap)
+
+
 def test_a_report_of_a_run_with_another_optimizer_is_refused():
     # the plan prices sgd's step and memory; a run with Adam measured others, and without the
     # optimizer in the report refine blamed the links ("latency is overstated")
