@@ -85,7 +85,9 @@ def trace_model(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], gran
     tensors, or that and which nodes modify a tensor in place (`load_trace_info`)."""
     from profiler.graph import trace
 
-    kinds, mutations, method = tensor_kinds if isinstance(tensor_kinds, tuple) else (tensor_kinds, None, None)
+    # (a record of two: is_tensor and mutations, as written before the method was kept)
+    kinds, mutations, method = (*tensor_kinds, None)[:3] if isinstance(tensor_kinds, tuple) else \
+        (tensor_kinds, None, None)
     return trace(model, example_inputs, granularity=granularity, tensor_kinds=kinds,
                  mutations=mutations, method=method)
 
