@@ -76,12 +76,15 @@ def client_name(request: Request, settings: Settings,
     clients = settings.clients()
     if not clients:
         return "anonymous"
-    if credentials is not None:
-        given = credentials.credentials.encode()
-        for name, key in clients.items():  # compare with every key: no timing hint which matched
-            if secrets.compare_digest(given, key.encode()):
-                return name
+    if credentials is not None and (name := _key_owner(credentials.credentials.encode(), clients)):
+        return name
     raise Unauthorized()
+
+
+def _key_owner(token: bytes, clients: dict[str, str]) -> str | None:
+    """The client whose key `token` is, compared with every key (no timing hint which matched)."""
+    owners = [name for name, key in clients.items() if secrets.compare_digest(token, key.encode())]
+    return owners[0] if owners else None
 
 
 def key_is_valid(headers: list[tuple[bytes, bytes]], settings: Settings) -> bool:
@@ -95,8 +98,7 @@ def key_is_valid(headers: list[tuple[bytes, bytes]], settings: Settings) -> bool
             scheme, _, given = value.decode("latin-1").partition(" ")
             if scheme.lower() != "bearer":
                 return False
-            token = given.strip().encode()
-            return any([secrets.compare_digest(token, key.encode()) for key in clients.values()])
+            return _key_owner(given.strip().encode(), clients) is not None
     return False
 
 

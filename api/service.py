@@ -136,6 +136,8 @@ def extra_bytes(obj: Any) -> int:
 
 
 MAX_MICROBATCH_SIZES = 64  # candidate microbatch sizes a request may list
+
+
 def check_range(doc: Any, loc: list[str | int], min_positive: float = 0.0) -> None:
     """Every number of `doc` in range; with `min_positive`, the divisors among them (bandwidths,
     memory, speeds, efficiencies: fields named `*gb_per_s`, `*memory_gb`, `*efficiency`, `speed`) no smaller where positive.

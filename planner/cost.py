@@ -364,6 +364,7 @@ def layer_table(profile: Profile) -> LayerTable:
                 if t.kind == "frozen":
                     frozen_params[i] -= t.nbytes
     frozen = [z + b for z, b in zip(frozen_params, buffers, strict=True)]
+    whole = [int(getattr(x, "split_backward", None) is False) for x in layers]
     return LayerTable(
         batch_size=profile.batch_size,
         names=tuple(x.name for x in layers),
@@ -385,8 +386,7 @@ def layer_table(profile: Profile) -> LayerTable:
         shared=tuple(shared),
         shared_saved=tuple(saved),
         layer_activation=raw_activation if saved else (),
-        whole_backward_prefix=(_prefix([int(getattr(x, "split_backward", None) is False) for x in layers])
-                               if any(getattr(x, "split_backward", None) is False for x in layers) else ()),
+        whole_backward_prefix=_prefix(whole) if any(whole) else (),
     )
 
 

@@ -174,6 +174,9 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
     busiest = max(peak(s, "1f1b", None) for s in range(S))
     out = []
     for s in range(S):
+        if costs.whole_backward is not None and costs.whole_backward[s]:
+            out.append(FUSED)  # (no deferral to price)
+            continue
         cap = min(busiest, costs.memory_limit_bytes[s]) * (1 + 1e-12)
         d = max(zb_h1_deferred_w(m, replicas, s, k) for k in _replica_kinds(m, replicas[s]))
         if d > 0 and peak(s, "zb-h1", d) > cap:
@@ -185,8 +188,7 @@ def zb_h1_memory_deferrals(costs: PipelineCosts) -> list[int]:
                 else:
                     lo = mid
             d = lo
-        if d == 0 and (s == 0 or peak(s, "zb-h1", 0) > cap) or (
-                costs.whole_backward is not None and costs.whole_backward[s]):
+        if d == 0 and (s == 0 or peak(s, "zb-h1", 0) > cap):
             d = FUSED
         out.append(d)
     return out

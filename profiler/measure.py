@@ -497,9 +497,15 @@ class SplitRunner:
             self.w.append(w)
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    """An allocation that failed: the device's, not a backward that cannot be split."""
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+def _runs_only_whole(exc: RuntimeError) -> bool:
+    """Whether a backward that ran whole failed in two parts (B, then W) because it can only
+    run whole; not the errors `twice_refused` has advice for (a compiled module's donated
+    buffers, a reentrant checkpoint: those refuse the runtime's other passes too), nor an
+    allocation that failed (the device's)."""
+    from profiler.loader import twice_refused
+
+    oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return twice_refused(exc) is None and not oom
 
 
 def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
@@ -509,11 +515,8 @@ def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: t
     layer whose backward fails when run in those two parts though it ran whole (a custom
     Function whose backward writes into a tensor it saved: legal where the backward runs once,
     but W runs its node again). Such a layer is trained by one backward: 1F1B and GPipe as
-    always, ZB-H1 with its stage's backward fused (`LayerProfile.split_backward`). The errors
-    `twice_refused` has advice for (a compiled module's donated buffers, a reentrant
-    checkpoint) are raised: those refuse the runtime's other passes too."""
-    from profiler.loader import twice_refused
-
+    always, ZB-H1 with its stage's backward fused (`LayerProfile.split_backward`). Other
+    errors are raised (`_runs_only_whole`)."""
     values = layer_values(lg, inputs)
     runners: dict[str, SplitRunner | None] = {}
     for name in lg.layer_names():
@@ -521,7 +524,7 @@ def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: t
         try:
             runner.once(keep=False)
         except RuntimeError as exc:
-            if twice_refused(exc) is not None or _out_of_memory(exc):
+            if not _runs_only_whole(exc):
                 raise
             for p in runner.weights:
                 p.grad = None
@@ -575,9 +578,7 @@ def split_bytes(stage: StageModule, values: dict[str, Any]) -> SplitBytes:
     try:
         _, pending = backward_input(targets, grads, leaves, weights)
     except RuntimeError as exc:  # (a backward that runs only whole: `measure_bw_split`)
-        from profiler.loader import twice_refused
-
-        if twice_refused(exc) is not None or _out_of_memory(exc):
+        if not _runs_only_whole(exc):
             raise
         return SplitBytes(0, 0, saved_inputs, keys, storages)
     outputs = {_storage_key(g)[0] for g in grads}

@@ -241,7 +241,7 @@ def profile_model_file(
                     param_bytes=m.param_bytes, activation_bytes=m.activation_bytes,
                     output_bytes=m.output_bytes, buffer_bytes=m.buffer_bytes,
                     bwd_input_ms=m.bwd_input_ms, bwd_weight_ms=m.bwd_weight_ms,
-                    split_backward=False if not m.split_backward else None,
+                    split_backward=None if m.split_backward else False,  # (absent: it splits)
                     frozen_param_bytes=m.frozen_param_bytes or None, optimizer_ms=m.optimizer_ms,
                     **({k: v for k, v in dataclasses.asdict(m.split_bytes).items()
                         if k not in ("saved_keys", "saved_storages")}

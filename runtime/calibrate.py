@@ -574,16 +574,13 @@ def _load_nominal(path: str | None) -> dict | None:
 
 
 def _rank(args: argparse.Namespace, error_file: str | None) -> int:
-    try:
-        return _rank_run(args, error_file)
-    except KeyboardInterrupt:  # before the rank could report (while importing torch)
-        print(f"error: rank {os.environ.get('RANK', '?')}: interrupted (SIGINT)", file=sys.stderr,
-              flush=True)
-        os._exit(130)
+    from runtime.launch import as_rank
+
+    return as_rank(_rank_run, args, error_file)
 
 
 def _rank_run(args: argparse.Namespace, error_file: str | None) -> int:
-    from runtime.worker import DistEnv, exit_status, report_failure
+    from runtime.worker import DistEnv, end_rank
 
     env = DistEnv.from_environ()
     try:
@@ -599,10 +596,7 @@ def _rank_run(args: argparse.Namespace, error_file: str | None) -> int:
             print(format_summary(data, nominal), flush=True)
             print(f"wrote {args.output}", flush=True)
     except BaseException as exc:  # noqa: BLE001 - end this rank promptly, tell the launcher
-        report_failure(env, exc, error_file)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_status(exc))
+        end_rank(env, exc, error_file)
     from runtime.launch import finished
 
     finished(error_file)

@@ -108,11 +108,9 @@ def _keep(src: Path, dst: Path, counter: Counter | None = None) -> None:
     try:
         os.link(src, dst)
     except OSError:
-        if counter is None:
-            shutil.copy2(src, dst)
-            return
         with open(src, "rb") as fin, open(dst, "wb") as fout:
-            shutil.copyfileobj(fin, _CountingFile(fout, counter), _CountingFile.CHUNK)  # type: ignore[misc]
+            out = fout if counter is None else _CountingFile(fout, counter)
+            shutil.copyfileobj(fin, out, _CountingFile.CHUNK)  # type: ignore[misc]
         shutil.copystat(src, dst)
 
 

@@ -468,26 +468,20 @@ def _checked_launch(args: argparse.Namespace, argv: list[str], info: str) -> int
 
 
 def _rank_main(args: argparse.Namespace, error_file: str | None) -> int:
-    try:
-        return _rank_run(args, error_file)
-    except KeyboardInterrupt:  # before the rank could report (while importing torch)
-        print(f"error: rank {os.environ.get('RANK', '?')}: interrupted (SIGINT)", file=sys.stderr,
-              flush=True)
-        os._exit(130)
+    from runtime.launch import as_rank
+
+    return as_rank(_rank_run, args, error_file)
 
 
 def _rank_run(args: argparse.Namespace, error_file: str | None) -> int:
     from runtime.launch import finished
-    from runtime.worker import DistEnv, exit_status, report_failure, run
+    from runtime.worker import DistEnv, end_rank, run
 
     env = DistEnv.from_environ()
 
     def end(exc: BaseException) -> None:
         """Report `exc` and end this rank now (also from the setup's deadline thread)."""
-        report_failure(env, exc, error_file)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_status(exc))
+        end_rank(env, exc, error_file)
 
     try:
         plan = runnable_plan(load_model(args.plan, Plan, "plan"))

@@ -330,10 +330,10 @@ class StageExecutor:
                 self.forward_fn.on_recompute = None  # type: ignore[attr-defined]
 
     @contextmanager
-    def _compiled_refuses_twice(self) -> Iterator[None]:
+    def _split_refused(self) -> Iterator[None]:
         """B and W apart differentiate a graph twice with `autograd.grad`; torch.compile's
-        backward refuses that (donated buffers), and so does a reentrant checkpoint: say so in
-        one line, with the fix."""
+        backward refuses that (donated buffers), so does a reentrant checkpoint, and so does a
+        backward that writes into a tensor it saved: say so in one line, with the fix."""
         from profiler.loader import twice_refused
 
         try:
@@ -386,7 +386,7 @@ class StageExecutor:
             # a scalar's (the loss's) gradient stays implicit: W would keep it until it runs
             full = [g if g is not None or t.dim() == 0 else torch.ones_like(t)
                     for t, g in zip(tensors, grads, strict=True)]
-            with self._with_recompute_count(st), self._compiled_refuses_twice():
+            with self._with_recompute_count(st), self._split_refused():
                 got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
                                                  self._weights, direct=self.recompute)
             input_grads = dict(zip(keys, got, strict=True))
@@ -419,7 +419,7 @@ class StageExecutor:
         if self.recompute:  # W differentiates from the loss again (`direct`)
             self._peak(self._saved_now + (self.loss_workspace_bytes or 0))
         t0 = time.time()
-        with self._with_recompute_count(st), self._compiled_refuses_twice():
+        with self._with_recompute_count(st), self._split_refused():
             backward_weight(st.pending, self._weights)  # type: ignore[arg-type]
         self._sync()
         t1 = time.time()

@@ -25,8 +25,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
 
 ERROR_FILE_ENV = "PIPEPLAN_ERROR_FILE"
 LAUNCHER_PID_ENV = "PIPEPLAN_LAUNCHER_PID"  # the launcher a rank must not outlive
@@ -65,6 +70,20 @@ def finished(error_file: str | None) -> None:
 def _done_file(error_file: Path) -> Path:
     """Where a rank whose error file is `error_file` marks its normal exit (`finished`)."""
     return error_file.with_suffix(".done")
+
+
+INTERRUPTED = "interrupted (SIGINT)"  # a rank's report of Ctrl-C
+
+
+def as_rank(main: Callable[[argparse.Namespace, str | None], int], args: argparse.Namespace,
+            error_file: str | None) -> int:
+    """Run a rank's `main`; Ctrl-C before it could report (while importing torch: `main`
+    reports the rest itself, `worker.end_rank`) ends the rank in one line, status 130."""
+    try:
+        return main(args, error_file)
+    except KeyboardInterrupt:
+        print(f"error: rank {os.environ.get('RANK', '?')}: {INTERRUPTED}", file=sys.stderr, flush=True)
+        os._exit(130)
 
 
 class Terminated(KeyboardInterrupt):

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from runtime import checkpoint, comm, cpu_binding, grad_clip, progress, rng, sta
 from runtime.comm import P2P, PeerError
 from runtime.deadline import Deadline
 from runtime.executor import StageExecutor, TimedEvent
+from runtime.launch import INTERRUPTED
 from runtime.lr_schedule import lr_factor
 from runtime.options import RunOptions, sparse_refused
 from runtime.report import RankRecord, build_report, chrome_trace, measured_simulation
@@ -379,28 +381,23 @@ class Worker:
         world = self.env.world_size
         if world == 1:
             return
-        mine = torch.tensor([rng.batch_digest(batch), self.model_digest, self.structure_digest],
-                            dtype=torch.int64, device=self.device)
-        every = [torch.zeros_like(mine) for _ in range(world)]
-        _wait(dist.all_gather(every, mine, async_op=True), self.opts.timeout,
-              f"comparing the ranks' models and step-{step} batches")
-        other = _first_other([int(t[2].item()) for t in every])
-        if other is not None:  # (named as different weights before: an outside review)
+        batch_other, weights_other, structure_other = _first_others(
+            [rng.batch_digest(batch), self.model_digest, self.structure_digest], world, self.device,
+            self.opts.timeout, f"comparing the ranks' models and step-{step} batches")
+        if (other := structure_other) is not None:  # (named as different weights before: an outside review)
             raise PipeplanError(
                 f"build_model() gave ranks 0 and {other} different models: their parameters or "
                 "buffers differ in names, shapes or dtypes. Every rank builds the whole model from "
                 "the same file; one that depends on the rank, the host or an environment variable "
                 "set differently on each rank builds another architecture on some of them")
-        other = _first_other([int(t[1].item()) for t in every])
-        if other is not None:
+        if (other := weights_other) is not None:
             raise PipeplanError(
                 f"build_model() gave ranks 0 and {other} different weights: every rank builds the "
                 "whole model after seeding torch's, Python's random and numpy's global generators "
                 "with --seed, so its initial weights must come only from those (or from a file that "
                 "is the same on every rank). A generator of its own (np.random.default_rng() "
                 "without a fixed seed), the rank or the time gives each replica other starting weights")
-        other = _first_other([int(t[0].item()) for t in every])
-        if other is not None:
+        if (other := batch_other) is not None:
             raise PipeplanError(
                 f"make_batch({self.plan.global_batch}) gave ranks 0 and {other} different batches "
                 f"at step {step}: every rank calls it once per step after seeding torch's, Python's "
@@ -705,15 +702,14 @@ def start_rank(env: DistEnv, device: torch.device, backend: str, timeout_s: floa
 # the options every rank must share (the training rule, how long, when to save): torchrun
 # nodes started with different ones deadlock or train apart
 _SHARED_OPTIONS = ("steps", "lr", "optimizer", "weight_decay", "clip_grad_norm",
-                   "lr_schedule", "warmup_steps", "decay_steps", "seed", "save_every", "saves",
-                   "resume", "granularity")
+                   "lr_schedule", "warmup_steps", "decay_steps", "seed", "save_every", "granularity")
 
 
 def _digest(doc: object) -> int:
-    import hashlib
+    """`digest_data` of a JSON document, cut to what an int64 tensor carries."""
+    from planner.formats import digest_data
 
-    text = json.dumps(doc, sort_keys=True, default=str).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return int(digest_data(doc)[:15], 16)
 
 
 def check_same_plan(plan: Plan, opts: RunOptions, env: DistEnv, device: torch.device) -> None:
@@ -726,29 +722,31 @@ def check_same_plan(plan: Plan, opts: RunOptions, env: DistEnv, device: torch.de
                                                  "num_microbatches", "stages", "rank_actions", "generator"})
     for st in runs["stages"]:
         st.pop("predicted", None)  # the planner's figures, not what runs
-    shared = {k: getattr(opts, k, None) for k in _SHARED_OPTIONS}
-    shared["saves"] = opts.save is not None
-    shared["resume"] = opts.resume is not None
-    mine = torch.tensor([_digest(runs), _digest(shared)], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(env.world_size)]
-    _wait(dist.all_gather(every, mine, async_op=True), opts.timeout,
-          "comparing the ranks' plans and options")
-    other = _first_other([int(t[0].item()) for t in every])
-    if other is not None:
+    shared = {**{k: getattr(opts, k) for k in _SHARED_OPTIONS},
+              "saves": opts.save is not None, "resume": opts.resume is not None}
+    plan_other, options_other = _first_others([_digest(runs), _digest(shared)], env.world_size,
+                                              device, opts.timeout, "comparing the ranks' plans and options")
+    if (other := plan_other) is not None:
         raise PipeplanError(
             f"rank {other} runs another plan than rank 0 (their plan files differ in the stages, "
             "the schedule or the microbatching): give every node the same plan.json")
-    other = _first_other([int(t[1].item()) for t in every])
-    if other is not None:
+    if (other := options_other) is not None:
         raise PipeplanError(
             f"rank {other} was started with other training options than rank 0 (--steps, --lr, "
             "--optimizer, --seed, the learning-rate schedule, --save/--save-every or --resume "
             "differ): start every node with the same options")
 
 
-def _first_other(values: list[int]) -> int | None:
-    """The first rank whose value is not rank 0's, if any."""
-    return next((r for r, v in enumerate(values) if v != values[0]), None)
+def _first_others(values: list[int], world: int, device: torch.device, timeout_s: float,
+                  what: str) -> list[int | None]:
+    """Every rank's `values` (int64s) gathered; per value, the first rank whose value is not
+    rank 0's (None: all the same)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    _wait(dist.all_gather(every, mine, async_op=True), timeout_s, what)
+    table = [t.tolist() for t in every]
+    return [next((r for r, row in enumerate(table) if row[i] != table[0][i]), None)
+            for i in range(len(values))]
 
 
 def run(plan: Plan, opts: RunOptions, env: DistEnv, stuck: Callable[[str], None] | None = None) -> None:
@@ -771,18 +769,23 @@ def run(plan: Plan, opts: RunOptions, env: DistEnv, stuck: Callable[[str], None]
     dist.destroy_process_group()
 
 
-def exit_status(exc: BaseException) -> int:
-    """A failed rank's exit status: 2 for the user's input, 130 for Ctrl-C, else 1."""
-    return 2 if isinstance(exc, PipeplanError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+def end_rank(env: DistEnv, exc: BaseException, error_file: str | None) -> NoReturn:
+    """Report `exc` (`report_failure`) and end this rank now, with status 2 for the user's
+    input, 130 for Ctrl-C, else 1 (the runtime's and calibrate's ranks)."""
+    report_failure(env, exc, error_file)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2 if isinstance(exc, PipeplanError) else 130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
 def report_failure(env: DistEnv, exc: BaseException, error_file: str | None) -> None:
     """Tell the launcher (error file) or the user (stderr) what failed on this rank."""
 
-    kind = "peer" if isinstance(exc, PeerError) else "user" if isinstance(exc, PipeplanError) else "error"
-    text = str(exc) if kind != "error" else _traceback_text(exc)
     if isinstance(exc, KeyboardInterrupt):  # Ctrl-C (torchrun passes SIGINT on to every rank)
-        kind, text = "user", "interrupted (SIGINT)"
+        kind, text = "user", INTERRUPTED
+    else:
+        kind = "peer" if isinstance(exc, PeerError) else "user" if isinstance(exc, PipeplanError) else "error"
+        text = str(exc) if kind != "error" else _traceback_text(exc)
     if error_file:
         Path(error_file).write_text(json.dumps({
             "rank": env.rank, "kind": kind, "message": f"rank {env.rank}: {text}", "time": time.time(),
