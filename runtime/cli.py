@@ -163,7 +163,9 @@ def options_from_args(args: argparse.Namespace, plan: Plan) -> RunOptions:
             raise PipeplanError(f"--save {args.save}: is a file; --save writes a directory")
         from runtime.checkpoint import holds_other_files
 
-        if holds_other_files(save):
+        # (the writer's check only: the others read the directory while rank 0's write probe
+        # below makes and removes a file in it, and one of them refused the run now and then)
+        if writer and holds_other_files(save):
             raise PipeplanError(
                 f"--save {args.save}: the directory holds files but no checkpoint (no meta.json), "
                 "and --save would overwrite model.pt and optimizer.pt there: give a new or empty "
