@@ -504,7 +504,7 @@ def test_an_input_that_cannot_be_read_is_a_clear_error() -> None:
     prefix = _as_another_user()
     if prefix is None:
         pytest.skip("running as root without setpriv: every file is readable")
-    root = Path(tempfile.mkdtemp(prefix="pipeplan-perm-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="pipeplan_perm_", dir="/tmp"))
     try:
         root.chmod(0o777)
         cl = root / "cluster.json"
