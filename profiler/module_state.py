@@ -13,7 +13,8 @@ What is kept, per module:
   first capture that sees it (`BlockState.learn`);
 - numbers, strings and the like by value; lists, dicts, sets and deques of such values (and of
   tensors) by a deep copy, put back into the same container object (`self.hist.append(x)`);
-  tensors of an autograd graph in them (a stack of activations) by reference (`_copy_contents`);
+  the tensors in them by reference (`_copy_contents`: a list of the module's own parameters must
+  hold those parameters after it), and their values, where they need no gradient, as a buffer's;
 - generators of its own (`torch.Generator`, `random.Random`, numpy's `Generator` and
   `RandomState`) by their state.
 Anything else (an attribute holding another object) is kept by reference only.
@@ -56,23 +57,31 @@ def _plain(v: object, left: list[int], depth: int = 0) -> bool:
     return all(_plain(x, left, depth + 1) for x in items)
 
 
-def _copy_contents(v: object) -> object:
-    """A deep copy of a plain container (`_plain`) that keeps the tensors of an autograd graph
-    (not leaves, needing a gradient: activations a forward kept, a U-Net's stack of features) by
-    reference: deepcopy refuses them ("Only Tensors created explicitly by the user support the
-    deepcopy protocol"), and what a recomputation needs is the same tensors back in the list."""
-    memo: dict[int, object] = {}
+def _contained_tensors(v: object) -> list[torch.Tensor]:
+    """The tensors in a plain container (`_plain`), at any depth."""
+    found: list[torch.Tensor] = []
     stack = [v]
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
-            if x.requires_grad and not x.is_leaf:
-                memo[id(x)] = x
+            found.append(x)
         elif isinstance(x, dict):
             stack.extend(x.keys())
             stack.extend(x.values())
         elif isinstance(x, (list, tuple, set, frozenset, deque)):
             stack.extend(x)
+    return found
+
+
+def _copy_contents(v: object) -> object:
+    """A copy of a plain container (`_plain`) and of the containers in it that keeps every tensor
+    by reference: a list may hold the module's own parameters and buffers (`RNNBase._flat_weights`,
+    a user's `self.experts = [self.w0, self.w1]`), which the optimizer, the checkpoint and the
+    gradient all-reduce hold too, so what is put back must be those objects, not copies (a copy
+    left the forward reading weights the optimizer never moved); deepcopy also refuses the tensors
+    of an autograd graph (a U-Net's stack of features). A tensor's values a forward changes in
+    place are kept by `BlockState` like a buffer's."""
+    memo: dict[int, object] = {id(t): t for t in _contained_tensors(v)}
     return copy.deepcopy(v, memo)
 
 
@@ -141,9 +150,20 @@ class BlockState:
         self.small: set[int] = set()
 
     def _tensors(self) -> dict[int, torch.Tensor]:
+        """Buffers, tensor attributes and the tensors in plain containers that need no gradient
+        (parameters, another module's included, and an autograd graph's tensors are kept by
+        reference only: only the optimizer changes the first in place)."""
         found: dict[int, torch.Tensor] = {}
         for m in self.modules:
-            for name, t in [*m._buffers.items(), *vars(m).items()]:
+            named: list[tuple[str, object]] = [*m._buffers.items()]
+            for name, v in vars(m).items():
+                if name in _MODULE_KEYS:
+                    continue
+                if isinstance(v, torch.Tensor):
+                    named.append((name, v))
+                elif not _atom(v) and _plain(v, [CONTAINER_ITEMS]):
+                    named.extend((f"{name}[...]", t) for t in _contained_tensors(v) if not t.requires_grad)
+            for name, t in named:
                 if isinstance(t, torch.Tensor) and id(t) not in self.params and id(t) not in found:
                     found[id(t)] = t
                     self.names.setdefault(id(t), f"{type(m).__name__}.{name}")

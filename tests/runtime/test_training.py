@@ -309,3 +309,14 @@ def test_a_recomputed_block_whose_list_attribute_holds_activations(run, tmp_path
     rc, _, err, _ = run(plan, "--model", model, "--steps", 3, "--save", tmp_path / "ck", "--timeout", 60)
     assert rc == 0, err
     assert max_abs_diff(reference_train(str(model), 3), torch.load(tmp_path / "ck" / "model.pt")) < 1e-6
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_parameters_and_buffers_a_block_lists_are_trained_as_one_process(run, tmp_path, schedule):
+    """A block's own parameters in a plain list, a buffer through a list or dict alias, and an
+    LSTM's `_flat_weights`, on a stage without recomputation (the trace put copies in the lists:
+    those weights never trained) and one with it (the LSTM ran on stale copies: 2.8e-3 off)."""
+    model = MODELS / "aliased_state.py"
+    plan = run.plan(model, [3, 3], recompute=[False, True], schedule=schedule, global_batch=8,
+                    microbatch_size=2)
+    _check(run, model, plan, 3, tmp_path)
