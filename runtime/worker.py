@@ -291,6 +291,9 @@ class Worker:
             self.executor.forward_fn = self.forward_fn
             self.executor.recompute = True
         self.executor.stage_tp = [st.tp for st in plan.stages]
+        for names, holders in self.ties:  # the tied parameters this stage holds, by one name
+            if (name := next((n for n in names if n in self.params), None)) is not None:
+                self.executor.tied.append((self.params[name], name, holders))
         self.executor.tp_rank = self.tp_rank
         if self.mesh is not None:  # saved shards of the parameters are not activations
             self.executor._state = [tensor_parallel.local(t.detach()) for t in self.executor._state]

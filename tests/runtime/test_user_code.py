@@ -305,3 +305,17 @@ def test_a_wrapped_body_export_gets_wrong_stays_one_layer_on_every_rank(run, tmp
     got = _train(run, tmp_path, run.plan(model, [1, 1]), model)
     ref = reference_train(str(model), 3)
     assert _diff(got, ref, ref) < TOL
+
+
+def test_a_tied_weight_the_forward_changes_in_place_is_refused_across_stages(run, tmp_path):
+    """nn.Embedding(max_norm=...) tied to the head: on one stage it trains as one process; cut
+    between them, the copies would part (only the embedding's is renormalised), so the run stops
+    at the first forward naming the parameter and what to do."""
+    model = MODELS / "tied_max_norm.py"
+    rc, _, err, _ = run(run.plan(model, 1), "--model", model, "--steps", 3, "--save", tmp_path / "ck",
+                        "--timeout", 60)
+    assert rc == 0, err
+    assert _diff(torch.load(tmp_path / "ck" / "model.pt"), ref := reference_train(str(model), 3), ref) < TOL
+    rc, _, err, _ = run(run.plan(model, 2, name="two.json"), "--model", model, "--steps", 3, "--timeout", 60)
+    assert rc == 2 and "changes parameter 'emb.weight' in place" in err and "tied across stages 0, 1" in err, err
+    assert "Traceback" not in err
