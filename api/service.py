@@ -32,7 +32,9 @@ from api.schemas import CompareOut, CompareRow, JobOut, PlanOut, PlanRequest
 from api.settings import Settings
 from api.storage import JobRow, PlanRow, ProfileRow, Storage
 from api.wording import shown_id
-from planner.formats import Cluster, PlanOptions, Profile, digest_data
+from planner.build import largest_divisor_size
+from planner.errors import PipeplanError
+from planner.formats import MAX_MICROBATCHES, Cluster, PlanOptions, Profile, digest_data
 from planner.limits import MIN_POSITIVE, out_of_range, small_divisor
 
 
@@ -230,16 +232,26 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
         raise limit_error(["body", "options", "microbatch_sizes"],
                           f"{len(options.microbatch_sizes or [])} microbatch sizes; give at most "
                           f"{MAX_MICROBATCH_SIZES}")
-    # the sizes the planner plans: microbatch_size, else microbatch_sizes, else the profile's
-    sizes = ([options.microbatch_size] if options.microbatch_size else options.microbatch_sizes
-             or [profile.batch_size])
-    microbatches = -(-options.global_batch // min(sizes))
+    # the sizes the planner plans: microbatch_size, else microbatch_sizes, else the largest
+    # divisor of global_batch up to the profile's batch size (`resolve_microbatch`: a prime
+    # global batch makes microbatches of 1)
+    if options.microbatch_size or options.microbatch_sizes:
+        sizes = [options.microbatch_size] if options.microbatch_size else options.microbatch_sizes or []
+        microbatches = -(-options.global_batch // min(sizes))
+        which = "microbatch_size" if options.microbatch_size else "the smallest of microbatch_sizes"
+    else:
+        most = max(settings.max_microbatches, MAX_MICROBATCHES)
+        try:
+            b = largest_divisor_size(profile.batch_size, options.global_batch, most)
+            microbatches, count = options.global_batch // b, str(options.global_batch // b)
+        except PipeplanError:  # its largest divisor up to the batch size makes more than that
+            b, microbatches, count = 0, most + 1, f"more than {most}"
+        which = (f"microbatch_size (unset: the largest divisor of global_batch up to the profile's "
+                 f"batch size {profile.batch_size}{f', {b}' if b else ''})")
     if microbatches > settings.max_microbatches:
-        which = ("the smallest of microbatch_sizes" if not options.microbatch_size and options.microbatch_sizes
-                 else "microbatch_size" if options.microbatch_size
-                 else f"microbatch_size (unset: the profile's batch size, {profile.batch_size})")
+        shown = str(microbatches) if options.microbatch_size or options.microbatch_sizes else count
         raise limit_error(["body", "options", "global_batch"],
-                          f"{microbatches} microbatches; this server simulates at most "
+                          f"{shown} microbatches; this server simulates at most "
                           f"{settings.max_microbatches} (PIPEPLAN_MAX_MICROBATCHES): raise {which} "
                           "or lower global_batch")
 

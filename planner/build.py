@@ -17,6 +17,7 @@ from planner.cost import (
 )
 from planner.errors import PipeplanError
 from planner.formats import (
+    MAX_MICROBATCHES,
     Cluster,
     Device,
     Plan,
@@ -39,13 +40,29 @@ from planner.simulator import Simulation, simulate_costs, simulate_generated
 from planner.units import format_bytes
 
 
-def resolve_microbatch(profile: Profile, options: PlanOptions) -> tuple[int, int]:
+def largest_divisor_size(batch_size: int, global_batch: int, max_microbatches: int = MAX_MICROBATCHES) -> int:
+    """The largest divisor of `global_batch` that is at most `batch_size`, found by the number of
+    microbatches k = global_batch / size (the first divisor from ceil(global_batch / batch_size)
+    up): at most `max_microbatches` steps, whatever the two numbers (a loop over the sizes took
+    as many steps as the profile's batch size)."""
+    first = -(-global_batch // batch_size)
+    for k in range(first, max_microbatches + 1):
+        if global_batch % k == 0:
+            return global_batch // k
+    raise PipeplanError(
+        f"--global-batch {global_batch} makes more than {max_microbatches} microbatches of its "
+        f"largest divisor up to the profile's batch size ({batch_size}): give a global batch "
+        f"with a divisor near {batch_size}, or --microbatch-size")
+
+
+def resolve_microbatch(profile: Profile, options: PlanOptions,
+                       max_microbatches: int = MAX_MICROBATCHES) -> tuple[int, int]:
     """(microbatch size, number of microbatches). Without `microbatch_size`: the largest divisor
-    of the global batch that is at most the profile's batch size."""
+    of the global batch that is at most the profile's batch size, refused where it makes more
+    than `max_microbatches` microbatches (a prime global batch makes microbatches of 1)."""
     b = options.microbatch_size
     if b is None:
-        b = max(d for d in range(1, min(profile.batch_size, options.global_batch) + 1)
-                if options.global_batch % d == 0)
+        b = largest_divisor_size(profile.batch_size, options.global_batch, max_microbatches)
     if options.global_batch % b:
         raise PipeplanError(f"--global-batch {options.global_batch} is not a multiple of "
                             f"--microbatch-size {b}")

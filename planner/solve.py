@@ -17,7 +17,7 @@ from planner.baselines import solve_blocks, solve_manual, solve_params, solve_un
 from planner.build import Evaluation, build_plan, evaluate, memory_error, resolve_microbatch
 from planner.cost import layer_table, reserved_memory_bytes
 from planner.errors import PipeplanError
-from planner.formats import MAX_MICROBATCHES, Cluster, Plan, PlanOptions, Profile
+from planner.formats import Cluster, Plan, PlanOptions, Profile
 from planner.partition import Candidate
 from planner.pipedream import solve_pipedream
 from planner.schedules import SCHEDULES
@@ -73,12 +73,7 @@ def make_plan(profile: Profile, cluster: Cluster, options: PlanOptions) -> Plan:
     A plan that does not fit in device memory raises a PipeplanError saying what it needs."""
     t0 = time.perf_counter()
     if not options.microbatch_sizes and not options.microbatch_size:  # (given sizes: PlanOptions checks them)
-        b, m = resolve_microbatch(profile, options)
-        if m > MAX_MICROBATCHES:
-            raise PipeplanError(f"global batch {options.global_batch} / microbatch size {b} (the "
-                                f"largest divisor of it up to the profile's batch, {profile.batch_size}) "
-                                f"is {m} microbatches per iteration; at most {MAX_MICROBATCHES} are "
-                                "planned: give a larger --microbatch-size")
+        resolve_microbatch(profile, options)  # at most MAX_MICROBATCHES of the default size
     if options.max_tp is not None and options.max_tp > 1 and not any(x.tp for x in profile.layers):
         raise PipeplanError(f"--max-tp {options.max_tp} allows tensor parallelism, but the profile has "
                             "no layer measured at a TP degree above 1: profile the model with --tp "

@@ -302,3 +302,14 @@ def test_the_microbatch_limit_counts_the_sizes_the_planner_plans(tmp_path) -> No
         body["options"]["microbatch_sizes"] = [4, 32]
         over = c.post("/v1/plans", json=body)
         assert over.status_code == 422 and "raise the smallest of microbatch_sizes" in over.text
+
+
+def test_the_microbatch_limit_counts_the_divisor_the_planner_takes(tmp_path) -> None:
+    """Without a microbatch size the planner takes the largest divisor of global_batch up to the
+    profile's batch size (8): a prime global batch of 37 is 37 microbatches of 1, not ceil(37 /
+    8) = 5 (an outside review's 509 planned 509 microbatches past a limit of 64)."""
+    with TestClient(create_app(make_settings(tmp_path, max_microbatches=8))) as c:
+        over = c.post("/v1/plans", json=plan_body("blocks", global_batch=37))
+        assert over.status_code == 422 and "37 microbatches" in over.text, over.text
+        ok = c.post("/v1/plans", json=plan_body("blocks", global_batch=40))
+        assert ok.status_code == 201 and ok.json()["plan"]["num_microbatches"] == 5, ok.text

@@ -88,5 +88,24 @@ def test_the_microbatch_limit_counts_the_sizes_the_plan_would_use() -> None:
     plan = make_plan(p, c, PlanOptions(global_batch=2**20, microbatch_sizes=[65536, 131072],
                                        method="cpsat", time_limit_s=2))
     assert plan.num_microbatches in (8, 16)
-    with pytest.raises(PipeplanError, match="100003 microbatches per iteration"):
+    with pytest.raises(PipeplanError, match="100003 makes more than 100000 microbatches"):
         make_plan(p, c, PlanOptions(global_batch=100003, method="uniform"))
+
+
+def test_the_default_microbatch_is_the_largest_divisor_up_to_the_batch_size() -> None:
+    """Against the divisors themselves; a profile batch of 10^12 is answered at once (a loop over
+    the sizes never ended), and a global batch whose divisor makes more than the planner plans
+    is refused with what to do."""
+    import random
+
+    from planner.build import largest_divisor_size
+    from planner.errors import PipeplanError
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        b, g = rng.randint(1, 300), rng.randint(1, 5000)
+        assert largest_divisor_size(b, g) == max(d for d in range(1, min(b, g) + 1) if g % d == 0)
+    assert largest_divisor_size(10**12, 10**12) == 10**12
+    assert largest_divisor_size(10**12, 2 * 10**12) == 10**12
+    with pytest.raises(PipeplanError, match="more than 100000 microbatches.*--microbatch-size"):
+        largest_divisor_size(24, 1_000_003)  # a prime: microbatches of 1
