@@ -1,6 +1,7 @@
 """HEAD on every route that serves GET (RFC 9110: HEAD is GET without the body), as plain
 ASGI middleware: FastAPI's routes answer only the methods they name, so without it `curl -I`
-got 405 where GET works. A route that names HEAD itself (`/healthz`) keeps its own."""
+got 405 where GET works. A route that names HEAD itself keeps its own (none does now: `/healthz`
+had one, which answered without the GET's Content-Type and Content-Length)."""
 
 from __future__ import annotations
 

@@ -187,9 +187,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+class TextFormatter(logging.Formatter):
+    """Plain text, one line per message: control characters in a message (a request path is the
+    client's, percent-decoded: `%0a` is a line break) are written escaped, so a client cannot
+    add lines that read as the server's own (an outside review forged an access-log line)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"),
+                                      record.message)
+        return super().formatMessage(record)
+
+
 def log_config(level: str, json_lines: bool) -> dict[str, Any]:
-    """A logging dictConfig for uvicorn and the service: JSON lines, or uvicorn's plain text."""
-    fmt = {"()": JsonFormatter} if json_lines else {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}
+    """A logging dictConfig for uvicorn and the service: JSON lines, or plain text (escaped)."""
+    fmt = ({"()": JsonFormatter} if json_lines
+           else {"()": TextFormatter, "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s"})
     handler = {"class": "logging.StreamHandler", "formatter": "main", "stream": "ext://sys.stderr"}
     lvl = level.upper()
     return {

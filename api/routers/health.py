@@ -1,5 +1,5 @@
-"""Probes and telemetry, none of them behind the API key: `/healthz` (GET and HEAD: answers
-from memory, so it stays fast while every worker is busy), `/livez` (the process answers),
+"""Probes and telemetry, none of them behind the API key: `/healthz` (answers from memory, so
+it stays fast while every worker is busy; HEAD as every GET route, `api.head`), `/livez` (the process answers),
 `/readyz` (the database takes a write and every worker dispatcher is alive; 503 otherwise),
 `/version`, and Prometheus `/metrics`."""
 
@@ -9,7 +9,7 @@ import logging
 import os
 import platform
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -24,11 +24,6 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz", response_model=Health)
 async def healthz(jobs: JobsDep) -> Health:
     return Health(status="ok", **jobs.stats())
-
-
-@router.head("/healthz", operation_id="healthz_head", response_class=Response)
-async def healthz_head() -> Response:
-    return Response(status_code=200)
 
 
 @router.get("/livez", response_model=Health)

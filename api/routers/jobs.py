@@ -59,7 +59,9 @@ def get_job(job_id: str, storage: StorageDep, settings: SettingsDep, jobs: JobsD
 
 
 @router.delete("/{job_id}", response_model=JobOut,
-               responses={204: {"description": "a finished job's record was deleted"}, **errors(404)})
+               responses={204: {"description": "a finished job's record was deleted (or the record of "
+                                     "the job this request cancelled, by another DELETE meanwhile)"},
+                          **errors(404)})
 def delete_job(job_id: str, storage: StorageDep, jobs: JobsDep) -> Response:
     """Cancel a queued or running job (a running solver process is killed; 200 with the job),
     or delete the record of a finished one (204; its plan stays)."""
@@ -68,7 +70,8 @@ def delete_job(job_id: str, storage: StorageDep, jobs: JobsDep) -> Response:
         raise HTTPException(404, detail=f"no job with id {shown_id(job_id)}")
     if job.status in UNFINISHED:
         cancelled = jobs.cancel(job_id)  # (if it finished meanwhile: its final state)
-        assert cancelled is not None
+        if cancelled is None:  # another DELETE removed the record of the job this one ended
+            return Response(status_code=204)
         return JSONResponse(service.job_out(cancelled).model_dump(mode="json"))
     if not storage.delete_job(job_id):
         raise HTTPException(404, detail=f"no job with id {shown_id(job_id)}")

@@ -50,13 +50,13 @@ ACCEPTED = {202: {"model": JobOut, "description": "still solving: poll the job (
 # ---------------------------------------------------------------- helpers
 
 
-async def _submit(jobs: JobManager, settings: Settings, **kwargs: Any) -> Task:
+async def _submit(jobs: JobManager, settings: Settings, **kwargs: Any) -> tuple[Task, bool]:
+    """The job and whether this request made it (False: it joined the same request's job)."""
     try:
-        task, _ = await run_in_threadpool(lambda: jobs.submit(**kwargs))
+        return await run_in_threadpool(lambda: jobs.submit(**kwargs))
     except QueueFull as exc:
         raise HTTPException(503, detail=f"every worker is busy and the queue is full ({exc}); retry later",
                             headers={"Retry-After": str(settings.retry_after_s)}) from None
-    return task
 
 
 async def _wait(task: Task, timeout_s: float) -> Outcome | None:
@@ -91,7 +91,8 @@ def _plan_row(storage: Storage, plan_id: str) -> PlanRow:
 
 
 @router.post("", status_code=201, response_model=PlanOut,
-             responses={200: {"model": PlanOut, "description": "the same request was solved before"},
+             responses={200: {"model": PlanOut, "description": "the same request was solved before (or by "
+                                                                "another request whose job this one joined)"},
                         **ACCEPTED, **errors(404, 409, 422, 503, 504)})
 async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsDep, jobs: JobsDep,
                       client: ClientDep, response: Response) -> Any:
@@ -113,7 +114,7 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
         response.status_code = 200
         response.headers["Location"] = f"/v1/plans/{cached.id}"
         return service.plan_out(cached, True, prep.warnings)
-    task = await _submit(
+    task, created = await _submit(
         jobs, settings, kind="plan", key=prep.key, profile_id=prep.profile_row.id,
         request=service.job_request(prep), payload=service.task_payload(prep, "plan"),
         grace_s=settings.solve_grace_s,
@@ -130,7 +131,9 @@ async def create_plan(req: PlanRequest, storage: StorageDep, settings: SettingsD
                             "but a DELETE removed it before this answer; send the request again "
                             "to solve it again")
     response.headers["Location"] = f"/v1/plans/{row.id}"
-    return service.plan_out(row, False, prep.warnings)
+    if not created:  # it joined the job of the same request in flight: that one solved the plan
+        response.status_code = 200
+    return service.plan_out(row, not created, prep.warnings)
 
 
 @router.post("/compare", response_model=CompareOut,
@@ -174,7 +177,7 @@ async def compare(req: CompareRequest, storage: StorageDep, settings: SettingsDe
     # (an outside review: [cpsat] answered with [blocks, cpsat])
     key = "compare:" + service.cache_key(base.profile_row.sha256, base.cluster, base.options.model_copy(
         update={"method": json.dumps({"methods": methods, "missing": missing})}))
-    task = await _submit(
+    task, _ = await _submit(
         jobs, settings, kind="compare", key=key, profile_id=base.profile_row.id,
         request=service.job_request(base, methods), payload=service.task_payload(base, "compare", missing),
         grace_s=settings.solve_grace_s,
@@ -262,6 +265,11 @@ async def _render(request: Request, storage: Storage, settings: Settings, render
     status, value = await asyncio.wrap_future(future)
     if status == "user":
         raise HTTPException(422, detail=str(value))
+    if status == "timeout":  # as a solve past its deadline: the server's limit, not a fault
+        raise HTTPException(504, detail=f"drawing the {kind} took longer than this server allows "
+                            f"({settings.render_timeout_s:g} s, PIPEPLAN_RENDER_TIMEOUT_S); the plan "
+                            f"is stored: GET /v1/plans/{plan_id} and draw it locally (`python -m "
+                            "planner simulate plan.json --trace trace.json`)")
     if status != "ok":
         raise HTTPException(500, detail=f"drawing the timeline failed: {status}: {value}")
     await run_in_threadpool(storage.put_render, plan_id, kind, value)
@@ -275,7 +283,7 @@ IMAGE = {200: {"content": {"image/svg+xml": {}, "image/png": {}}, "description":
 
 
 @router.get("/{plan_id}/timeline.svg", response_class=Response,
-            responses={**IMAGE, **errors(404, 422, 503)})
+            responses={**IMAGE, **errors(404, 422, 503, 504)})
 async def timeline_svg(plan_id: str, request: Request, storage: StorageDep, settings: SettingsDep,
                        renders: RendersDep) -> Response:
     """Gantt chart of the simulated schedule: one row per rank, forward/backward coloured,
@@ -284,7 +292,7 @@ async def timeline_svg(plan_id: str, request: Request, storage: StorageDep, sett
 
 
 @router.get("/{plan_id}/timeline.png", response_class=Response,
-            responses={**IMAGE, **errors(404, 422, 503)})
+            responses={**IMAGE, **errors(404, 422, 503, 504)})
 async def timeline_png(plan_id: str, request: Request, storage: StorageDep, settings: SettingsDep,
                        renders: RendersDep) -> Response:
     return await _render(request, storage, settings, renders, plan_id, "png")
@@ -293,7 +301,7 @@ async def timeline_png(plan_id: str, request: Request, storage: StorageDep, sett
 @router.get("/{plan_id}/trace.json", response_class=Response,
             responses={200: {"content": {"application/json": {}}, "description": "Chrome trace"},
                        304: {"description": "If-None-Match matched: not modified"},
-                       **errors(404, 422, 503)})
+                       **errors(404, 422, 503, 504)})
 async def trace(plan_id: str, request: Request, storage: StorageDep, settings: SettingsDep,
                 renders: RendersDep) -> Response:
     """The Chrome trace (chrome://tracing, Perfetto) of the simulated schedule."""

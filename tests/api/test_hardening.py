@@ -163,8 +163,12 @@ def test_405_lists_every_allowed_method(client: TestClient, method: str, path: s
 
 
 def test_head_healthz(client: TestClient) -> None:
-    r = client.head("/healthz")
+    """The GET's status and headers without its body (a HEAD route of its own answered 0 bytes
+    and no Content-Type, against the README's "the same status and headers")."""
+    r, get = client.head("/healthz"), client.get("/healthz")
     assert r.status_code == 200 and r.content == b""
+    assert r.headers["content-type"] == get.headers["content-type"] == "application/json"
+    assert r.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
 
 
 def test_500_is_json_with_the_request_id(tmp_path: Path) -> None:

@@ -201,3 +201,49 @@ def test_a_plan_deleted_before_its_answer_is_a_409(tmp_path) -> None:
         assert r.status_code == 409 and "send the request again" in r.json()["detail"], r.text
         again = c.post("/v1/plans", json=plan_body("blocks"))
         assert again.status_code == 201, again.text
+
+
+@needs_cpsat
+def test_a_job_whose_record_another_delete_removes_while_cancelling_answers_204(tmp_path) -> None:
+    """Two DELETEs of a queued job at once: the one that cancels it finds its record gone when
+    the other (seeing it cancelled) deleted it; that was an AssertionError and a 500 (an outside
+    review, 12 concurrent DELETEs). The interleaving is made here: the record is deleted right
+    after the cancel, as the other request would."""
+    settings = make_settings(tmp_path, workers=1, queue_size=2, sync_wait_s=0.0, max_time_limit_s=60.0)
+    with TestClient(create_app(settings)) as c:
+        first = c.post("/v1/plans", json=slow_body(50.0))
+        wait_for(c, first.json()["id"], {"running"})
+        queued = c.post("/v1/plans", json=slow_body(49.0)).json()
+        assert queued["status"] == "queued"
+        jobs = c.app.state.jobs
+        cancel = jobs.cancel
+
+        def cancel_then_other_delete(job_id: str):
+            row = cancel(job_id)
+            assert row is not None and row.status == "cancelled"
+            assert c.app.state.storage.delete_job(job_id)  # the other DELETE, meanwhile
+            return jobs.storage.get_job(job_id)
+
+        jobs.cancel = cancel_then_other_delete
+        r = c.delete(f"/v1/jobs/{queued['id']}")
+        assert r.status_code == 204, r.text
+        assert c.delete(f"/v1/jobs/{queued['id']}").status_code == 404
+        jobs.cancel = cancel
+        assert c.delete(f"/v1/jobs/{first.json()['id']}").status_code == 200
+
+
+@needs_cpsat
+def test_requests_that_join_a_job_in_flight_answer_200_cached(tmp_path) -> None:
+    """Identical requests at once share one job; only the one that made it answers 201 with
+    cached false (every one did, against the schema's "false only in the response whose request
+    solved this plan")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = make_settings(tmp_path, workers=1, sync_wait_s=60.0, max_time_limit_s=60.0)
+    with TestClient(create_app(settings)) as c:
+        body = slow_body(1.0)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: c.post("/v1/plans", json=body), range(4)))
+        seen = sorted((r.status_code, r.json()["cached"]) for r in answers)
+        assert seen == [(200, True)] * 3 + [(201, False)], [r.text[:200] for r in answers]
+        assert len({r.json()["id"] for r in answers}) == 1

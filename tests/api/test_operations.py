@@ -397,3 +397,23 @@ def test_a_worker_killed_before_its_task_is_sent_is_a_death_not_a_broken_pipe() 
         assert status == "died" and "killed by SIGKILL" in how, (status, how)
     finally:
         proc.close(kill=True)
+
+
+def test_the_text_log_writes_a_client_s_line_breaks_escaped() -> None:
+    """`serve --log-format text`: a request path is the client's, percent-decoded, so `%0a` put
+    a line of the client's making in the server's log (an outside review forged an access-log
+    line with it). Control characters in a message are written escaped; the message's own
+    arguments are unchanged for the JSON log."""
+    import logging
+
+    from api.observe import TextFormatter, log_config
+
+    config = log_config("info", json_lines=False)["formatters"]["main"]
+    assert config["()"] is TextFormatter
+    fmt = TextFormatter(config["fmt"])
+    path = "/v1/plans/x\n2026-12-07 INFO api.access DELETE /v1/profiles/ALL 204\r\x1b[2K\u2028"
+    record = logging.LogRecord("api.access", logging.INFO, __file__, 1, "%s %s %d", ("GET", path, 404), None)
+    line = fmt.format(record)
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\u2028" not in line
+    assert line.endswith("GET /v1/plans/x\\n2026-12-07 INFO api.access DELETE /v1/profiles/ALL 204"
+                         "\\r\\x1b[2K\\u2028 404")

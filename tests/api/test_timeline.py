@@ -80,3 +80,16 @@ def test_tiny_bars_do_not_vanish(client: TestClient) -> None:
     work = (near(image, COLORS["F"]) | near(image, COLORS["B"])).sum()
     idle = near(image, IDLE).sum()
     assert work > 5 * idle  # a 1F1B pipeline with 2000 microbatches is busy almost all the time
+
+
+def test_a_drawing_past_the_render_timeout_is_a_504_that_says_what_to_do(tmp_path) -> None:
+    """The render pool's deadline (PIPEPLAN_RENDER_TIMEOUT_S) is a server limit, as a solve's
+    is: 504 with what to do, not 500 ("a bug in the server", as it was)."""
+    from api.app import create_app
+    from tests.api.conftest import make_settings
+
+    with TestClient(create_app(make_settings(tmp_path, render_timeout_s=0.05))) as c:
+        plan = manual_plan(c, 64, [4] * 16, 1, 16, 2048)
+        r = c.get(f"/v1/plans/{plan['id']}/timeline.png")
+        assert r.status_code == 504, r.text[:300]
+        assert "PIPEPLAN_RENDER_TIMEOUT_S" in r.json()["detail"] and plan["id"] in r.json()["detail"]
