@@ -155,19 +155,22 @@ class BlockState:
         reference only: only the optimizer changes the first in place)."""
         found: dict[int, torch.Tensor] = {}
         for m in self.modules:
-            named: list[tuple[str, object]] = [*m._buffers.items()]
+            named: list[tuple[str, object, bool]] = [(k, t, False) for k, t in m._buffers.items()]
             for name, v in vars(m).items():
                 if name in _MODULE_KEYS:
                     continue
                 if isinstance(v, torch.Tensor):
-                    named.append((name, v))
+                    named.append((name, v, False))
                 elif not _atom(v) and _plain(v, [CONTAINER_ITEMS]):
-                    named.extend((f"{name}[...]", t) for t in _contained_tensors(v) if not t.requires_grad)
-            for name, t in named:
+                    named.extend((f"{name}[...]", t, True) for t in _contained_tensors(v)
+                                 if not t.requires_grad)
+            for name, t, contained in named:
                 if isinstance(t, torch.Tensor) and id(t) not in self.params and id(t) not in found:
                     found[id(t)] = t
                     self.names.setdefault(id(t), f"{type(m).__name__}.{name}")
-                    if t.numel() * t.element_size() <= SMALL_TENSOR_BYTES:
+                    # a container's: copied at every capture, as the container's deep copy did
+                    # (it may come and go with the container's contents between forwards)
+                    if contained or t.numel() * t.element_size() <= SMALL_TENSOR_BYTES:
                         self.small.add(id(t))
         return found
 

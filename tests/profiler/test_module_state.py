@@ -1,0 +1,52 @@
+"""The state a block's forward may change, kept and put back (`profiler.module_state`): what a
+recomputation and the trace rely on, checked against the module's own objects and values."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from profiler.module_state import SMALL_TENSOR_BYTES, BlockState
+
+
+class Lists(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w0 = nn.Parameter(torch.randn(4, 4))
+        self.w1 = nn.Parameter(torch.randn(4, 4))
+        self.experts = [self.w0, self.w1]
+        self.rnn = nn.LSTM(4, 4)
+        big = SMALL_TENSOR_BYTES // 4 + 1  # float32 elements: one more than a small tensor holds
+        self.cache = {"big": torch.zeros(big), "calls": 0}
+        self.hist: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache["calls"] += 1
+        if self.cache["calls"] > 1:  # changed in place from the second forward on only
+            self.cache["big"].add_(1.0)
+        self.hist.append(x.detach().sum())
+        return x + sum(x @ w for w in self.experts) + self.rnn(x.unsqueeze(0))[0][0]
+
+
+def test_put_back_keeps_the_modules_own_tensors_and_their_values() -> None:
+    """A list of the module's parameters (and an LSTM's `_flat_weights`) holds the very
+    parameters after a restore (copies were put back: the forward then read weights the optimizer
+    never moved); a large tensor in a dict that a later forward first changes in place comes back
+    with its values (no error: a container's tensors are copied at every capture)."""
+    torch.manual_seed(0)
+    m = Lists()
+    state = BlockState(m)
+    x = torch.randn(3, 4)
+    first = state.capture()
+    m(x)
+    state.learn(first)
+    snap = state.capture()
+    big = m.cache["big"]
+    m(x)  # changes cache["big"] in place for the first time
+    assert float(big.sum()) == big.numel()
+    state.restore(snap)
+    assert m.experts[0] is m.w0 and m.experts[1] is m.w1
+    assert all(a is b for a, b in zip(m.rnn._flat_weights, [m.rnn.weight_ih_l0, m.rnn.weight_hh_l0,
+                                                            m.rnn.bias_ih_l0, m.rnn.bias_hh_l0], strict=True))
+    assert m.cache["big"] is big and float(big.sum()) == 0.0 and m.cache["calls"] == 1
+    assert len(m.hist) == 1
