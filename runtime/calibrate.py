@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.errors import OneLineParser, PipeplanError
+from planner.io import write_text_atomic
+from planner.limits import MIN_POSITIVE, small_divisor
 
 if TYPE_CHECKING:
     from runtime.comm import PeerError
@@ -338,7 +340,9 @@ def rank_main(args: argparse.Namespace) -> dict | None:
     say(f"each device's speed, alone and with all {world} ranks busy")
     solo = _time_ms(step, torch, device, 7, window_s=1.5) if me == 0 else None
     comm.barrier(device)
-    together = _time_ms(step, torch, device, 7, window_s=1.5)
+    # one rank alone is all ranks busy: its speed is 1 by definition (a second timing of the same
+    # work wrote 0.03-4.8 on a shared machine, and every plan on that file was off as much)
+    together = solo if world == 1 else _time_ms(step, torch, device, 7, window_s=1.5)
     mem = _memory_bytes(torch, device, env.local_world_size)
     rows: list[object] = [None] * world
     with comm.collective("calibrate, gathering every rank's speed and memory", args.timeout):
@@ -545,9 +549,9 @@ def _check_args(args: argparse.Namespace) -> None:
     from planner.formats import MAX_DEVICE_MEMORY_GB
 
     if args.memory_gb is not None and not (math.isfinite(args.memory_gb)
-                                           and 0 < args.memory_gb <= MAX_DEVICE_MEMORY_GB):
+                                           and MIN_POSITIVE <= args.memory_gb <= MAX_DEVICE_MEMORY_GB):
         raise PipeplanError(f"--memory-gb {args.memory_gb:g}: give the usable memory per device in GB "
-                            f"(> 0, at most {MAX_DEVICE_MEMORY_GB:g})")
+                            f"(at least {MIN_POSITIVE:g}, at most {MAX_DEVICE_MEMORY_GB:g})")
     # every rank checks its arguments; only rank 0 writes cluster.json
     check_output(args.output, (args.profile, args.model, args.nominal),
                  probe=os.environ.get("RANK", "0") == "0")
@@ -590,9 +594,12 @@ def _rank_run(args: argparse.Namespace, error_file: str | None) -> int:
             from planner.formats import Cluster
 
             data = cluster_from(meas, args.memory_gb)
-            Cluster.model_validate(data)  # what we write must load
+            Cluster.model_validate(data)  # what we write must load, as `plan` reads it
+            if (bad := small_divisor(data)) is not None:
+                raise PipeplanError(f"calibrate measured {'.'.join(map(str, bad[0]))} {bad[1]}: "
+                                    "nothing was written; run it again on a quieter machine")
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
+            write_text_atomic(args.output, json.dumps(data, indent=2) + "\n")
             print(format_summary(data, nominal), flush=True)
             print(f"wrote {args.output}", flush=True)
     except BaseException as exc:  # noqa: BLE001 - end this rank promptly, tell the launcher

@@ -26,6 +26,7 @@ from torch import nn
 
 from planner.errors import PipeplanError, describe
 from planner.formats import Plan
+from planner.io import write_text_atomic
 from profiler.host_memory import keep_large_blocks
 from profiler.optimizers import make_optimizer
 from profiler.tracing import TracingWarning
@@ -604,7 +605,8 @@ class Worker:
         if opts.trace:
             sim = measured_simulation(records, report.iteration_ms)
             Path(opts.trace).parent.mkdir(parents=True, exist_ok=True)
-            Path(opts.trace).write_text(json.dumps(chrome_trace(sim, plan, report.iteration_ms)))
+            # a temporary file renamed in, as every output: a full disk keeps the previous trace
+            write_text_atomic(opts.trace, json.dumps(chrome_trace(sim, plan, report.iteration_ms)))
         pred = plan.predicted.iteration_ms
         meas = report.iteration_ms
         first = self.start_step + 1

@@ -160,3 +160,19 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     r = _calibrate("--nproc-per-node", "1", "--memory-gb", "2e6", "-o", str(tmp_path / "c.json"))
     assert r.returncode == 2 and "--memory-gb 2e+06" in r.stderr and "at most 1e+06" in r.stderr, r.stderr
     assert "calibrating" not in r.stdout and "Traceback" not in r.stderr
+    # below what every reader of a cluster file takes (1e-6 GB): it wrote a file plan refused
+    r = _calibrate("--nproc-per-node", "1", "--memory-gb", "1e-12", "-o", str(tmp_path / "c.json"))
+    assert r.returncode == 2 and "--memory-gb 1e-12" in r.stderr and "at least 1e-06" in r.stderr, r.stderr
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_one_rank_is_its_own_reference_speed_and_the_file_is_replaced_whole(tmp_path):
+    """With one rank, alone and with all ranks busy are one and the same: its speed is 1 (two
+    timings of the same work wrote 0.03 to 4.8 on a busy machine, and plans on those files were
+    off as much). The file is renamed in from a temporary one: a write that fails keeps the old."""
+    out = tmp_path / "c.json"
+    r = _calibrate("--nproc-per-node", "1", "-o", str(out), "--rounds", "2", "--memory-gb", "1")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["speed"] == 1.0 and data["calibration"]["speeds"] == [1.0], data
+    assert [p.name for p in tmp_path.iterdir()] == ["c.json"]  # no temporary file left
