@@ -91,6 +91,9 @@ class Corrections(BaseModel):
     p2p_overhead_us_before: float = 0.0
     p2p_overhead_us_after: float = 0.0
     compute_scale: float = 1.0  # common factor when latency alone could not absorb the residual
+    # a run without pipeline messages whose replicas all-reduce: the fitted efficiency (None: kept)
+    allreduce_efficiency_before: float | None = None
+    allreduce_efficiency_after: float | None = None
 
 
 def _mean(xs: list[float]) -> float:
@@ -243,6 +246,9 @@ def _check_stages_computed(plan: Plan, report: Report) -> None:
             ("optimizer step", r.optimizer_ms, r.predicted_optimizer_ms))
             if measured is not None and predicted is not None and predicted > 0
             and measured < NOTHING * predicted]
+        # a peak of next to no memory (0 or 1 byte: the fitted activations came out negative)
+        if p.memory_bytes > 0 and r.peak_memory_bytes < NOTHING * p.memory_bytes:
+            zero.append(f"a peak of {r.peak_memory_bytes} bytes of memory (predicted {p.memory_bytes:.6g})")
         if zero:
             raise PipeplanError(
                 f"the report says rank {r.rank} (stage {r.stage}, replica {r.replica}) took "
@@ -353,7 +359,8 @@ def fit(plan: Plan, report: Report) -> Corrections:
                   + float(getattr(p, "reserved_memory_bytes", 0) or 0))
         act_pred = float(p.memory_bytes) - static
         peaks = [r.peak_memory_bytes for r in ranks]
-        act_meas = float(max(peaks)) - static if peaks else None
+        # (at least 0: a peak a little below the predicted static memory has no activations)
+        act_meas = max(float(max(peaks)) - static, 0.0) if peaks else None
         stages.append(StageCorrection(
             index=st.index, layers=list(st.layers),
             predicted_fwd_ms=p.fwd_ms, measured_fwd_ms=fwd, fwd_scale=fwd_scale,
@@ -369,22 +376,33 @@ def fit(plan: Plan, report: Report) -> Corrections:
     messages = any(snd.nbytes > 0 for snd in base.sends.values())
     target = report.iteration_ms
 
-    def sim(overhead_us: float, compute: float = 1.0) -> float:
+    reduces = any(a > 0 for a in base.allreduce_ms)
+    efficiency = plan.cluster.allreduce_efficiency
+
+    def sim(overhead_us: float, compute: float = 1.0, allreduce: float = 1.0) -> float:
         c = _with_overhead(plan, _corrected_costs(base, stages, compute), overhead_us)
+        if allreduce != 1.0:
+            c = dataclasses.replace(c, allreduce_ms=tuple(a * allreduce for a in c.allreduce_ms))
         return simulate_costs(c, schedule).iteration_ms
 
-    compute_scale = 1.0
+    compute_scale, reduce_scale = 1.0, 1.0
     # a run without pipeline messages measured nothing about them: the cluster's overhead stays
     # (fitting it gave 0, which the corrected cluster then claimed for the next plan's messages)
     overhead = 0.0 if messages else plan.cluster.p2p_overhead_us
     if messages and sim(0.0) < target:
         overhead = _bisect(sim, 0.0, target * 1e3, target)
-    if sim(overhead) > target * (1 + 1e-9):  # faster than zero overhead predicts
-        compute_scale = _bisect(lambda c: sim(overhead, c), 0.0, 1.0, target)
-    elif not messages and sim(overhead) < target:  # nothing to put it on but the compute
-        compute_scale = _bisect(lambda c: sim(overhead, c), 1.0, target / max(sim(overhead), 1e-9) + 1,
-                                target)
-    after = sim(overhead, compute_scale)
+    if not messages and reduces and sim(overhead) < target:
+        # a data-parallel run: what the stages' own times leave is the gradients' all-reduce (its
+        # efficiency), not their compute (it was put there: the next plan priced the layers at
+        # 3x what the run measured of them; an outside review). Up to an efficiency of 1e-3
+        most = efficiency / 1e-3
+        reduce_scale = _bisect(lambda k: sim(overhead, 1.0, k), 1.0, most, target)
+    if sim(overhead, 1.0, reduce_scale) > target * (1 + 1e-9):  # faster than zero overhead predicts
+        compute_scale = _bisect(lambda c: sim(overhead, c, reduce_scale), 0.0, 1.0, target)
+    elif not messages and sim(overhead, 1.0, reduce_scale) < target * (1 - 1e-9):  # nothing else to put it on
+        compute_scale = _bisect(lambda c: sim(overhead, c, reduce_scale), 1.0,
+                                target / max(sim(overhead, 1.0, reduce_scale), 1e-9) + 1, target)
+    after = sim(overhead, compute_scale, reduce_scale)
     if abs(after - target) > 1e-3 * target:
         # compute scaled towards 0 still leaves the links' latency: no costs explain the run
         how = ("less than this plan takes even with its compute scaled to nothing "
@@ -406,6 +424,8 @@ def fit(plan: Plan, report: Report) -> Corrections:
         predicted_iteration_ms_after=after, stages=stages,
         p2p_overhead_us_before=plan.cluster.p2p_overhead_us, p2p_overhead_us_after=overhead,
         compute_scale=compute_scale,
+        allreduce_efficiency_before=efficiency if reduce_scale != 1.0 else None,
+        allreduce_efficiency_after=efficiency / reduce_scale if reduce_scale != 1.0 else None,
     )
 
 
@@ -485,8 +505,11 @@ def corrected_profile(profile: Profile, corrections: Corrections, optimizer: str
 
 
 def corrected_cluster(cluster: Cluster, corrections: Corrections) -> Cluster:
-    """`cluster` with the fitted per-message overhead."""
-    return cluster.model_copy(update={"p2p_overhead_us": corrections.p2p_overhead_us_after})
+    """`cluster` with the fitted per-message overhead (and all-reduce efficiency, where fitted)."""
+    update: dict[str, float] = {"p2p_overhead_us": corrections.p2p_overhead_us_after}
+    if corrections.allreduce_efficiency_after is not None:
+        update["allreduce_efficiency"] = corrections.allreduce_efficiency_after
+    return cluster.model_copy(update=update)
 
 
 def _scaled_fields(predicted: object, scale: float) -> dict[str, float]:
@@ -621,7 +644,11 @@ def format_corrections(c: Corrections) -> str:
             for s in c.stages))
     lines.append(f"per-message overhead (p2p_overhead_us): {c.p2p_overhead_us_before:.1f} -> "
                  f"{c.p2p_overhead_us_after:.1f} us")
+    if c.allreduce_efficiency_after is not None:
+        lines.append(f"gradient all-reduce efficiency (allreduce_efficiency): "
+                     f"{c.allreduce_efficiency_before:.3g} -> {c.allreduce_efficiency_after:.3g} (a run "
+                     "without pipeline messages: what the stage times leave of its iteration)")
     if c.compute_scale != 1.0:
-        lines.append(f"every stage's compute also x{c.compute_scale:.3f} (the measured iteration and "
-                     "the measured stage times disagree by that much)")
+        lines.append(f"of the factors above, x{c.compute_scale:.3f} is common to every stage (the "
+                     "measured iteration and the measured stage times disagree by that much)")
     return "\n".join(lines)

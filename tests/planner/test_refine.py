@@ -16,7 +16,7 @@ from planner.cli import main
 from planner.cost import Send
 from planner.errors import PipeplanError
 from planner.formats import Cluster, Plan, PlanOptions, Profile, RankReport, Report
-from planner.refine import corrected_cluster, corrected_plan, corrected_profile, fit
+from planner.refine import corrected_cluster, corrected_plan, corrected_profile, fit, format_corrections
 from planner.schedules import plan_actions
 from planner.simulator import costs_from_plan, simulate_costs
 from planner.solve import make_plan
@@ -32,7 +32,7 @@ def _plan(split=(2, 2, 2), replicas=None, latency_us=50.0, schedule="1f1b", skip
     return profile, make_plan(profile, cl, options)
 
 
-def _run(plan: Plan, fwd_scale, bwd_scale, overhead_us, act_scale=1.0) -> Report:
+def _run(plan: Plan, fwd_scale, bwd_scale, overhead_us, act_scale=1.0, allreduce_scale=1.0) -> Report:
     """What a run with these true costs measures (the simulator as the machine)."""
     costs = costs_from_plan(plan)
     kinds_lat = plan.cluster.latency_us + overhead_us
@@ -41,7 +41,8 @@ def _run(plan: Plan, fwd_scale, bwd_scale, overhead_us, act_scale=1.0) -> Report
     true = dataclasses.replace(
         costs, sends=sends,
         fwd_ms=tuple(f * k for f, k in zip(costs.fwd_ms, fwd_scale, strict=True)),
-        bwd_ms=tuple(b * k for b, k in zip(costs.bwd_ms, bwd_scale, strict=True)))
+        bwd_ms=tuple(b * k for b, k in zip(costs.bwd_ms, bwd_scale, strict=True)),
+        allreduce_ms=tuple(a * allreduce_scale for a in costs.allreduce_ms))
     sim = simulate_costs(true, plan_actions(plan))
     ranks = []
     for st in plan.stages:
@@ -49,7 +50,7 @@ def _run(plan: Plan, fwd_scale, bwd_scale, overhead_us, act_scale=1.0) -> Report
         for k, d in enumerate(st.devices):
             ranks.append(RankReport(
                 rank=d, stage=st.index, replica=k, fwd_ms_per_microbatch=true.fwd_ms[st.index],
-                bwd_ms_per_microbatch=true.bwd_ms[st.index], comm_ms=0.0, idle_ms=sim.idle_ms[d],
+                bwd_ms_per_microbatch=true.bwd_ms[st.index], comm_ms=0.0, idle_ms=max(sim.idle_ms[d], 0.0),
                 peak_memory_bytes=int(p.static_memory_bytes + (p.memory_bytes - p.static_memory_bytes) * act_scale),
                 peak_inflight_microbatches=sim.peak_inflight[d]))
     return Report(plan_profile_sha256=plan.profile_sha256, steps=5, iteration_ms=sim.iteration_ms,
@@ -489,7 +490,9 @@ def test_a_stage_measured_at_0_ms_is_refused():
                           r"0 ms of forward per microbatch \(predicted [0-9.]+\) and 0 ms of backward"),
                          ({"bwd_ms_per_microbatch": 0.0}, "0 ms of backward per microbatch"),
                          ({"bwd_ms_per_microbatch": 1e-300}, "1e-300 ms of backward per microbatch"),
-                         ({"optimizer_ms": 0.0, "predicted_optimizer_ms": 0.5}, "0 ms of optimizer step")):
+                         ({"optimizer_ms": 0.0, "predicted_optimizer_ms": 0.5}, "0 ms of optimizer step"),
+                         # a peak of 0 or 1 byte of memory was fitted as negative activations
+                         ({"peak_memory_bytes": 0}, r"a peak of 0 bytes of memory \(predicted")):
         ranks = [r.model_copy(update=update) if r.stage == 1 else r for r in report.ranks]
         with pytest.raises(PipeplanError, match=rf"rank 1 \(stage 1, replica 0\) took {says}"):
             fit(plan, report.model_copy(update={"ranks": ranks}))
@@ -537,11 +540,19 @@ def test_a_run_without_messages_keeps_the_clusters_overhead():
     assert corrected_cluster(plan.cluster, c).p2p_overhead_us == 700.0
     assert (c.stages[0].fwd_scale, c.stages[0].bwd_scale) == pytest.approx((1.3, 0.9))
     assert c.predicted_iteration_ms_after == pytest.approx(report.iteration_ms, rel=1e-6)
-    # a run slower than its ranks' compute explains: the compute takes it, not the overhead
-    slower = report.model_copy(update={"iteration_ms": report.iteration_ms * 1.2})
+    assert c.allreduce_efficiency_after is None and corrected_cluster(plan.cluster, c).allreduce_efficiency == 1.0
+    # its all-reduce 3x slower than priced: the all-reduce's efficiency takes it, not the overhead,
+    # nor the compute (an outside review: the compute took it, and the next plan priced the
+    # layers at 3x what the run measured of them)
+    slower = _run(plan, (1.3,), (0.9,), overhead_us=0.0, allreduce_scale=3.0)
+    assert costs_from_plan(plan).allreduce_ms[0] > 0 and slower.iteration_ms > report.iteration_ms
     c = fit(plan, slower)
-    assert c.p2p_overhead_us_after == 700.0 and c.compute_scale > 1.0
+    assert c.p2p_overhead_us_after == 700.0 and c.compute_scale == 1.0
+    assert (c.stages[0].fwd_scale, c.stages[0].bwd_scale) == pytest.approx((1.3, 0.9))
+    assert c.allreduce_efficiency_before == 1.0 and c.allreduce_efficiency_after == pytest.approx(1 / 3, rel=1e-4)
+    assert corrected_cluster(plan.cluster, c).allreduce_efficiency == c.allreduce_efficiency_after
     assert c.predicted_iteration_ms_after == pytest.approx(slower.iteration_ms, rel=1e-6)
+    assert "allreduce_efficiency" in format_corrections(c)
 
 
 def test_refine_writes_all_its_files_or_none(tmp_path, capsys, monkeypatch):
