@@ -307,6 +307,64 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
         state.restore(saved)
 
 
+def _child_index(spec: pytree.TreeSpec, key: object) -> int | None:
+    """Which child of a tuple, list or dict node `spec[key]` selects (None: another node type)."""
+    if spec.type in (tuple, list) or pytree.is_namedtuple_class(spec.type):
+        n = spec.num_children
+        return key + n if isinstance(key, int) and -n <= key < 0 else key if isinstance(key, int) and key < n else None
+    if spec.type is dict and isinstance(spec.context, list) and key in spec.context:
+        return spec.context.index(key)
+    return None
+
+
+def select_unflattened(gm: fx.GraphModule) -> int:
+    """Replace each item taken out of a `tree_unflatten` (through `getitem`s) that is one of its
+    leaves by that leaf, and drop what is then unused. torch.export's kept block calls pack a
+    block's arguments and keywords with `tree_unflatten([hidden, mask, ...], spec)` and take
+    them out one by one: a layer reading only the keywords then depended on the whole pack, so
+    every cut sent the hidden state twice (an outside review, on every exported Hugging Face
+    decoder). Returns how many items were replaced."""
+    def spec_of(arg: object) -> pytree.TreeSpec | None:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            arg = _get(gm, str(arg.target))
+        return arg if isinstance(arg, pytree.TreeSpec) else None
+
+    replaced = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not operator.getitem:
+            continue
+        keys, src = [], n
+        while src.op == "call_function" and src.target is operator.getitem and isinstance(src.args[0], fx.Node):
+            keys.append(src.args[1])
+            src = src.args[0]
+        if src.op != "call_function" or src.target is not pytree.tree_unflatten or len(src.args) != 2:
+            continue
+        leaves, spec = src.args[0], spec_of(src.args[1])
+        if spec is None or not isinstance(leaves, list | tuple) or len(leaves) != spec.num_leaves:
+            continue
+        offset = 0
+        for key in reversed(keys):
+            i = None if spec.is_leaf() else _child_index(spec, key)
+            if i is None:
+                break
+            offset += sum(spec.child(j).num_leaves for j in range(i))
+            spec = spec.child(i)
+        else:
+            if spec.is_leaf():
+                value = leaves[offset]
+                for user in list(n.users):
+                    user.args = fx.node.map_arg(user.args, lambda a, n=n, v=value: v if a is n else a)
+                    user.kwargs = fx.node.map_arg(user.kwargs, lambda a, n=n, v=value: v if a is n else a)
+                replaced += 1
+    if replaced:
+        packing = (operator.getitem, pytree.tree_unflatten)
+        for n in reversed(list(gm.graph.nodes)):
+            if n.op == "call_function" and n.target in packing and not n.users:
+                gm.graph.erase_node(n)
+        gm.recompile()
+    return replaced
+
+
 def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str,
            tensor_kinds: dict[str, bool] | None = None,
            mutations: dict[str, list[str]] | None = None, method: str | None = None) -> LayerGraph:
@@ -317,6 +375,7 @@ def _trace(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], granularity
     # launcher checked the graph
     traced = capture(model, inputs, leaves, keep, check=tensor_kinds is None, method=method)
     gm = traced.gm
+    select_unflattened(gm)  # on the launcher's trace and every rank's alike: the same node names
     root: torch.nn.Module = model if traced.method == "fx" else gm
     if traced.out_spec is not None:
         setattr(gm, OUT_SPEC_ATTR, traced.out_spec)

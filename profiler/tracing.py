@@ -430,7 +430,11 @@ def _check_export(model: torch.nn.Module, gm: fx.GraphModule, inputs: tuple[torc
             again_out, again_grads = _run_with_grads(model, inputs, own)
             restore_buffers()
             try:
-                out, got = _run_with_grads(gm, inputs, theirs)
+                # fx's GraphModule prints the graph's frames to stderr before it re-raises (28
+                # lines ahead of the one-line error); the model's own two runs above printed
+                # whatever the model prints
+                with contextlib.redirect_stderr(io.StringIO()):
+                    out, got = _run_with_grads(gm, inputs, theirs)
             except Exception as exc:  # noqa: BLE001 - any failure of the graph is the model's to fix
                 raise PipeplanError(
                     f"{what} of {name} fails where the model runs "
@@ -474,6 +478,14 @@ def _transformers_hint(model: torch.nn.Module) -> str:
     flags = sorted({f for mod in _transformers_models(model) for f in HOOKED_OUTPUTS
                     if getattr(mod.config, f, None) is True})
     if not flags:
+        tf = sys.modules.get("transformers")
+        if tf is not None and isinstance(model, getattr(tf, "PreTrainedModel", ())):
+            # a transformers class is not the user's to edit: what they can do instead (a bare
+            # T5 was refused with advice to change its forward; wrapped, it trains in stages)
+            return (f" {type(model).__name__} is a transformers class: rather than change its "
+                    "forward, wrap it in a module of your own whose forward calls it with keywords "
+                    "and returns what the loss needs (e.g. `.logits`), build that in build_model(), "
+                    "then profile again: its parts are then called as written.")
         return ""
     return (f" This transformers model's config sets {', '.join(flags)}, outputs it collects with "
             "hooks on its layers, which a traced graph does not keep: set "

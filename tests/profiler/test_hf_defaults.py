@@ -73,6 +73,28 @@ def test_outputs_collected_by_hooks_are_named_in_the_error() -> None:
         trace(model, (tokens[:, :-1],), granularity="blocks")
 
 
+def test_the_export_check_prints_no_traceback_and_a_bare_transformers_class_is_told_to_wrap(capfd) -> None:
+    """fx's GraphModule printed 28 lines of the graph's frames to stderr ahead of the one-line
+    error (an outside review). A bare T5 is refused; the advice was to change its forward, which
+    a transformers class is not the user's to change: wrapped in a module of the user's, it
+    profiles in parts and trains in stages."""
+    from planner.errors import PipeplanError
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (2, 13))
+    capfd.readouterr()
+    with pytest.raises(PipeplanError):
+        trace(_llama(use_cache=False, output_hidden_states=True), (tokens[:, :-1],), granularity="blocks")
+    assert "Traceback" not in capfd.readouterr().err
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                num_decoder_layers=2, num_heads=2, dropout_rate=0.0, use_cache=False,
+                                decoder_start_token_id=0, pad_token_id=0)
+    src, dec = torch.randint(1, VOCAB, (2, 10)), torch.randint(1, VOCAB, (2, 8))
+    with pytest.raises(PipeplanError, match="T5ForConditionalGeneration is a transformers class: rather "
+                                            "than change its forward, wrap it in a module of your own"):
+        trace(transformers.T5ForConditionalGeneration(cfg), (src, torch.ones_like(src), dec), granularity="blocks")
+
+
 def test_a_model_of_the_users_holding_a_causal_lm_has_its_cache_turned_off_too() -> None:
     """A subclass defined in the model file, or a transformers model held by a module of the
     user's, is a transformers model as well."""
@@ -98,3 +120,26 @@ def test_a_model_of_the_users_holding_a_causal_lm_has_its_cache_turned_off_too()
     assert wrapped.lm.config.use_cache is True
     trace(wrapped, (tokens[:, :-1],), granularity="blocks")  # (it was refused: a DynamicCache)
     assert wrapped.lm.config.use_cache is False
+
+
+def test_an_exported_decoder_sends_its_hidden_state_once_per_cut() -> None:
+    """torch.export packs a kept block's arguments with tree_unflatten([hidden, mask, ...]) and
+    takes them out one by one; the next layer read the keywords from that pack and so depended on
+    the hidden state twice: every cut sent it twice (an outside review: 6528 B per Llama block
+    where the hidden state is 3072 B). One tensor per cut now, and the stages still reproduce
+    the model."""
+    torch.manual_seed(0)
+    model = _llama(use_cache=False)
+    tokens = torch.randint(0, VOCAB, (2, 13))
+    inputs = (tokens[:, :-1],)
+    lg = trace(model, inputs, granularity="blocks")
+    assert lg.method == "export"
+    hidden = 2 * 12 * 32 * 4  # batch x sequence x hidden size, float32
+    for i in range(2):
+        edge = lg.graph.edges[f"model.layers.{i}", f"model.layers.{i + 1}"]
+        assert list(edge["tensors"].values()) == [hidden], edge
+    names = lg.layer_names()
+    target = tokens[:, 1:]
+    ref = _loss(model(*inputs), target)
+    _, loss, _ = run_pipeline(lg, [names[:2], names[2:4], names[4:]], inputs, target, _loss)
+    assert torch.equal(loss, ref)
