@@ -78,7 +78,8 @@ class LayerMeasurement:
     output_bytes: int
     bwd_input_ms: float | None = None  # zero bubble: the backward's two parts, measured apart
     bwd_weight_ms: float | None = None
-    split_backward: bool = True  # False: B then W failed on it (`measure_bw_split`)
+    split_backward: bool = True  # False: B then W failed on it, or it recomputes (`measure_bw_split`)
+    recomputes: bool = False  # its backward runs its forward again (the user's own checkpoint)
     split_bytes: SplitBytes | None = None  # zero bubble and recomputation: see `split_bytes`
     frozen_param_bytes: int = 0  # of param_bytes, parameters with requires_grad=False
     # one optimizer step over the layer's trainable parameters, per optimizer (`profiler.optimizers`)
@@ -473,6 +474,7 @@ class SplitRunner:
         self.weights = [p for p in stage.parameters() if p.requires_grad]
         self.b: list[float] = []
         self.w: list[float] = []
+        self.recomputes = False  # B ran a module's forward (`PendingWeights.recomputes`)
 
     def once(self, keep: bool) -> None:
         from runtime.split_backward import backward_input, backward_weight
@@ -486,6 +488,7 @@ class SplitRunner:
             t0 = self.timer.start()
             _, pending = backward_input(targets, grads, leaves, self.weights)
             b = self.timer.stop(t0) if leaves else 0.0
+            self.recomputes = self.recomputes or pending.recomputes
             if self.weights:
                 t1 = self.timer.start()
                 backward_weight(pending, self.weights)
@@ -510,15 +513,17 @@ def _runs_only_whole(exc: RuntimeError) -> bool:
 
 def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: torch.device,
                      warmup: int = 1, repeats: int = 5, clock: str = "wall"
-                     ) -> dict[str, tuple[float, float] | None]:
+                     ) -> dict[str, tuple[float, float] | str | None]:
     """Per layer name: (B ms, W ms), medians of `repeats` after `warmup` rounds; None for a
     layer whose backward fails when run in those two parts though it ran whole (a custom
     Function whose backward writes into a tensor it saved: legal where the backward runs once,
-    but W runs its node again). Such a layer is trained by one backward: 1F1B and GPipe as
-    always, ZB-H1 with its stage's backward fused (`LayerProfile.split_backward`). Other
-    errors are raised (`_runs_only_whole`)."""
+    but W runs its node again), "recomputes" for one whose B runs its forward again (the user's
+    own torch.utils.checkpoint: W recomputes once more, B + W cost 2x its backward and more).
+    Such a layer is trained by one backward: 1F1B and GPipe as always, ZB-H1 with its stage's
+    backward fused (`LayerProfile.split_backward`). Other errors are raised (`_runs_only_whole`)."""
     values = layer_values(lg, inputs)
-    runners: dict[str, SplitRunner | None] = {}
+    runners: dict[str, SplitRunner] = {}
+    out: dict[str, tuple[float, float] | str | None] = {}
     for name in lg.layer_names():
         runner = SplitRunner(build_stage(lg, [name]), values, device, clock)
         try:
@@ -528,12 +533,16 @@ def measure_bw_split(lg: LayerGraph, inputs: tuple[torch.Tensor, ...], device: t
                 raise
             for p in runner.weights:
                 p.grad = None
-            runners[name] = None
+            out[name] = None
+            continue
+        if runner.recomputes:
+            out[name] = "recomputes"
             continue
         runners[name] = runner
-    _rounds([r for r in runners.values() if r is not None], warmup, repeats, None)
-    return {name: None if r is None else (statistics.median(r.b), statistics.median(r.w))
-            for name, r in runners.items()}
+    _rounds(list(runners.values()), warmup, repeats, None)
+    for name, r in runners.items():
+        out[name] = (statistics.median(r.b), statistics.median(r.w))
+    return {name: out[name] for name in lg.layer_names()}
 
 
 @dataclass
@@ -696,8 +705,9 @@ def measure_all(lg: LayerGraph, model: torch.nn.Module, inputs: tuple[torch.Tens
     held = measure_split_bytes(lg, inputs)
     for m in layers:
         parts = split[m.name]
-        if parts is None:  # one backward: all of it on the input's path, nothing to defer
+        if parts is None or isinstance(parts, str):  # one backward: on the input's path, nothing deferred
             m.bwd_input_ms, m.bwd_weight_ms, m.split_backward = m.bwd_ms, 0.0, False
+            m.recomputes = parts == "recomputes"
         else:
             m.bwd_input_ms, m.bwd_weight_ms = parts
         m.split_bytes = held[m.name]

@@ -218,7 +218,15 @@ def profile_model_file(
             f"{mf.path}: the model ran once, then raised {type(exc).__name__}: {first} while it "
             "was timed (forward and backward passes, whole and layer by layer). Profiling runs "
             "the model many times: it must run the same way each time") from exc
-    if whole_only := [m.name for m in layers if not m.split_backward]:
+    if recomputing := [m.name for m in layers if m.recomputes]:
+        warnings.warn(
+            f"layer {recomputing[0]}: its backward runs its forward again (torch.utils.checkpoint "
+            "in your code): split into the inputs' gradient (B) and the weights' (W), it would "
+            "recompute in each. Under ZB-H1 the stage holding it runs its backward whole (no W "
+            "deferred), as plans price it; 1F1B and GPipe are unaffected"
+            + (f" ({len(recomputing)} such layers)" if len(recomputing) > 1 else ""),
+            ProfileWarning, stacklevel=2)
+    if whole_only := [m.name for m in layers if not m.split_backward and not m.recomputes]:
         warnings.warn(
             f"layer {whole_only[0]}: its backward fails when run in two parts, the inputs' gradient "
             "(B) and then the weights' (W), though it runs whole (a custom autograd.Function whose "

@@ -16,7 +16,8 @@ from its own embedding, used in its attention and returned for the blocks after 
 parts in one call of W, its group's intermediates and those outputs (`loose`): torch's split
 drops the second (an outside review: 0.0024 on such a weight after 3 steps, 1F1B exact); and a
 recomputed (checkpointed) stage computes all its weights' gradients that way (`direct`), which
-runs the input-gradient part of the backward and the recomputation once more in W.
+runs the input-gradient part of the backward and the recomputation once more in W; so does a
+stage whose B ran a module's forward (the user's own checkpoint recomputing), found in B.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class PendingWeights:
     # per group, the indices in `outputs` of the outputs that do not depend on the stage's
     # inputs and that the group's weights reach (the module docstring)
     loose: list[list[int]] = field(default_factory=list)
+    recomputes: bool = False  # B ran a module's forward: the stage recomputes (a user's checkpoint)
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -162,12 +164,22 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
                      i: int = i) -> None:
                 group["grads"][i] = grad_outputs
             handles.append(node.register_prehook(hook))
+    ran: list[int] = []  # modules called during B: a recomputation (the user's checkpoint)
+    handles.append(torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: ran.append(1)))
     try:
         got = torch.autograd.grad(outs, grad_inputs, grads, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    pending.groups = groups
+    if ran:
+        # the stage recomputes (the user's own torch.utils.checkpoint): each of W's calls per
+        # group is a backward of its own and recomputes once more (11 forwards of a Llama block's
+        # projections in one B + W, W 5x its price); one call from the outputs recomputes once
+        pending.direct = [w for w, n in weight_nodes.items() if n in reverse]
+        pending.loose = []
+        pending.recomputes = True
+    else:
+        pending.groups = groups
     by_id = {id(x): g for x, g in zip(grad_inputs, got, strict=True)}
     return [by_id.get(id(x)) for x in inputs], pending
 

@@ -360,3 +360,22 @@ def test_tensors_several_layers_save_add_up_to_the_whole_models_activations(tmp_
     once = per_layer - sum(e.bytes * (len(e.layers) - 1) for e in profile.shared_saved or [])
     assert profile.measured is not None and per_layer > profile.measured.activation_bytes
     assert once == profile.measured.activation_bytes, (per_layer, once, profile.shared_saved)
+
+
+def test_a_layer_the_user_checkpoints_is_measured_as_one_backward() -> None:
+    """A block under the user's own torch.utils.checkpoint recomputes in B and again in W: its
+    B + W timed apart cost twice its backward and more (W was 5x its price on a Llama block),
+    which ZB-H1 would defer for nothing. It is marked to run whole, as a backward that fails in
+    two parts is."""
+    import runpy
+    from pathlib import Path
+
+    from profiler.measure import measure_bw_split
+
+    mod = runpy.run_path(str(Path(__file__).parents[1] / "runtime" / "models" / "user_checkpoint.py"))
+    model = mod["build_model"]()
+    x = torch.randn(2, 4)
+    lg = trace(model, (x,), granularity="blocks")
+    split = measure_bw_split(lg, (x,), torch.device("cpu"), warmup=0, repeats=2)
+    kinds = {name: split[name] if isinstance(split[name], str) else "split" for name in lg.layer_names()}
+    assert sorted(kinds.values()) == ["recomputes"] * 3 + ["split"] * 2, kinds

@@ -49,3 +49,43 @@ def test_b_and_w_apart_give_one_backwards_gradients(case: str, trial: int) -> No
             assert split is None or not split.abs().max(), case
         else:
             assert split is not None and torch.allclose(whole, split, atol=1e-6), (case, whole, split)
+
+
+def test_a_block_the_user_checkpoints_recomputes_once_in_w() -> None:
+    """A block under the user's own torch.utils.checkpoint recomputes in B; W by groups was one
+    backward per weight group, each recomputing again (a Llama block's projections ran 11 times
+    in one forward + B + W). B now says it recomputes and W takes every weight in one call from
+    the outputs: one recomputation more, and the gradients of one backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(torch.tanh(self.a(x)) * torch.sigmoid(self.b(x))) + x
+
+    torch.manual_seed(0)
+    block = Block()
+    calls = [0]
+    block.a.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    weights = list(block.parameters())
+
+    def grads(split: bool):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        for w in weights:
+            w.grad = None
+        calls[0] = 0
+        out = checkpoint(block, x, use_reentrant=False)  # (a reentrant one refuses autograd.grad)
+        if not split:
+            out.sum().backward()
+            return x.grad, [w.grad.clone() for w in weights], calls[0], None
+        (gx,), pending = backward_input([out], [torch.ones_like(out)], [x], weights)
+        backward_weight(pending, weights)
+        return gx, [w.grad.clone() for w in weights], calls[0], pending
+
+    gx, gw, n_whole, _ = grads(False)
+    sx, sw, n_split, pending = grads(True)
+    assert torch.allclose(gx, sx) and all(torch.allclose(a, b) for a, b in zip(gw, sw, strict=True))
+    assert pending.recomputes and n_whole == 2 and n_split == 3  # forward, B's and W's recomputation

@@ -179,3 +179,16 @@ def test_a_backward_that_runs_only_whole_is_profiled_and_fused_under_zb_h1(run, 
     assert rc != 0 and "Traceback" not in err, err
     assert "stage 1, zb-h1: its backward fails when run in two parts" in err
     assert "Profile the model again" in err
+
+
+def test_a_stage_the_user_checkpoints_trains_split_as_one_process(run, tmp_path):
+    """The user's own non-reentrant checkpoint: B recomputes, W takes every weight in one call
+    from the outputs (one recomputation more, not one per weight group); fused or split, the
+    same weights as one process."""
+    from planner.schedules import FUSED
+
+    model = MODELS / "user_checkpoint.py"
+    _check(run, model, run.plan(model, 2, schedule="zb-h1", global_batch=8, microbatch_size=2,
+                                deferred=[FUSED, 0]), 3, tmp_path)
+    _check(run, model, run.plan(model, 2, schedule="zb-h1", global_batch=8, microbatch_size=2,
+                                deferred=[FUSED, FUSED], name="fused.json"), 3, tmp_path)
