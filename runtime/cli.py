@@ -363,7 +363,8 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
                     f"{tp[0]} is tensor-parallel (tp {plan.stages[tp[0]].tp}): a weight tied across "
                     "stages cannot be sharded there. Plan that stage with TP degree 1 (--method "
                     "manual --tp), or untie the weight")
-    mismatch = stages.parameter_mismatch(plan, graph, opts.model)
+    mismatch = (stages.parameter_mismatch(plan, graph, opts.model)
+                or stages.activation_mismatch(plan, graph, opts.model))
     if mismatch and not opts.allow_mismatch:
         raise PipeplanError(f"{mismatch}: build it as it was profiled, or profile it again and make "
                             "a new plan, or pass --allow-mismatch to run the plan anyway")

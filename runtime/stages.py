@@ -208,6 +208,38 @@ def parameter_mismatch(plan: Plan, graph: object, model_path: str) -> str | None
     return None
 
 
+SEND_RATIO = 4.0  # the tensors a stage sends, traced now against the plan's price: beyond it, another model
+SEND_SLACK = 65536  # bytes: small tensors (masks, positions) may differ in how they are counted
+
+
+def activation_mismatch(plan: Plan, graph: object, model_path: str) -> str | None:
+    """Where the tensors a stage sends to another, traced now on one microbatch, take more than
+    SEND_RATIO times the bytes the plan priced for them, or less than 1 / SEND_RATIO: a message,
+    else None. Names, hash and parameters can match while the inputs differ (a sequence length
+    set by an environment variable: a plan made at 8 tokens ran at 4096, its peaks 1.6x the
+    devices' memory and its iteration 7.8x the prediction, unwarned; an outside review). Plans
+    without their sends, and graphs traced without sizes (a rank's), are not checked."""
+    sizes = {t.id: t.bytes for t in getattr(graph, "tensors", {}).values()}
+    if not any(sizes.values()):
+        return None
+    routing = routing_of(build_all_stages(graph, plan))
+    for st in plan.stages:
+        planned = {int(x["to"]): float(x["bytes"]) for x in (st.predicted.model_extra or {}).get("sends") or []}
+        now: dict[int, int] = {}
+        for key, dsts in routing.sends(st.index):
+            for t in dsts:
+                now[t] = now.get(t, 0) + sizes.get(key, 0)
+        for t, priced in sorted(planned.items()):
+            got = now.get(t, 0)
+            if got > SEND_RATIO * priced + SEND_SLACK or priced > SEND_RATIO * got + SEND_SLACK:
+                return (f"{model_path} runs on other input sizes than were profiled: what stage "
+                        f"{st.index} sends stage {t} takes {got:,} bytes per microbatch of "
+                        f"{plan.microbatch_size} now, the plan {priced:,.0f} (make_batch's shapes "
+                        "set by environment variables or other files, e.g. a sequence length?); "
+                        "its memory and times are not this model's")
+    return None
+
+
 def build_all_stages(graph: object, plan: Plan) -> list[nn.Module]:
     from profiler.graph import build_stage
 

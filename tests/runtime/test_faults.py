@@ -550,3 +550,31 @@ def test_a_terminated_launcher_stops_its_ranks_and_exits_143(run):
     assert launcher.returncode == 143 and "terminated (SIGTERM)" in err, err
     time.sleep(1)
     assert not [r for r in ranks if "Z" not in _state(r)]
+
+
+def test_a_model_run_on_other_input_sizes_than_profiled_is_a_clear_error(run, tmp_path, monkeypatch):
+    """Names, hash and parameters match, the sequence length does not: what a stage sends is 512x
+    the plan's price (its memory and times are not this model's). It ran unwarned, its peaks
+    1.6x the devices' memory; now refused before the ranks start, or run with a warning under
+    --allow-mismatch."""
+    from planner.formats import Cluster, PlanOptions
+    from planner.solve import make_plan
+    from profiler.profile import profile_model_file
+
+    model = MODELS / "seq_sized.py"
+    monkeypatch.setenv("PIPEPLAN_TEST_SEQ", "8")
+    profile = profile_model_file(model, 2, warmup=0, repeats=1)
+    plan = make_plan(profile, Cluster(nodes=1, devices_per_node=2, device_memory_gb=1,
+                                      intra_node_gb_per_s=10, inter_node_gb_per_s=10),
+                     PlanOptions(global_batch=4, microbatch_size=2, method="manual", split=[2, 2],
+                                 optimizer="sgd"))
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    rc, _, err, _ = run(path, "--model", model, "--steps", 1)
+    assert rc == 0 and "input sizes" not in err, err
+    monkeypatch.setenv("PIPEPLAN_TEST_SEQ", "4096")
+    rc, out, err, _ = run(path, "--model", model, "--steps", 1)
+    assert rc == 2 and "runs on other input sizes than were profiled" in err and "stage 0 sends stage 1" in err, err
+    assert "Traceback" not in err and "step 1" not in out
+    rc, _, err, _ = run(path, "--model", model, "--steps", 1, "--allow-mismatch")
+    assert rc == 0 and "running anyway" in err, err
