@@ -205,4 +205,7 @@ def build_plan(profile: Profile, cluster: Cluster, candidate: Candidate, options
         rank_actions=rank_actions, generator=generator,
         # how the profiler cut the model into layers: the runtime traces it the same way
         **({"granularity": g} if (g := getattr(profile, "granularity", None)) else {}),
+        # the batch the profile measured: the sends' bytes scale from it (the runtime's check of
+        # the model's input sizes allows for tensors that do not grow with the batch)
+        profile_batch_size=profile.batch_size,
     )

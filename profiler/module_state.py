@@ -14,7 +14,9 @@ What is kept, per module:
 - numbers, strings and the like by value; lists, dicts, sets and deques of such values (and of
   tensors) by a deep copy, put back into the same container object (`self.hist.append(x)`);
   the tensors in them by reference (`_copy_contents`: a list of the module's own parameters must
-  hold those parameters after it), and their values, where they need no gradient, as a buffer's;
+  hold those parameters after it), and the values of those that need no gradient by a copy at
+  every capture, written back where a forward moved their version (a view of a large buffer
+  written back would move the buffer's);
 - generators of its own (`torch.Generator`, `random.Random`, numpy's `Generator` and
   `RandomState`) by their state.
 Anything else (an attribute holding another object) is kept by reference only.
@@ -148,6 +150,9 @@ class BlockState:
         self.changed: set[int] | None = None  # ids of tensors a forward changed; None: none ran yet
         self.seen: set[int] = set()  # ids of tensors some capture copied or a forward was watched on
         self.small: set[int] = set()
+        # ids of tensors found in containers: copied at every capture (as the container's deep
+        # copy did) and put back where their version moved, as a large buffer is
+        self.contained: set[int] = set()
 
     def _tensors(self) -> dict[int, torch.Tensor]:
         """Buffers, tensor attributes and the tensors in plain containers that need no gradient
@@ -169,8 +174,12 @@ class BlockState:
                     found[id(t)] = t
                     self.names.setdefault(id(t), f"{type(m).__name__}.{name}")
                     # a container's: copied at every capture, as the container's deep copy did
-                    # (it may come and go with the container's contents between forwards)
-                    if contained or t.numel() * t.element_size() <= SMALL_TENSOR_BYTES:
+                    # (it may come and go with the container's contents between forwards); not
+                    # written back unless it moved: a view of a large buffer (rotary tables kept
+                    # as `{"cos": self.table[0]}`) would move the buffer's version with it
+                    if contained:
+                        self.contained.add(id(t))
+                    if t.numel() * t.element_size() <= SMALL_TENSOR_BYTES:
                         self.small.add(id(t))
         return found
 
@@ -196,7 +205,7 @@ class BlockState:
         snap.versions = {k: t._version for k, t in snap.tensors.items()}
         snap.copies = {k: t.detach().clone() for k, t in snap.tensors.items()
                        if every or self.changed is None or k not in self.seen
-                       or k in self.changed or k in self.small}
+                       or k in self.changed or k in self.small or k in self.contained}
         self.seen |= snap.copies.keys()
         return snap
 
@@ -205,8 +214,9 @@ class BlockState:
         copies nothing will need."""
         moved = {k for k, t in snap.tensors.items() if t._version != snap.versions[k]}
         self.changed = moved | (self.changed or set()) | self.small  # small ones: always copied
+        keep = self.changed | self.contained
         self.seen |= snap.tensors.keys()
-        for key in [k for k in snap.copies if k not in self.changed]:
+        for key in [k for k in snap.copies if k not in keep]:
             del snap.copies[key]
 
     def restore(self, snap: Snapshot) -> None:
@@ -232,6 +242,6 @@ class BlockState:
                 t = snap.tensors[k]
                 # a large one only where its version moved (a copy back moves it too, and the
                 # snapshots before would take that for a change); a small one always (a change
-                # through `.data` moves no version)
-                if k in self.small or t._version != snap.versions[k]:
+                # through `.data` moves no version), unless a container's (`_tensors`)
+                if (k in self.small and k not in self.contained) or t._version != snap.versions[k]:
                     t.copy_(c)

@@ -166,10 +166,11 @@ class StageExecutor:
         # (t = stage_tp[s]); this rank is rank `tp_rank` of its replica's TP group
         self.stage_tp: Sequence[int] = [1] * len(stage_devices)
         self.tp_rank = 0
-        # parameters tied across stages that this stage holds (name, the stages holding it): each
-        # stage trains a copy kept equal by summed gradients, so a forward that changes one in
-        # place (nn.Embedding(max_norm=...) renormalises its rows) would part the copies
-        self.tied: list[tuple[nn.Parameter, str, list[int]]] = []
+        # parameters of which other ranks train copies kept equal by summed gradients (tied
+        # across stages, or of a replicated stage), with why and what to do: a forward that
+        # changes one in place (nn.Embedding(max_norm=...) renormalises the rows it reads)
+        # would part the copies
+        self.watched: list[tuple[nn.Parameter, str, str]] = []
 
     def _sync(self) -> None:
         """On CUDA, wait for the kernels so compute times are measured, not just launched."""
@@ -251,7 +252,7 @@ class StageExecutor:
         t0 = time.time()
         # saved activations, each storage once, parameters and buffers not (as the profiler counts)
         counting = count_saved_bytes(self._state) if self.count_memory else nullcontext({})
-        versions = [p._version for p, _, _ in self.tied]
+        versions = [p._version for p, _, _ in self.watched]
         with counting as seen:
             try:
                 out = self.forward_fn(feed)
@@ -263,14 +264,11 @@ class StageExecutor:
                     "in place, e.g. nn.ReLU(inplace=True) or x.add_(...) at the start of its first "
                     "layer: autograd forbids that on a received tensor. Cut the model elsewhere "
                     "(plan --method manual --split ...) or make that operation out of place") from None
-            for (p, name, holders), version in zip(self.tied, versions, strict=True):
+            for (p, name, why), version in zip(self.watched, versions, strict=True):
                 if p._version != version:
                     raise PipeplanError(
                         f"stage {self.stage}'s forward changes parameter {name!r} in place (as "
-                        "nn.Embedding(max_norm=...) renormalises its rows), and it is tied across "
-                        f"stages {', '.join(map(str, holders))}: each of them trains its own copy, "
-                        "which that change would part from the others. Plan the layers that use "
-                        "it in one stage (plan --method manual --split ...), or untie it")
+                        f"nn.Embedding(max_norm=...) renormalises the rows it reads), and {why}")
             if self.count_memory:  # recomputed blocks' inputs
                 for ptr, nbytes in getattr(self.forward_fn, "kept", {}).items():
                     seen.setdefault(ptr, nbytes)

@@ -214,14 +214,19 @@ SEND_SLACK = 65536  # bytes: small tensors (masks, positions) may differ in how 
 
 def activation_mismatch(plan: Plan, graph: object, model_path: str) -> str | None:
     """Where the tensors a stage sends to another, traced now on one microbatch, take more than
-    SEND_RATIO times the bytes the plan priced for them, or less than 1 / SEND_RATIO: a message,
-    else None. Names, hash and parameters can match while the inputs differ (a sequence length
+    SEND_RATIO times the bytes the plan priced for them, or less than 1 / SEND_RATIO (times the
+    ratio of the profiled batch to the microbatch, either way): a message, else None. Names, hash and parameters can match while the inputs differ (a sequence length
     set by an environment variable: a plan made at 8 tokens ran at 4096, its peaks 1.6x the
     devices' memory and its iteration 7.8x the prediction, unwarned; an outside review). Plans
     without their sends, and graphs traced without sizes (a rank's), are not checked."""
     sizes = {t.id: t.bytes for t in getattr(graph, "tensors", {}).values()}
-    if not any(sizes.values()):
-        return None
+    profiled = (plan.model_extra or {}).get("profile_batch_size")
+    if not any(sizes.values()) or not isinstance(profiled, int) or profiled <= 0:
+        return None  # (plans made before the profile's batch was written: not checked)
+    # a tensor that does not grow with the batch (a position bias of (heads, S, S) sent on) is
+    # priced at microbatch / profiled batch of its bytes: that far off is not a mismatch
+    b = plan.microbatch_size
+    ratio = SEND_RATIO * max(profiled / b, b / profiled)
     routing = routing_of(build_all_stages(graph, plan))
     for st in plan.stages:
         planned = {int(x["to"]): float(x["bytes"]) for x in (st.predicted.model_extra or {}).get("sends") or []}
@@ -231,7 +236,7 @@ def activation_mismatch(plan: Plan, graph: object, model_path: str) -> str | Non
                 now[t] = now.get(t, 0) + sizes.get(key, 0)
         for t, priced in sorted(planned.items()):
             got = now.get(t, 0)
-            if got > SEND_RATIO * priced + SEND_SLACK or priced > SEND_RATIO * got + SEND_SLACK:
+            if got > ratio * priced + SEND_SLACK or priced > ratio * got + SEND_SLACK:
                 return (f"{model_path} runs on other input sizes than were profiled: what stage "
                         f"{st.index} sends stage {t} takes {got:,} bytes per microbatch of "
                         f"{plan.microbatch_size} now, the plan {priced:,.0f} (make_batch's shapes "

@@ -294,7 +294,20 @@ class Worker:
         self.executor.stage_tp = [st.tp for st in plan.stages]
         for names, holders in self.ties:  # the tied parameters this stage holds, by one name
             if (name := next((n for n in names if n in self.params), None)) is not None:
-                self.executor.tied.append((self.params[name], name, holders))
+                self.executor.watched.append((self.params[name], name, (
+                    f"it is tied across stages {', '.join(map(str, holders))}: each of them trains its "
+                    "own copy, which that change would part from the others. Plan the layers that "
+                    "use it in one stage (plan --method manual --split ...), or untie it")))
+        replicas = plan.stages[self.stage].replicas
+        if replicas > 1:  # each replica would change its copy by its own microbatches' rows
+            seen = {id(p) for p, _, _ in self.executor.watched}
+            for name, p in self.params.items():
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    self.executor.watched.append((p, name, (
+                        f"the stage has {replicas} replicas: each changes its own copy by its own "
+                        "microbatches, which parts them from one another. Plan that stage with one "
+                        "replica (plan --method manual --replicas ...)")))
         self.executor.tp_rank = self.tp_rank
         if self.mesh is not None:  # saved shards of the parameters are not activations
             self.executor._state = [tensor_parallel.local(t.detach()) for t in self.executor._state]

@@ -268,8 +268,9 @@ async def _render(request: Request, storage: Storage, settings: Settings, render
     if status == "timeout":  # as a solve past its deadline: the server's limit, not a fault
         raise HTTPException(504, detail=f"drawing the {kind} took longer than this server allows "
                             f"({settings.render_timeout_s:g} s, PIPEPLAN_RENDER_TIMEOUT_S); the plan "
-                            f"is stored: GET /v1/plans/{plan_id} and draw it locally (`python -m "
-                            "planner simulate plan.json --trace trace.json`)")
+                            f"is stored: GET /v1/plans/{plan_id}, save its `plan` field as plan.json "
+                            "and look at it locally (`python -m planner simulate plan.json --timeline`, "
+                            "or `--trace trace.json` for Perfetto)")
     if status != "ok":
         raise HTTPException(500, detail=f"drawing the timeline failed: {status}: {value}")
     await run_in_threadpool(storage.put_render, plan_id, kind, value)

@@ -5,6 +5,7 @@ rows are found in the PNG from the colours alone, not from the renderer's layout
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -93,3 +94,10 @@ def test_a_drawing_past_the_render_timeout_is_a_504_that_says_what_to_do(tmp_pat
         r = c.get(f"/v1/plans/{plan['id']}/timeline.png")
         assert r.status_code == 504, r.text[:300]
         assert "PIPEPLAN_RENDER_TIMEOUT_S" in r.json()["detail"] and plan["id"] in r.json()["detail"]
+        # what it says to do works: the stored plan's `plan` field is a plan simulate reads
+        from planner.cli import main
+
+        saved = tmp_path / "plan.json"
+        saved.write_text(json.dumps(c.get(f"/v1/plans/{plan['id']}").json()["plan"]))
+        assert "save its `plan` field as plan.json" in r.json()["detail"]
+        assert main(["simulate", str(saved)]) == 0

@@ -50,3 +50,36 @@ def test_put_back_keeps_the_modules_own_tensors_and_their_values() -> None:
                                                             m.rnn.bias_ih_l0, m.rnn.bias_hh_l0], strict=True))
     assert m.cache["big"] is big and float(big.sum()) == 0.0 and m.cache["calls"] == 1
     assert len(m.hist) == 1
+
+
+def test_a_view_of_a_large_buffer_in_a_dict_does_not_move_the_buffer() -> None:
+    """Views of a large buffer kept in a dict (rotary tables as `{"k": self.table[0]}`), nothing
+    changed by the forward: written back at every restore, a view moved the buffer's version and
+    the next restore took the buffer for one a later forward had changed (a review of the first
+    version of the container copies). The sequence `runtime.recompute` runs: two forwards in
+    flight, then each one's recomputation."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.randn(2, 1 << 16))  # 512 kB
+            self.rows = {"k": self.table[0], "v": self.table[1, :8]}  # a large and a small view
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.rows["k"][: x.shape[-1]] + self.rows["v"][: x.shape[-1]]
+
+    m, x = M(), torch.randn(3, 4)
+    state = BlockState(m)
+    snaps = []
+    for _ in range(2):
+        snap = state.capture()
+        m(x)
+        state.learn(snap)
+        snaps.append(snap)
+    version = m.table._version
+    for snap in snaps:
+        now = state.capture(every=True)
+        state.restore(snap)
+        m(x)
+        state.restore(now)
+    assert m.table._version == version

@@ -578,3 +578,24 @@ def test_a_model_run_on_other_input_sizes_than_profiled_is_a_clear_error(run, tm
     assert "Traceback" not in err and "step 1" not in out
     rc, _, err, _ = run(path, "--model", model, "--steps", 1, "--allow-mismatch")
     assert rc == 0 and "running anyway" in err, err
+
+
+def test_a_tensor_that_does_not_grow_with_the_batch_is_no_input_size_mismatch(run, tmp_path):
+    """A position bias of (heads, S, S) sent to every block is priced at microbatch / profiled
+    batch of its bytes: profiled at 8, run at microbatches of 1, it is 8x its price, and the
+    first version of the input-size check refused this correct run (a review)."""
+    from planner.formats import Cluster, PlanOptions
+    from planner.solve import make_plan
+    from profiler.profile import profile_model_file
+
+    model = MODELS / "position_bias.py"
+    profile = profile_model_file(model, 8, warmup=0, repeats=1)
+    plan = make_plan(profile, Cluster(nodes=1, devices_per_node=2, device_memory_gb=1,
+                                      intra_node_gb_per_s=10, inter_node_gb_per_s=10),
+                     PlanOptions(global_batch=2, microbatch_size=1, method="manual",
+                                 split=[3, len(profile.layers) - 3], optimizer="sgd"))
+    assert plan.model_extra["profile_batch_size"] == 8
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    rc, _, err, _ = run(path, "--model", model, "--steps", 1)
+    assert rc == 0 and "input sizes" not in err, err

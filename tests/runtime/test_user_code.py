@@ -319,3 +319,8 @@ def test_a_tied_weight_the_forward_changes_in_place_is_refused_across_stages(run
     rc, _, err, _ = run(run.plan(model, 2, name="two.json"), "--model", model, "--steps", 3, "--timeout", 60)
     assert rc == 2 and "changes parameter 'emb.weight' in place" in err and "tied across stages 0, 1" in err, err
     assert "Traceback" not in err
+    # replicas of one stage: each renormalises the rows its own microbatches read (4.24 off one
+    # process after 3 steps, silently, a review found)
+    rc, _, err, _ = run(run.plan(model, 1, [2], name="replicas.json"), "--model", model, "--steps", 3,
+                        "--timeout", 60)
+    assert rc == 2 and "changes parameter 'emb.weight' in place" in err and "has 2 replicas" in err, err

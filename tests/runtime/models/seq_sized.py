@@ -1,6 +1,7 @@
 """Layer names and parameters do not depend on the sequence length (PIPEPLAN_TEST_SEQ); the
 activations' shapes do: a plan made at one length and run at another (an outside review)."""
 import os
+
 import torch
 from torch import nn
 
