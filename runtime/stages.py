@@ -167,8 +167,9 @@ def check_layers(plan: Plan, names: list[str], model_path: str, granularity: str
             where = f"it names layer {twice!r} twice"
         raise PipeplanError(
             f"the plan's stages cover {len(planned)} layers but {model_path} traces into "
-            f"{len(names)} layers in a different order or number ({where}); profile it again "
-            "and re-plan"
+            f"{len(names)} layers in a different order or number ({where}): if the plan was "
+            "edited by hand, make it again with plan --method manual --split ...; else the model "
+            "changed since it was profiled: profile it again and re-plan"
         )
 
 

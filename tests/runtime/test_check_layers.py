@@ -27,3 +27,11 @@ def test_the_first_difference_is_named(stages: tuple[list[str], ...], message: s
 
 def test_the_model_s_own_order_passes() -> None:
     check_layers(_plan(["a", "b"], ["c", "d"]), ["a", "b", "c", "d"], "m.py")
+
+
+def test_the_error_says_what_to_do_for_a_hand_edited_plan_too() -> None:
+    """A plan edited by hand (a layer dropped) was told to profile the model again: the model had
+    not changed (an outside review)."""
+    with pytest.raises(PipeplanError, match=r"if the plan was edited by hand, make it again with plan "
+                                            r"--method manual --split"):
+        check_layers(_plan(["a", "b"], ["c"]), ["a", "b", "c", "d"], "m.py")
