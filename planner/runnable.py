@@ -66,7 +66,7 @@ def _actions(plan: Plan, rank_of: dict[int, int], stage_devices: list[list[int]]
 
 # top-level keys beyond Plan's fields that pipeplan reads: the planner writes the first,
 # `runnable_plan` sets the second
-PLAN_EXTRA_KEYS = ("granularity", "device_of_rank")
+PLAN_EXTRA_KEYS = ("granularity", "device_of_rank", "profile_batch_size")
 
 
 def unread_keys(plan: Plan) -> list[str]:
