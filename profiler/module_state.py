@@ -36,6 +36,16 @@ from planner.errors import PipeplanError
 
 _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
 _MODULE_KEYS = frozenset(vars(nn.Module()))  # nn.Module's own: parameters, hooks, `training`
+# a graph module's own bookkeeping (torch.fx's, and a stage's keys from `profiler.graph`), which
+# no forward changes: copied at every capture it was most of a recomputed block's overhead
+_GRAPH_KEYS = _MODULE_KEYS | frozenset(
+    vars(torch.fx.GraphModule(nn.Module(), torch.fx.Graph()))) | frozenset(
+    {"input_keys", "output_keys", "mutated_inputs", "layer_names"})
+
+
+def _own_keys(m: nn.Module) -> frozenset[str]:
+    """The attributes of `m` that are the framework's, not state a forward keeps."""
+    return _GRAPH_KEYS if isinstance(m, torch.fx.GraphModule) else _MODULE_KEYS
 CONTAINER_ITEMS = 100_000  # a list, dict or set with more values is kept by reference only
 SMALL_TENSOR_BYTES = 1 << 16  # a tensor this small is copied at every capture
 
@@ -154,21 +164,20 @@ class BlockState:
         # copy did) and put back where their version moved, as a large buffer is
         self.contained: set[int] = set()
 
-    def _tensors(self) -> dict[int, torch.Tensor]:
-        """Buffers, tensor attributes and the tensors in plain containers that need no gradient
-        (parameters, another module's included, and an autograd graph's tensors are kept by
-        reference only: only the optimizer changes the first in place)."""
+    def _tensors(self, plain: list[list[tuple[str, object]]]) -> dict[int, torch.Tensor]:
+        """Buffers, tensor attributes and the tensors in plain containers (`plain`: per module,
+        its attributes that are, as `capture` found them) that need no gradient (parameters,
+        another module's included, and an autograd graph's tensors are kept by reference only:
+        only the optimizer changes the first in place)."""
         found: dict[int, torch.Tensor] = {}
-        for m in self.modules:
+        for m, containers in zip(self.modules, plain, strict=True):
             named: list[tuple[str, object, bool]] = [(k, t, False) for k, t in m._buffers.items()]
+            own = _own_keys(m)
             for name, v in vars(m).items():
-                if name in _MODULE_KEYS:
-                    continue
-                if isinstance(v, torch.Tensor):
+                if name not in own and isinstance(v, torch.Tensor):
                     named.append((name, v, False))
-                elif not _atom(v) and _plain(v, [CONTAINER_ITEMS]):
-                    named.extend((f"{name}[...]", t, True) for t in _contained_tensors(v)
-                                 if not t.requires_grad)
+            for name, v in containers:
+                named.extend((f"{name}[...]", t, True) for t in _contained_tensors(v) if not t.requires_grad)
             for name, t, contained in named:
                 if isinstance(t, torch.Tensor) and id(t) not in self.params and id(t) not in found:
                     found[id(t)] = t
@@ -185,23 +194,28 @@ class BlockState:
 
     def capture(self, every: bool = False) -> Snapshot:
         snap = Snapshot()
+        plain: list[list[tuple[str, object]]] = []  # per module, its plain containers
         for m in self.modules:
             refs, contents, gens = {}, {}, {}
+            plain.append([])
+            own = _own_keys(m)
             for k, v in vars(m).items():
-                if k in _MODULE_KEYS:
+                if k in own:
                     continue
                 refs[k] = v
                 if _atom(v):
                     continue
                 if (state := _generator_state(v)) is not None:
                     gens[k] = state
-                elif _plain(v, [CONTAINER_ITEMS]) and not isinstance(v, (tuple, frozenset)):
-                    contents[k] = _copy_contents(v)
+                elif _plain(v, [CONTAINER_ITEMS]):
+                    plain[-1].append((k, v))
+                    if not isinstance(v, (tuple, frozenset)):
+                        contents[k] = _copy_contents(v)
             snap.refs.append(refs)
             snap.buffers.append(dict(m._buffers))
             snap.contents.append(contents)
             snap.generators.append(gens)
-        snap.tensors = self._tensors()
+        snap.tensors = self._tensors(plain)
         snap.versions = {k: t._version for k, t in snap.tensors.items()}
         snap.copies = {k: t.detach().clone() for k, t in snap.tensors.items()
                        if every or self.changed is None or k not in self.seen
