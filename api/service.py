@@ -235,6 +235,7 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
     # the sizes the planner plans: microbatch_size, else microbatch_sizes, else the largest
     # divisor of global_batch up to the profile's batch size (`resolve_microbatch`: a prime
     # global batch makes microbatches of 1)
+    microbatches: int | str  # (a count, or what is known of it)
     if options.microbatch_size or options.microbatch_sizes:
         sizes = [options.microbatch_size] if options.microbatch_size else options.microbatch_sizes or []
         microbatches = -(-options.global_batch // min(sizes))
@@ -243,15 +244,14 @@ def check_limits(profile: Profile, cluster: Cluster, options: PlanOptions, setti
         most = max(settings.max_microbatches, MAX_MICROBATCHES)
         try:
             b = largest_divisor_size(profile.batch_size, options.global_batch, most)
-            microbatches, count = options.global_batch // b, str(options.global_batch // b)
+            microbatches = options.global_batch // b
         except PipeplanError:  # its largest divisor up to the batch size makes more than that
-            b, microbatches, count = 0, most + 1, f"more than {most}"
+            b, microbatches = 0, f"more than {most}"
         which = (f"microbatch_size (unset: the largest divisor of global_batch up to the profile's "
                  f"batch size {profile.batch_size}{f', {b}' if b else ''})")
-    if microbatches > settings.max_microbatches:
-        shown = str(microbatches) if options.microbatch_size or options.microbatch_sizes else count
+    if isinstance(microbatches, str) or microbatches > settings.max_microbatches:
         raise limit_error(["body", "options", "global_batch"],
-                          f"{shown} microbatches; this server simulates at most "
+                          f"{microbatches} microbatches; this server simulates at most "
                           f"{settings.max_microbatches} (PIPEPLAN_MAX_MICROBATCHES): raise {which} "
                           "or lower global_batch")
 

@@ -55,14 +55,13 @@ def largest_divisor_size(batch_size: int, global_batch: int, max_microbatches: i
         f"with a divisor near {batch_size}, or --microbatch-size")
 
 
-def resolve_microbatch(profile: Profile, options: PlanOptions,
-                       max_microbatches: int = MAX_MICROBATCHES) -> tuple[int, int]:
+def resolve_microbatch(profile: Profile, options: PlanOptions) -> tuple[int, int]:
     """(microbatch size, number of microbatches). Without `microbatch_size`: the largest divisor
     of the global batch that is at most the profile's batch size, refused where it makes more
-    than `max_microbatches` microbatches (a prime global batch makes microbatches of 1)."""
+    than MAX_MICROBATCHES microbatches (a prime global batch makes microbatches of 1)."""
     b = options.microbatch_size
     if b is None:
-        b = largest_divisor_size(profile.batch_size, options.global_batch, max_microbatches)
+        b = largest_divisor_size(profile.batch_size, options.global_batch)
     if options.global_batch % b:
         raise PipeplanError(f"--global-batch {options.global_batch} is not a multiple of "
                             f"--microbatch-size {b}")

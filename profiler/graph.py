@@ -311,7 +311,9 @@ def _child_index(spec: pytree.TreeSpec, key: object) -> int | None:
     """Which child of a tuple, list or dict node `spec[key]` selects (None: another node type)."""
     if spec.type in (tuple, list) or pytree.is_namedtuple_class(spec.type):
         n = spec.num_children
-        return key + n if isinstance(key, int) and -n <= key < 0 else key if isinstance(key, int) and key < n else None
+        if not isinstance(key, int) or not -n <= key < n:
+            return None
+        return key % n  # (a negative index counts from the end)
     if spec.type is dict and isinstance(spec.context, list) and key in spec.context:
         return spec.context.index(key)
     return None

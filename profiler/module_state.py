@@ -36,6 +36,8 @@ from planner.errors import PipeplanError
 
 _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
 _MODULE_KEYS = frozenset(vars(nn.Module()))  # nn.Module's own: parameters, hooks, `training`
+CONTAINER_ITEMS = 100_000  # a list, dict or set with more values is kept by reference only
+SMALL_TENSOR_BYTES = 1 << 16  # a tensor this small is copied at every capture
 # a graph module's own bookkeeping (torch.fx's, and a stage's keys from `profiler.graph`), which
 # no forward changes: copied at every capture it was most of a recomputed block's overhead
 _GRAPH_KEYS = _MODULE_KEYS | frozenset(
@@ -46,8 +48,6 @@ _GRAPH_KEYS = _MODULE_KEYS | frozenset(
 def _own_keys(m: nn.Module) -> frozenset[str]:
     """The attributes of `m` that are the framework's, not state a forward keeps."""
     return _GRAPH_KEYS if isinstance(m, torch.fx.GraphModule) else _MODULE_KEYS
-CONTAINER_ITEMS = 100_000  # a list, dict or set with more values is kept by reference only
-SMALL_TENSOR_BYTES = 1 << 16  # a tensor this small is copied at every capture
 
 
 def _atom(v: object) -> bool:
@@ -85,15 +85,15 @@ def _contained_tensors(v: object) -> list[torch.Tensor]:
     return found
 
 
-def _copy_contents(v: object) -> object:
+def _copy_contents(v: object, tensors: list[torch.Tensor]) -> object:
     """A copy of a plain container (`_plain`) and of the containers in it that keeps every tensor
     by reference: a list may hold the module's own parameters and buffers (`RNNBase._flat_weights`,
     a user's `self.experts = [self.w0, self.w1]`), which the optimizer, the checkpoint and the
     gradient all-reduce hold too, so what is put back must be those objects, not copies (a copy
     left the forward reading weights the optimizer never moved); deepcopy also refuses the tensors
     of an autograd graph (a U-Net's stack of features). A tensor's values a forward changes in
-    place are kept by `BlockState` like a buffer's."""
-    memo: dict[int, object] = {id(t): t for t in _contained_tensors(v)}
+    place are kept by `BlockState` like a buffer's. `tensors`: `_contained_tensors(v)`."""
+    memo: dict[int, object] = {id(t): t for t in tensors}
     return copy.deepcopy(v, memo)
 
 
@@ -164,11 +164,11 @@ class BlockState:
         # copy did) and put back where their version moved, as a large buffer is
         self.contained: set[int] = set()
 
-    def _tensors(self, plain: list[list[tuple[str, object]]]) -> dict[int, torch.Tensor]:
+    def _tensors(self, plain: list[list[tuple[str, list[torch.Tensor]]]]) -> dict[int, torch.Tensor]:
         """Buffers, tensor attributes and the tensors in plain containers (`plain`: per module,
-        its attributes that are, as `capture` found them) that need no gradient (parameters,
-        another module's included, and an autograd graph's tensors are kept by reference only:
-        only the optimizer changes the first in place)."""
+        each container attribute's name and tensors, as `capture` found them) that need no
+        gradient (parameters, another module's included, and an autograd graph's tensors are
+        kept by reference only: only the optimizer changes the first in place)."""
         found: dict[int, torch.Tensor] = {}
         for m, containers in zip(self.modules, plain, strict=True):
             named: list[tuple[str, object, bool]] = [(k, t, False) for k, t in m._buffers.items()]
@@ -176,8 +176,8 @@ class BlockState:
             for name, v in vars(m).items():
                 if name not in own and isinstance(v, torch.Tensor):
                     named.append((name, v, False))
-            for name, v in containers:
-                named.extend((f"{name}[...]", t, True) for t in _contained_tensors(v) if not t.requires_grad)
+            for name, tensors in containers:
+                named.extend((f"{name}[...]", t, True) for t in tensors if not t.requires_grad)
             for name, t, contained in named:
                 if isinstance(t, torch.Tensor) and id(t) not in self.params and id(t) not in found:
                     found[id(t)] = t
@@ -194,7 +194,7 @@ class BlockState:
 
     def capture(self, every: bool = False) -> Snapshot:
         snap = Snapshot()
-        plain: list[list[tuple[str, object]]] = []  # per module, its plain containers
+        plain: list[list[tuple[str, list[torch.Tensor]]]] = []  # per module, its containers' tensors
         for m in self.modules:
             refs, contents, gens = {}, {}, {}
             plain.append([])
@@ -208,9 +208,10 @@ class BlockState:
                 if (state := _generator_state(v)) is not None:
                     gens[k] = state
                 elif _plain(v, [CONTAINER_ITEMS]):
-                    plain[-1].append((k, v))
+                    tensors = _contained_tensors(v)
+                    plain[-1].append((k, tensors))
                     if not isinstance(v, (tuple, frozenset)):
-                        contents[k] = _copy_contents(v)
+                        contents[k] = _copy_contents(v, tensors)
             snap.refs.append(refs)
             snap.buffers.append(dict(m._buffers))
             snap.contents.append(contents)
@@ -248,7 +249,7 @@ class BlockState:
             m.__dict__.update(refs)
             m._buffers.update(bufs)  # type: ignore[arg-type]
             for k, saved in contents.items():
-                _put_back(refs[k], _copy_contents(saved))
+                _put_back(refs[k], _copy_contents(saved, _contained_tensors(saved)))
             for k, state in gens.items():
                 _set_generator_state(refs[k], state)
         with torch.no_grad():

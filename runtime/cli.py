@@ -344,8 +344,9 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
         raise PipeplanError(f"{sparse[0]} is nn.Embedding(sparse=True), whose gradient is a sparse gradient, and {why}")
     hooked = [n for n, p in model.named_parameters()
               if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)]
+    built = stages.build_all_stages(graph, plan)  # (each check below reads them)
     if any(st.tp > 1 for st in plan.stages) or (hooked and len(plan.stages) > 1):
-        held = [set(stages.named_tensors(m)) for m in stages.build_all_stages(graph, plan)]
+        held = [set(stages.named_tensors(m)) for m in built]
         for names, holders in stages.cross_stage_ties(stages.parameter_name_sets(model), held):
             if set(names) & set(hooked):
                 # each stage's backward runs the weight's hooks on its own part of the gradient
@@ -363,8 +364,8 @@ def preflight(plan: Plan, opts: RunOptions, trace_info: str | None = None) -> st
                     f"{tp[0]} is tensor-parallel (tp {plan.stages[tp[0]].tp}): a weight tied across "
                     "stages cannot be sharded there. Plan that stage with TP degree 1 (--method "
                     "manual --tp), or untie the weight")
-    mismatch = (stages.parameter_mismatch(plan, graph, opts.model)
-                or stages.activation_mismatch(plan, graph, opts.model))
+    mismatch = (stages.parameter_mismatch(plan, graph, built, opts.model)
+                or stages.activation_mismatch(plan, graph, built, opts.model))
     if mismatch and not opts.allow_mismatch:
         raise PipeplanError(f"{mismatch}: build it as it was profiled, or profile it again and make "
                             "a new plan, or pass --allow-mismatch to run the plan anyway")

@@ -173,33 +173,33 @@ def check_layers(plan: Plan, names: list[str], model_path: str, granularity: str
         )
 
 
-def parameter_mismatch(plan: Plan, graph: object, model_path: str) -> str | None:
+def parameter_mismatch(plan: Plan, graph: object, built: list[nn.Module], model_path: str) -> str | None:
     """Where a stage's layers, built now, hold other parameter bytes than the profile said
     (`PlanStage.param_bytes`: a tensor two of them hold counted once; older plans counted it
     per layer, as the profiler does, and are checked that way): a message naming the
     first such stage, else None. The file's hash and layer names can match while the model
     differs: a model file sized by environment variables or other files (a width, a dtype).
-    Plans without the figure, and lazy modules not yet materialised, are not checked."""
+    Plans without the figure, and lazy modules not yet materialised, are not checked.
+    `built`: the plan's stages (`build_all_stages`)."""
     from profiler.graph import build_stage
     from profiler.measure import frozen_param_bytes, param_bytes
 
-    for st in plan.stages:
+    for st, stage in zip(plan.stages, built, strict=True):
         if st.param_bytes is None:
             continue
         try:
-            stage = build_stage(graph, list(st.layers))  # a tensor two of its layers hold, once
-            built, frozen = param_bytes(stage), frozen_param_bytes(stage)
+            held, frozen = param_bytes(stage), frozen_param_bytes(stage)  # a tensor two layers hold, once
             # plans made before tied tensors were counted once per stage counted them per layer
-            layers = [build_stage(graph, [name]) for name in st.layers] if built != st.param_bytes else []
+            layers = [build_stage(graph, [name]) for name in st.layers] if held != st.param_bytes else []
             per_layer = sum(param_bytes(m) for m in layers)
         except ValueError:  # an UninitializedParameter has no size yet
             return None
         where = f"the layers of stage {st.index} ({st.layers[0]} … {st.layers[-1]})"
         if layers and per_layer == st.param_bytes:
-            built, frozen = per_layer, sum(frozen_param_bytes(m) for m in layers)
-        if built != st.param_bytes:
+            held, frozen = per_layer, sum(frozen_param_bytes(m) for m in layers)
+        if held != st.param_bytes:
             return (f"{model_path} builds a different model than was profiled: {where} hold "
-                    f"{built:,} bytes of parameters, the profile {st.param_bytes:,} (its size set "
+                    f"{held:,} bytes of parameters, the profile {st.param_bytes:,} (its size set "
                     "by environment variables or other files, e.g. a width or a dtype?)")
         if st.frozen_param_bytes is not None and frozen != st.frozen_param_bytes:
             return (f"{model_path} builds a different model than was profiled: {where} hold "
@@ -213,13 +213,14 @@ SEND_RATIO = 4.0  # the tensors a stage sends, traced now against the plan's pri
 SEND_SLACK = 65536  # bytes: small tensors (masks, positions) may differ in how they are counted
 
 
-def activation_mismatch(plan: Plan, graph: object, model_path: str) -> str | None:
+def activation_mismatch(plan: Plan, graph: object, built: list[nn.Module], model_path: str) -> str | None:
     """Where the tensors a stage sends to another, traced now on one microbatch, take more than
     SEND_RATIO times the bytes the plan priced for them, or less than 1 / SEND_RATIO (times the
     ratio of the profiled batch to the microbatch, either way): a message, else None. Names, hash and parameters can match while the inputs differ (a sequence length
     set by an environment variable: a plan made at 8 tokens ran at 4096, its peaks 1.6x the
     devices' memory and its iteration 7.8x the prediction, unwarned; an outside review). Plans
-    without their sends, and graphs traced without sizes (a rank's), are not checked."""
+    without their sends, and graphs traced without sizes (a rank's), are not checked. `built`:
+    the plan's stages (`build_all_stages`)."""
     sizes = {t.id: t.bytes for t in getattr(graph, "tensors", {}).values()}
     profiled = (plan.model_extra or {}).get("profile_batch_size")
     if not any(sizes.values()) or not isinstance(profiled, int) or profiled <= 0:
@@ -228,7 +229,7 @@ def activation_mismatch(plan: Plan, graph: object, model_path: str) -> str | Non
     # priced at microbatch / profiled batch of its bytes: that far off is not a mismatch
     b = plan.microbatch_size
     ratio = SEND_RATIO * max(profiled / b, b / profiled)
-    routing = routing_of(build_all_stages(graph, plan))
+    routing = routing_of(built)
     for st in plan.stages:
         planned = {int(x["to"]): float(x["bytes"]) for x in (st.predicted.model_extra or {}).get("sends") or []}
         now: dict[int, int] = {}

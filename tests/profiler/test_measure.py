@@ -367,13 +367,12 @@ def test_a_layer_the_user_checkpoints_is_measured_as_one_backward() -> None:
     B + W timed apart cost twice its backward and more (W was 5x its price on a Llama block),
     which ZB-H1 would defer for nothing. It is marked to run whole, as a backward that fails in
     two parts is."""
-    import runpy
     from pathlib import Path
 
+    from profiler.loader import load_model_file
     from profiler.measure import measure_bw_split
 
-    mod = runpy.run_path(str(Path(__file__).parents[1] / "runtime" / "models" / "user_checkpoint.py"))
-    model = mod["build_model"]()
+    model = load_model_file(str(Path(__file__).parents[1] / "runtime" / "models" / "user_checkpoint.py")).build_model()
     x = torch.randn(2, 4)
     lg = trace(model, (x,), granularity="blocks")
     split = measure_bw_split(lg, (x,), torch.device("cpu"), warmup=0, repeats=2)

@@ -9,6 +9,8 @@ from torch.utils.checkpoint import checkpoint
 
 
 class Block(nn.Module):
+    reentrant = True  # (user_checkpoint.py: the same model, non-reentrant)
+
     def __init__(self, d: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d, 2 * d)
@@ -20,12 +22,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return x + self.inner(x)
-        return x + checkpoint(self.inner, x, use_reentrant=True)
+        return x + checkpoint(self.inner, x, use_reentrant=self.reentrant)
 
 
-def build_model() -> nn.Module:
+def build_model(block: type[Block] = Block) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), Block(8), Block(8), Block(8), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(4, 8), block(8), block(8), block(8), nn.Linear(8, 3))
 
 
 def make_batch(n: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
