@@ -18,6 +18,10 @@ step() { local t=$1; shift; echo "=== $(date +%T) [$t s] $*"; local s=$SECONDS
 {
 nvidia-smi -L; nproc; $PY -c 'import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0))'
 step 100 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_gpu.py -s -rA
+# several GPUs (skipped with fewer): NCCL point-to-point, replicas' all-reduce, clipping, save/resume
+step 240 $PY -m pytest -q -p no:cacheprovider -s -rA \
+  tests/runtime/test_nccl_protocol.py::test_nccl_two_stages_equals_single_device \
+  tests/runtime/test_nccl_protocol.py::test_nccl_replicas_clipping_and_resume_equal_single_device
 step 120 $PY benchmarks/gpu_memory.py -o "$OUT/gpu_memory.json"
 step 130 $PY benchmarks/schedules.py --repeats 1 --steps 6 -o "$OUT/schedules_16core.json"
 step 100 $PY benchmarks/prediction.py --steps 6 --only sleep --out "$OUT/prediction_16core.json"

@@ -86,9 +86,12 @@ def collective(what: str, timeout_s: float) -> Iterator[None]:
 
 # what the backends and the store say when a peer is gone or silent (gloo: "Timed out waiting
 # ...", "Connection closed by peer"; the store: "wait timeout after ..."; NCCL: "Connection reset
-# by peer", the watchdog's "collective operation timeout")
+# by peer", the watchdog's "collective operation timeout", and ncclRemoteError's own text, "remote
+# process exited or there was a network error", which an asynchronous error carries without any
+# socket words: its "Last error" is the proxy thread's, not the caller's)
 _PEER_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "closed by peer",
-               "reset by peer", "broken pipe", "connection refused")
+               "reset by peer", "broken pipe", "connection refused", "remote process exited",
+               "ncclremoteerror")
 
 
 def peer_failure(exc: BaseException) -> bool:
@@ -443,8 +446,19 @@ def default_store() -> object | None:
 
 def batched_protocol(backend: str) -> bool:
     """NCCL issues point-to-point operations in batches; gloo at once. PIPEPLAN_P2P_BATCHED=1
-    (or 0) forces the choice, so the NCCL protocol also runs, and is tested, on gloo."""
+    forces the batched protocol on gloo too, so it runs, and is tested, there. On NCCL the
+    unbatched one is refused (PIPEPLAN_P2P_BATCHED=0): NCCL runs a rank's operations in issue
+    order on one stream per communicator (with `init_process_group(device_id=...)`, the default
+    group's one for every peer), so a receive posted ahead (`runtime.executor.recv_lookahead`)
+    blocks the sends issued after it: 2 stages of 1F1B hang at the second step (rank 0 queues
+    send act 0, recv grad 0, send act 1; rank 1 recv act 0, recv act 1, send grad 0), and rank
+    0's loss receive, posted at the step's start, takes the first gradient's place."""
     forced = os.environ.get("PIPEPLAN_P2P_BATCHED")
+    if forced == "0" and backend == "nccl":
+        raise PipeplanError(
+            "PIPEPLAN_P2P_BATCHED=0 on NCCL: NCCL matches a pair's messages by order on one stream, "
+            "where the unbatched protocol's receives posted ahead deadlock; unset it (the batched "
+            "protocol is NCCL's)")
     if forced in ("0", "1"):
         return forced == "1"
     return backend == "nccl"

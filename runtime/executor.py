@@ -44,7 +44,7 @@ from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 # memory and bought nothing more: each posted receive holds a buffer (one activation or
 # gradient), which neither the planner's memory model nor the CPU report counts.
 # PIPEPLAN_RECV_LOOKAHEAD overrides it on gloo (benchmarks/gloo_stalls.py compares 1 and 2).
-# An unbatched NCCL run (PIPEPLAN_P2P_BATCHED=0) posts one ahead: NCCL matches by order.
+# (On NCCL the batched protocol is the only one: `runtime.comm.batched_protocol`.)
 def recv_lookahead(device: torch.device) -> int:
     """Actions whose receives are posted ahead: PIPEPLAN_RECV_LOOKAHEAD (2) on gloo, 1 on CUDA."""
     if device.type == "cuda":

@@ -14,6 +14,10 @@ from runtime import comm
     (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
     (torch.distributed.DistStoreError("wait timeout after 10000ms, keys: /default_pg/0//cpu//0/1"), True),
     (RuntimeError("NCCL error: remote process exited or there was a network error, Connection reset by peer"), True),
+    # NCCL's asynchronous error (ncclCommGetAsyncError) names no socket: its "Last error" is empty
+    (RuntimeError("NCCL error: remote process exited or there was a network error, NCCL version 2.27.3\n"
+                  "ncclRemoteError: A call failed possibly due to a network error or a remote process "
+                  "exiting prematurely.\nLast error:\n"), True),
     # this rank's own: gathering a large checkpoint on rank 0 ran out of memory; NCCL would not start
     (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"), False),
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"), False),
@@ -30,3 +34,24 @@ def test_an_allocation_inside_a_collective_step_stays_this_rank_s_error() -> Non
         with comm.collective("collecting the checkpoint's parts on rank 0 (--save)", 3.0):
             torch.empty(1 << 60, dtype=torch.uint8)
     assert not isinstance(got.value, comm.PeerError)
+
+
+@pytest.mark.parametrize(("backend", "forced", "batched"), [
+    ("gloo", None, False), ("nccl", None, True), ("gloo", "1", True), ("gloo", "0", False),
+    ("nccl", "1", True),
+])
+def test_the_point_to_point_protocol_of_each_backend(monkeypatch, backend, forced, batched) -> None:
+    if forced is None:
+        monkeypatch.delenv("PIPEPLAN_P2P_BATCHED", raising=False)
+    else:
+        monkeypatch.setenv("PIPEPLAN_P2P_BATCHED", forced)
+    assert comm.batched_protocol(backend) is batched
+
+
+def test_the_unbatched_protocol_is_refused_on_nccl(monkeypatch) -> None:
+    """Its receives posted ahead sit on NCCL's one stream before the sends that feed them."""
+    from planner.errors import PipeplanError
+
+    monkeypatch.setenv("PIPEPLAN_P2P_BATCHED", "0")
+    with pytest.raises(PipeplanError, match="PIPEPLAN_P2P_BATCHED=0 on NCCL"):
+        comm.batched_protocol("nccl")

@@ -70,6 +70,26 @@ def test_nccl_two_stages_equals_single_device(run, tmp_path, monkeypatch):
     assert os.environ.get("PIPEPLAN_P2P_BATCHED") is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
+                    reason="needs 4 CUDA devices (NCCL)")
+def test_nccl_replicas_clipping_and_resume_equal_single_device(run, tmp_path, monkeypatch):
+    """What the 2-GPU run leaves out: the gradient all-reduce of a replicated stage (a group
+    split from the default one), --clip-grad-norm's all-reduce over every rank, the
+    checkpoint's gather of 4 parts and a --resume from it, all on NCCL."""
+    monkeypatch.delenv("PIPEPLAN_P2P_BATCHED", raising=False)
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 3, [1, 2, 1], global_batch=12, microbatch_size=2)
+    common = ("--model", model, "--optimizer", "sgd", "--clip-grad-norm", 0.05, "--timeout", 60)
+    rc, _, err, _ = run(plan, *common, "--steps", 1, "--save", tmp_path / "ck")
+    assert rc == 0, err
+    rc, _, err, _ = run(plan, *common, "--steps", 1, "--resume", tmp_path / "ck",
+                        "--save", tmp_path / "ck2")
+    assert rc == 0, err
+    ref = reference_train(str(model), 2, optimizer="sgd", global_batch=12, microbatch_size=2,
+                          clip_grad_norm=0.05)
+    assert max_abs_diff(ref, torch.load(tmp_path / "ck2" / "model.pt")) < 1e-4
+
+
 def _runtime_batches(path, stage_of, last):
     """A rank's logged batches (runtime.comm, PIPEPLAN_P2P_LOG) in planner.p2p_order's terms:
     one message per stage pair, microbatch and direction; headers left out."""
