@@ -390,13 +390,16 @@ class P2P:
 def init_process_group(backend: str, device: torch.device, rank: int, world_size: int,
                        timeout_s: float) -> None:
     """The default process group, bound to `device`. On NCCL: a wait that passes `timeout_s`
-    raises on the waiting rank (TORCH_NCCL_BLOCKING_WAIT, so PeerError can name the peer) and
-    the watchdog tears a failed communicator down (TORCH_NCCL_ASYNC_ERROR_HANDLING); a user's
+    raises on the waiting rank (TORCH_NCCL_BLOCKING_WAIT, so PeerError can name the peer; torch
+    then starts no watchdog for such a group, and its `wait()` polls every millisecond); the
+    groups made without it (`new_group(waited_by_torch=True)`) have the watchdog, which tears
+    a failed communicator and the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=1). A user's
     own setting of either variable is kept."""
+    global _GROUP_TIMEOUT, _OUR_BLOCKING_WAIT
     if backend == "nccl":
+        _OUR_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    global _GROUP_TIMEOUT
     kwargs: dict[str, object] = {"device_id": device} if device.type == "cuda" else {}
     _GROUP_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     with collective("joining the process group (every rank must start: a model file slow to import "
@@ -409,17 +412,40 @@ def init_process_group(backend: str, device: torch.device, rank: int, world_size
 # takes the backend's default (30 minutes), so a replica that hung held the others in their
 # gradient all-reduce for half an hour whatever --timeout said
 _GROUP_TIMEOUT: datetime.timedelta | None = None
+# whether `init_process_group` turned TORCH_NCCL_BLOCKING_WAIT on (not the user): `new_group`
+# then leaves it off for the groups whose waits are torch's own
+_OUR_BLOCKING_WAIT = False
 
 
-def new_group(ranks: list[int], device: torch.device) -> object:
+@contextmanager
+def _blocking_wait(on: bool) -> Iterator[None]:
+    """TORCH_NCCL_BLOCKING_WAIT as the NCCL process groups made inside see it (each reads it once,
+    when it is made): off where `on` is False and the runtime set it, else as it is."""
+    if on or not _OUR_BLOCKING_WAIT or "TORCH_NCCL_BLOCKING_WAIT" not in os.environ:
+        yield
+        return
+    kept = os.environ.pop("TORCH_NCCL_BLOCKING_WAIT")
+    try:
+        yield
+    finally:
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = kept
+
+
+def new_group(ranks: list[int], device: torch.device, waited_by_torch: bool = False) -> object:
     """A process group over `ranks` (every rank must call this, in the same order), with the
-    default group's timeout."""
+    default group's timeout. `waited_by_torch`: a group whose collectives torch's own code waits
+    for, not the runtime's (tensor parallelism's: DTensor's all-reduces and all-gathers inside
+    every forward and backward). On NCCL it is made without blocking waits: a blocking
+    `WorkNCCL::wait` polls for completion in 1 ms sleeps, which cost every TP collective at
+    least a millisecond and serialized the host with the GPU; a hang there is the watchdog's
+    (the run's timeout, TORCH_NCCL_ASYNC_ERROR_HANDLING) instead of a PeerError."""
     kwargs: dict[str, object] = {"device_id": device} if device.type == "cuda" else {}
-    if _GROUP_TIMEOUT is None:
-        return dist.new_group(ranks, **kwargs)
-    kwargs["timeout"] = _GROUP_TIMEOUT
-    with collective(f"making the process group of ranks {ranks}", _GROUP_TIMEOUT.total_seconds()):
-        return dist.new_group(ranks, **kwargs)
+    with _blocking_wait(not waited_by_torch):
+        if _GROUP_TIMEOUT is None:
+            return dist.new_group(ranks, **kwargs)
+        kwargs["timeout"] = _GROUP_TIMEOUT
+        with collective(f"making the process group of ranks {ranks}", _GROUP_TIMEOUT.total_seconds()):
+            return dist.new_group(ranks, **kwargs)
 
 
 def barrier(device: torch.device, what: str = "waiting for every rank (a barrier)") -> None:

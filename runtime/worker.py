@@ -224,7 +224,7 @@ class Worker:
         for st in plan.stages:
             devs, t = list(st.devices), st.tp
             for k in range(st.replicas) if t > 1 else ():
-                g = comm.new_group(devs[k * t:(k + 1) * t], self.device)
+                g = comm.new_group(devs[k * t:(k + 1) * t], self.device, waited_by_torch=True)
                 if st.index == self.stage and k == self.replica:
                     tp_group = g
             for u in range(t) if st.replicas > 1 else ():

@@ -3,6 +3,8 @@ or died) and which stay this rank's own."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -55,3 +57,19 @@ def test_the_unbatched_protocol_is_refused_on_nccl(monkeypatch) -> None:
     monkeypatch.setenv("PIPEPLAN_P2P_BATCHED", "0")
     with pytest.raises(PipeplanError, match="PIPEPLAN_P2P_BATCHED=0 on NCCL"):
         comm.batched_protocol("nccl")
+
+
+@pytest.mark.parametrize(("ours", "waited_by_torch", "seen"), [
+    (True, True, None),  # a TP group: torch waits for its collectives, without 1 ms polls
+    (True, False, "1"),  # the runtime's own groups keep the blocking waits it names peers by
+    (False, True, "1"),  # the user's own TORCH_NCCL_BLOCKING_WAIT is kept everywhere
+])
+def test_blocking_waits_of_the_groups_the_runtime_makes(monkeypatch, ours, waited_by_torch, seen):
+    """ProcessGroupNCCL reads TORCH_NCCL_BLOCKING_WAIT when it is made: what a new group sees."""
+    got = []
+    monkeypatch.setattr(torch.distributed, "new_group",
+                        lambda ranks, **kw: got.append(os.environ.get("TORCH_NCCL_BLOCKING_WAIT")))
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    monkeypatch.setattr(comm, "_OUR_BLOCKING_WAIT", ours)
+    comm.new_group([0, 1], torch.device("cuda", 0), waited_by_torch=waited_by_torch)
+    assert got == [seen] and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
