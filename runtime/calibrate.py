@@ -122,8 +122,10 @@ def _pingpong(dist: object, torch: object, me: int, a: int, b: int, nbytes: int,
     peer = b if me == a else a
 
     def done(work: object, what: str) -> None:
-        try:
-            work.wait()  # type: ignore[attr-defined]
+        from runtime.comm import wait_work
+
+        try:  # (on CUDA polled finely: NCCL's blocking wait sleeps 1 ms per poll, `wait_work`)
+            wait_work(work, device, timeout_s)  # type: ignore[arg-type]
         except RuntimeError as exc:  # gloo/NCCL: a timeout or a closed connection
             raise _peer_error(peer, f"{what} rank {peer} ({nbytes} B messages)", exc, timeout_s) from None
 
@@ -322,7 +324,8 @@ def rank_main(args: argparse.Namespace) -> dict | None:
                     _sync(torch, device)
                     t0 = time.perf_counter()
                     with comm.collective("calibrate, measuring the all-reduce", args.timeout):
-                        dist.all_reduce(t, group=group)
+                        comm.wait_work(dist.all_reduce(t, group=group, async_op=True), device,
+                                       args.timeout)
                     _sync(torch, device)
                     ms.append((time.perf_counter() - t0) * 1e6)
             if me in group_ranks:

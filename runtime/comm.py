@@ -123,6 +123,30 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     return order
 
 
+# a wait on CUDA first spins this long (yielding the GIL), then polls every POLL_S
+SPIN_S = 0.002
+POLL_S = 50e-6
+
+
+def wait_work(work: object, device: torch.device, timeout_s: float) -> None:
+    """`work.wait()`; on CUDA, first polled until complete (`Work.is_completed`: a CUDA event
+    query, and NCCL's asynchronous error). ProcessGroupNCCL's blocking wait
+    (TORCH_NCCL_BLOCKING_WAIT, `init_process_group`) sleeps 1 ms between its own polls
+    (`WorkNCCL::wait`, kSynchronizeBusyWaitMillis), which every received activation or gradient
+    and every all-reduce paid on the critical path, up to a millisecond each, and which made
+    calibrate's NCCL ping-pong read ~1 ms one-way. Once complete, `wait()` returns at once
+    (and lets the current stream wait on NCCL's). Past `timeout_s` without completion: a
+    RuntimeError saying it timed out, as the blocking wait's own."""
+    if device.type == "cuda" and timeout_s > 0:
+        start = time.perf_counter()
+        while not work.is_completed():  # type: ignore[attr-defined]
+            waited = time.perf_counter() - start
+            if waited > timeout_s:
+                raise RuntimeError(f"timed out after {timeout_s:g} s")
+            time.sleep(0.0 if waited < SPIN_S else POLL_S)
+    work.wait()  # type: ignore[attr-defined]
+
+
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     inv = [0] * len(order)
     for k, i in enumerate(order):
@@ -220,10 +244,10 @@ class P2P:
             if p.batch is not None:
                 if not p.batch.waited:
                     for w in p.batch.works:
-                        w.wait()  # type: ignore[attr-defined]
+                        wait_work(w, self.device, self.timeout_s)
                     p.batch.waited = True
             else:
-                p.work.wait()  # type: ignore[attr-defined]
+                wait_work(p.work, self.device, self.timeout_s)
         except Exception as exc:  # gloo/nccl raise RuntimeError with transport details
             raise PeerError(
                 p.peer,

@@ -102,9 +102,9 @@ def split_batch(batch: object, microbatch_size: int, m: int
             [t.clone() for t in target.split(microbatch_size)])
 
 
-def _wait(work: object, timeout_s: float, what: str) -> None:
-    try:
-        work.wait()  # type: ignore[attr-defined]  # bounded by the process group's timeout
+def _wait(work: object, timeout_s: float, what: str, device: torch.device | None = None) -> None:
+    try:  # bounded by the process group's timeout; on CUDA polled finely (`comm.wait_work`)
+        comm.wait_work(work, device or torch.device("cpu"), timeout_s)
     except Exception as exc:
         raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
                             f"({describe(exc, 200)})") from None
@@ -343,7 +343,7 @@ class Worker:
                                     dtype=flat.dtype, device=flat.device)
                 flat = torch.cat([flat, used])
                 _wait(dist.all_reduce(flat, group=self.stage_group, async_op=True),
-                      self.opts.timeout, f"gradient all-reduce of stage {self.stage}")
+                      self.opts.timeout, f"gradient all-reduce of stage {self.stage}", self.device)
                 i = 0
                 flags = flat[-2 * len(own):].tolist()
                 for p, g, anyone, dense in zip(own, grads, flags[:len(own)], flags[len(own):], strict=True):
@@ -364,7 +364,7 @@ class Worker:
                                 dtype=grad.dtype, device=grad.device)
             buf = torch.cat([grad.reshape(-1), used])
             _wait(dist.all_reduce(buf, group=g, async_op=True), self.opts.timeout,
-                  f"gradient sum of tied parameter {tie_names[0]!r}")
+                  f"gradient sum of tied parameter {tie_names[0]!r}", self.device)
             p.grad = _resparse(buf[:-2].view_as(p), float(buf[-1])) if float(buf[-2]) > 0 else None
         t1 = time.time()
         if self.stage_group is not None or self.tie_groups:
@@ -377,7 +377,7 @@ class Worker:
         mine = grad_clip.squared_sum(self.unique_params, self.replica == 0, self.tp_rank == 0,
                                      self.counted_elsewhere, self.device)
         return grad_clip.clip(self.unique_params, mine, float(self.opts.clip_grad_norm),
-                              lambda work, what: _wait(work, self.opts.timeout, what))
+                              lambda work, what: _wait(work, self.opts.timeout, what, self.device))
 
     # ------------------------------------------------------------------ training
     def draw_batch(self, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -761,7 +761,7 @@ def _first_others(values: list[int], world: int, device: torch.device, timeout_s
     rank 0's (None: all the same)."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
-    _wait(dist.all_gather(every, mine, async_op=True), timeout_s, what)
+    _wait(dist.all_gather(every, mine, async_op=True), timeout_s, what, device)
     table = [t.tolist() for t in every]
     return [next((r for r, row in enumerate(table) if row[i] != table[0][i]), None)
             for i in range(len(values))]

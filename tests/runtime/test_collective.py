@@ -73,3 +73,38 @@ def test_blocking_waits_of_the_groups_the_runtime_makes(monkeypatch, ours, waite
     monkeypatch.setattr(comm, "_OUR_BLOCKING_WAIT", ours)
     comm.new_group([0, 1], torch.device("cuda", 0), waited_by_torch=waited_by_torch)
     assert got == [seen] and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+
+
+class _Work:
+    """A transfer that completes after `polls` queries of `is_completed`."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls, self.queried, self.waited_while_pending = polls, 0, False
+
+    def is_completed(self) -> bool:
+        self.queried += 1
+        return self.queried > self.polls
+
+    def wait(self) -> bool:
+        self.waited_while_pending = self.queried <= self.polls
+        return True
+
+
+def test_a_cuda_wait_polls_completion_itself_before_nccl_s_blocking_wait() -> None:
+    """NCCL's blocking wait sleeps 1 ms per poll: on CUDA the runtime polls finely first and
+    calls wait() only once the transfer is complete (it then returns at once)."""
+    w = _Work(polls=50)
+    comm.wait_work(w, torch.device("cuda", 0), 5.0)
+    assert w.queried == 51 and not w.waited_while_pending
+    cpu = _Work(polls=50)  # gloo: its own wait, untouched
+    comm.wait_work(cpu, torch.device("cpu"), 5.0)
+    assert cpu.queried == 0
+
+
+def test_a_cuda_wait_that_never_completes_times_out_as_a_peer_s() -> None:
+    with pytest.raises(RuntimeError, match="timed out") as got:
+        comm.wait_work(_Work(polls=10**9), torch.device("cuda", 0), 0.05)
+    assert comm.peer_failure(got.value)
+    p2p = comm.P2P(0, torch.device("cuda", 0), {"x": 0}, 0.05)
+    with pytest.raises(comm.PeerError, match="no answer within 0.05 s"):
+        p2p._wait(comm._Pending(_Work(polls=10**9), torch.empty(0), 1, "receiving 'x'"))
