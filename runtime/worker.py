@@ -34,7 +34,7 @@ from runtime import checkpoint, comm, cpu_binding, grad_clip, progress, rng, sta
 from runtime.comm import P2P, PeerError
 from runtime.deadline import Deadline
 from runtime.executor import StageExecutor, TimedEvent
-from runtime.launch import INTERRUPTED
+from runtime.launch import INTERRUPTED, LAUNCHER_PID_ENV
 from runtime.lr_schedule import lr_factor
 from runtime.options import RunOptions, sparse_refused
 from runtime.report import RankRecord, build_report, chrome_trace, measured_simulation
@@ -72,11 +72,29 @@ class DistEnv:
 
 
 def _device(env: DistEnv) -> tuple[torch.device, str]:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= env.local_world_size:
+    """The rank's device and backend: GPU `LOCAL_RANK` with NCCL where the node shows a GPU per
+    local rank; GPU 0 where each process is shown only its own (a launcher of the user's that
+    sets CUDA_VISIBLE_DEVICES per process, as SLURM's --gpus-per-task=1 does: one device visible,
+    several local ranks, neither our launcher nor torchrun, whose ranks all see the same ones);
+    else the CPU with gloo. Under torchrun a node with GPUs but fewer than its ranks is an error:
+    its ranks would choose gloo while other nodes choose NCCL, and the group would never form."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    if count >= env.local_world_size:
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank), "nccl"
-    if torch.cuda.is_available() and env.local_rank == 0:
-        print(f"warning: {env.local_world_size} ranks on this machine but {torch.cuda.device_count()} "
+    shared = LAUNCHER_PID_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if count == 1 and not shared:
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0), "nccl"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        raise PipeplanError(
+            f"{env.local_world_size} ranks on this node but {count} GPU(s) visible: start torchrun "
+            f"with --nproc-per-node {count} (one rank per GPU; the plan's devices per node must "
+            "match), or hide the GPUs (CUDA_VISIBLE_DEVICES=) on every node to train on the CPU")
+    if env.local_rank == 0:
+        print(f"warning: {env.local_world_size} ranks on this machine but {count} "
               "GPUs: every rank runs on the CPU with gloo (start one rank per GPU to use them)",
               file=sys.stderr, flush=True)
     return torch.device("cpu"), "gloo"
