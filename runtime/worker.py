@@ -268,6 +268,7 @@ class Worker:
                     f"stage {self.stage} has tensor-parallel degree {self.tp} but the model's TP "
                     "plan names none of its modules (define tp_plan(model) in the model file)")
         self.tie_groups = []
+        self.host_group = comm.host_group(self.backend, self.env.world_size)
         for tie_names, holders in self.ties:
             ranks = sorted(d for s in holders for d in plan.stages[s].devices)
             g = comm.new_group(ranks, self.device)
@@ -555,7 +556,7 @@ class Worker:
         opts = self.opts
         records: list[RankRecord | None] = [None] * self.env.world_size
         with comm.collective("collecting every rank's measurements on rank 0", opts.timeout):
-            dist.gather_object(record, records if self.rank == 0 else None, dst=0)
+            dist.gather_object(record, records if self.rank == 0 else None, dst=0, group=self.host_group)
         if opts.save:
             self.save_checkpoint(self.start_step + opts.steps)
         if self.rank == 0:
@@ -577,7 +578,7 @@ class Worker:
                 mine = (state, opt)
         parts: list[object] = [None] * self.env.world_size
         with comm.collective("collecting the checkpoint's parts on rank 0 (--save)", opts.timeout):
-            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
+            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.host_group)
         self._saves += 1
         store = comm.default_store()
         # (a key of this launch's attempt: torchrun restarts keep the agent's store)

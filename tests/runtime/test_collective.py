@@ -108,3 +108,32 @@ def test_a_cuda_wait_that_never_completes_times_out_as_a_peer_s() -> None:
     p2p = comm.P2P(0, torch.device("cuda", 0), {"x": 0}, 0.05)
     with pytest.raises(comm.PeerError, match="no answer within 0.05 s"):
         p2p._wait(comm._Pending(_Work(polls=10**9), torch.empty(0), 1, "receiving 'x'"))
+
+
+def _gather_on_host_group(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        group = comm.host_group("nccl", world)  # as on NCCL: a gloo group of every rank
+        parts: list[object] = [None] * world
+        dist.gather_object({"rank": rank, "t": torch.full((3,), float(rank))},
+                           parts if rank == 0 else None, dst=0, group=group)
+        if rank == 0:
+            torch.save((dist.get_backend(group), parts), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_host_objects_are_gathered_over_gloo_on_nccl(tmp_path) -> None:
+    """Rank 0 gathers the checkpoint's parts through host memory on NCCL too (a gloo group):
+    over NCCL gather_object receives world x the largest part on rank 0's GPU."""
+    import torch.multiprocessing as mp
+
+    assert comm.host_group("gloo", 2) is None  # the default group, gloo already
+    out = tmp_path / "parts.pt"
+    mp.spawn(_gather_on_host_group, args=(2, f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
+    backend, parts = torch.load(out)
+    assert backend == "gloo"
+    assert [p["rank"] for p in parts] == [0, 1]
+    assert torch.equal(parts[1]["t"], torch.ones(3))
