@@ -520,7 +520,12 @@ def main(argv: list[str]) -> int:
     print(f"calibrating {nproc} local rank(s) ...", flush=True)
     try:
         failures = launch(["calibrate", *argv], nproc)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from runtime.launch import Terminated
+
+        if isinstance(exc, Terminated):
+            print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
+            return 128 + exc.signum
         print("interrupted", file=sys.stderr)
         return 130
     if failures:

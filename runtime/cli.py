@@ -458,9 +458,11 @@ def _checked_launch(args: argparse.Namespace, argv: list[str], info: str) -> int
     except KeyboardInterrupt as exc:
         from runtime.launch import Terminated
 
-        term = isinstance(exc, Terminated)
-        print("terminated (SIGTERM): the ranks were stopped" if term else "interrupted", file=sys.stderr)
-        return 143 if term else 130  # 128 + the signal, as a shell reports it
+        if isinstance(exc, Terminated):
+            print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
+            return 128 + exc.signum  # as a shell reports it
+        print("interrupted", file=sys.stderr)
+        return 130
     if not failures:
         return 0
     first = failures[0]

@@ -87,7 +87,16 @@ def as_rank(main: Callable[[argparse.Namespace, str | None], int], args: argpars
 
 
 class Terminated(KeyboardInterrupt):
-    """The launcher got SIGTERM (its ranks are stopped as on Ctrl-C; it exits 143, not 130)."""
+    """The launcher got SIGTERM or SIGHUP (a closed terminal or ssh session): its ranks are
+    stopped as on Ctrl-C; it exits 128 + the signal (143, 129), not 130."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 def die_with_launcher() -> None:
@@ -237,10 +246,16 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
                                           start_new_session=os.name == "posix"))
 
         def on_term(signum: int, frame: object) -> None:
-            raise Terminated  # stop the ranks too when the launcher is told to stop
+            raise Terminated(signum)  # stop the ranks too when the launcher is told to stop
 
         main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
+        # SIGHUP too (a closed terminal or ssh session): its default action ended the launcher
+        # at once, the ranks then by their parent-death signal, but what they started (a data
+        # loader's workers, a subprocess of the model file) lived on and the launcher's
+        # temporary folders stayed in /tmp. A SIGHUP ignored (nohup) stays ignored.
+        watched = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") and
+                                      signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else [])
+        previous = {sig: signal.signal(sig, on_term) for sig in watched} if main_thread else {}
         try:
             failed_at = None
             told = False
@@ -274,8 +289,8 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
             _stop(procs)
             raise
         finally:
-            if main_thread:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         # a rank that exited 0 without finishing (no .done file) failed too
         own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)
                or (p.returncode == 0 and not _done_file(error_files[r]).exists())}

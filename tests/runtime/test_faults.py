@@ -599,3 +599,41 @@ def test_a_tensor_that_does_not_grow_with_the_batch_is_no_input_size_mismatch(ru
     path.write_text(plan.model_dump_json())
     rc, _, err, _ = run(path, "--model", model, "--steps", 1)
     assert rc == 0 and "input sizes" not in err, err
+
+
+def test_a_hung_up_launcher_stops_its_ranks_what_they_started_and_its_files(run, fault, tmp_path,
+                                                                             monkeypatch):
+    """SIGHUP (the terminal or ssh session the run was started from closed) ended the launcher
+    by its default action: the ranks followed by their parent-death signal, but a process a rank
+    had started (a data loader's worker) lived on, and the launcher's temporary folders
+    (pipeplan-run-*, pipeplan-trace-*) stayed in /tmp, a pair per run. Now stopped as SIGTERM
+    stops them, exit 129."""
+    import signal
+    import time
+
+    fault("child", 0)
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("PIPEPLAN_TEST_CHILD_PID", str(pid_file))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    launcher, ranks = _endless_run(run, subprocess.PIPE)
+    deadline = time.time() + 60
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.2)
+    child = int(pid_file.read_text())
+    launcher.send_signal(signal.SIGHUP)
+    try:
+        _, err = launcher.communicate(timeout=60)
+        time.sleep(1)
+        assert launcher.returncode == 129 and "terminated (SIGHUP)" in err, (launcher.returncode, err)
+        assert not [r for r in ranks if "Z" not in _state(r)]
+        assert "Z" in _state(child), f"the rank's child {child} outlived the run"
+        assert not [p.name for p in tmp.iterdir() if p.name.startswith("pipeplan-")]
+    finally:
+        for pid in [child, *ranks]:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass

@@ -2,8 +2,8 @@
 
 PIPEPLAN_TEST_FAULT=<kind>:<rank> makes the run fail on purpose in that rank's second layer's
 forward: `raise` (an exception), `die` (the process vanishes), `exit0` (it vanishes with status 0)
-`hang` (sleeps for ever), `sigint` (sends itself SIGINT, Ctrl-C) or `child-raise` (starts `sleep 600`, writes its pid to
-PIPEPLAN_TEST_CHILD_PID, raises); or,
+`hang` (sleeps for ever), `sigint` (sends itself SIGINT, Ctrl-C), `child-raise` (starts `sleep 600`, writes its pid to
+PIPEPLAN_TEST_CHILD_PID, raises) or `child` (the same once, and trains on); or,
 `import-hang`, while that rank imports this file (before it joins the process group); or
 `trace-hang:any`, in every process's forward without gradients (the one that traces the model;
 it creates the file PIPEPLAN_TEST_HANG_MARK names, if set, as it starts to hang).
@@ -18,6 +18,9 @@ from torch import nn
 
 if os.environ.get("PIPEPLAN_TEST_FAULT", "").partition(":")[::2] == ("import-hang", os.environ.get("RANK")):
     time.sleep(3600)
+
+
+_CHILDREN: list = []  # fault `child`: the one process this rank started
 
 
 class Faulty(nn.Module):
@@ -46,6 +49,12 @@ class Faulty(nn.Module):
 
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(60)
+            if kind == "child" and not _CHILDREN:  # a process of its own, left running
+                import subprocess
+
+                _CHILDREN.append(subprocess.Popen(["sleep", "600"]))
+                with open(os.environ["PIPEPLAN_TEST_CHILD_PID"], "w") as f:
+                    f.write(str(_CHILDREN[0].pid))
             if kind == "child-raise":  # a process of its own left running, then an error
                 import subprocess
 
