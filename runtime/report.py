@@ -10,6 +10,10 @@ Internal module. Definitions used in report.json:
   (mostly waiting for a peer's activations or gradients: the pipeline bubble);
   `optimizer_ms` = the optimizer step (and zero_grad) per iteration, against the plan's
   `predicted_optimizer_ms`.
+- the medians are over the last `timing_window_steps()` to twice as many steps in a longer run
+  (each rank keeps only those steps' per-microbatch timings: a run of days kept every
+  microbatch's forward and backward time, about 32 bytes each, and sent them all to rank 0 at the
+  end); `step_ms` and `losses` hold every step (8 bytes a step each until the report is written).
 - `peak_memory_bytes`: on CUDA `torch.cuda.max_memory_allocated`; on CPU the sum of parameter,
   buffer, gradient and optimizer-state bytes of the stage plus the peak bytes autograd held saved for
   the microbatches in flight, with on the last stage the loss's backward working memory
@@ -23,7 +27,9 @@ Internal module. Definitions used in report.json:
 
 from __future__ import annotations
 
+import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from planner.formats import Plan, RankReport, Report
@@ -37,17 +43,47 @@ class RankRecord:
     rank: int
     stage: int
     replica: int
-    step_ms: list[float]
-    fwd_ms: list[float]  # every microbatch forward, all steps
+    step_ms: Sequence[float]  # every step
+    fwd_ms: list[float]  # every microbatch forward of the steps kept (`dropped_steps`)
     bwd_ms: list[float]
-    comm_ms: list[float]  # per step
-    idle_ms: list[float]  # per step
+    comm_ms: list[float]  # per step kept
+    idle_ms: list[float]  # per step kept
     peak_memory_bytes: int
     memory_measure: str
     peak_inflight: int
     peak_activation_bytes: int  # bytes autograd held saved for the microbatches in flight
     events: list[tuple[str, str, int, int, float, float]] = field(default_factory=list)  # last step
-    optimizer_ms: list[float] = field(default_factory=list)  # per step: optimizer.step + zero_grad
+    optimizer_ms: list[float] = field(default_factory=list)  # per step kept: optimizer.step + zero_grad
+    dropped_steps: int = 0  # the first steps whose timings `trim_timings` let go (0: none)
+
+
+DEFAULT_TIMING_WINDOW_STEPS = 2000
+
+
+def timing_window_steps() -> int:
+    """How many steps' timings a rank keeps at least (`PIPEPLAN_TIMING_WINDOW_STEPS`, default
+    2000); it lets go of the oldest once it holds twice as many."""
+    try:
+        return max(2, int(os.environ.get("PIPEPLAN_TIMING_WINDOW_STEPS", DEFAULT_TIMING_WINDOW_STEPS)))
+    except ValueError:
+        return DEFAULT_TIMING_WINDOW_STEPS
+
+
+def trim_timings(per_step: Sequence[list[float]], per_microbatch: Sequence[tuple[list[float], int]],
+                 window: int) -> int:
+    """At the end of a step: where the per-step lists hold more than 2 x `window` steps, drop
+    their oldest steps down to `window`, and from each per-microbatch list (with its entries
+    per step) as many steps' entries. Returns the steps dropped (0: nothing done). Amortized
+    O(1) a step; each list stays under 2 x `window` steps."""
+    kept = len(per_step[0]) if per_step else 0
+    if kept <= 2 * window:
+        return 0
+    drop = kept - window
+    for xs in per_step:
+        del xs[:drop]
+    for xs, per in per_microbatch:
+        del xs[:drop * per]
+    return drop
 
 
 def _steady(xs: list[float]) -> list[float]:
@@ -71,7 +107,9 @@ def build_report(plan: Plan, records: list[RankRecord], losses: list[float], ste
     per_mb = plan.num_microbatches
     ranks = []
     for r in records:
-        skip = len(r.fwd_ms) // max(len(r.step_ms), 1) if len(r.step_ms) > 1 else 0
+        # the first step's microbatches are left out of the medians, unless trimmed already
+        skip = (len(r.fwd_ms) // max(len(r.comm_ms), 1)
+                if len(r.comm_ms) > 1 and not r.dropped_steps else 0)
         ranks.append(RankReport(
             rank=r.rank, stage=r.stage, replica=r.replica,
             fwd_ms_per_microbatch=_median(r.fwd_ms[skip:]),
@@ -96,8 +134,8 @@ def build_report(plan: Plan, records: list[RankRecord], losses: list[float], ste
         predicted_samples_per_s=plan.predicted.throughput_samples_per_s,
         num_microbatches=per_mb,
         schedule=plan.schedule,
-        step_ms=records[0].step_ms,
-        losses=finite_losses(losses),
+        step_ms=list(records[0].step_ms),
+        losses=finite_losses(list(losses)),
         ranks=ranks,
         optimizer=optimizer,
     )

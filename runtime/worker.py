@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import warnings
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,14 @@ from runtime.executor import StageExecutor, TimedEvent
 from runtime.launch import INTERRUPTED, LAUNCHER_PID_ENV
 from runtime.lr_schedule import lr_factor
 from runtime.options import RunOptions, sparse_refused
-from runtime.report import RankRecord, build_report, chrome_trace, measured_simulation
+from runtime.report import (
+    RankRecord,
+    build_report,
+    chrome_trace,
+    measured_simulation,
+    timing_window_steps,
+    trim_timings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -444,8 +452,11 @@ class Worker:
 
     def train(self) -> RankRecord:
         plan, opts = self.plan, self.opts
-        step_ms, comm_ms, idle_ms, opt_ms = [], [], [], []
-        self.losses: list[float] = []
+        # every step's time and loss (8 bytes each); the other timings of the last steps only
+        # (`report.trim_timings`: a run of days grew every rank by ~32 bytes a microbatch a step)
+        step_ms, self.losses = array("d"), array("d")
+        comm_ms, idle_ms, opt_ms = [], [], []
+        window, dropped = timing_window_steps(), 0
         self._saves = 0  # checkpoints written so far (each has its own key in the store)
         last_events: list[TimedEvent] = []
         every_step_memory = os.environ.get("PIPEPLAN_COUNT_MEMORY") == "every-step"
@@ -454,6 +465,7 @@ class Worker:
             self.executor.events = []
             c0 = self.p2p.comm_ms
             f0, b0 = len(self.executor.stats.fwd_ms), len(self.executor.stats.bwd_ms)
+            w0 = self.executor._w_done
             if self.rank == 0 and not self.p2p.batched:  # the loss arrives during the last backwards
                 for r in self.last_stage_ranks:
                     if r != 0:
@@ -498,6 +510,12 @@ class Worker:
             talk = self.p2p.comm_ms - c0 + sum((e.end_s - e.start_s) * 1e3 for e in ar)
             comm_ms.append(talk)
             idle_ms.append(max(ms - busy - talk, 0.0))
+            stats = self.executor.stats
+            nf, nb = len(stats.fwd_ms) - f0, len(stats.bwd_ms) - b0  # this step's, as every step's
+            if (gone := trim_timings((comm_ms, idle_ms, opt_ms),
+                                     ((stats.fwd_ms, nf), (stats.bwd_ms, nb)), window)):
+                dropped += gone
+                self.executor._w_done -= gone * (self.executor._w_done - w0)  # (their W's are done)
             last_events = self.executor.events + ar + [
                 TimedEvent(f"optimizer {self.stage}", "optimizer", self.stage, -1, o0, o1)]
             if self.rank == 0:
@@ -537,6 +555,7 @@ class Worker:
             peak_memory_bytes=peak, memory_measure=measure, peak_inflight=st.peak_inflight,
             peak_activation_bytes=st.peak_saved_bytes,
             events=[(e.name, e.kind, e.stage, e.mb, e.start_s, e.end_s) for e in last_events],
+            dropped_steps=dropped,
         )
 
     def _gather_loss(self, loss: float) -> float:
