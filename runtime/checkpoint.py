@@ -35,6 +35,7 @@ META_FILE = "meta.json"
 FILES = (MODEL_FILE, OPTIMIZER_FILE, META_FILE)
 PREV = ".prev"  # the previous checkpoint's files while a save replaces them (`save`)
 TMP = ".tmp"  # a file being written (`save`), renamed in place once all are
+LOCK_FILE = ".pipeplan-save.lock"  # held by the run saving there (`lock_directory`)
 
 
 def files_of(directory: str | Path) -> tuple[dict[str, Path], bool]:
@@ -55,8 +56,40 @@ def holds_other_files(directory: str | Path) -> bool:
     d = Path(directory)
     if not d.is_dir() or files_of(d)[0][META_FILE].is_file():
         return False
-    ours = {n + end for n in FILES for end in (TMP, PREV)}
+    ours = {n + end for n in FILES for end in (TMP, PREV)} | {LOCK_FILE}
     return any(p.name not in ours for p in d.iterdir())
+
+
+def lock_directory(directory: str | Path) -> int | None:
+    """Hold `directory`'s save lock (an exclusive `flock` of its LOCK_FILE, which names the
+    holder's pid) for as long as the returned descriptor stays open (the launcher closes it
+    when its ranks are done; the kernel lets go of it when the process ends, even by kill -9). A second run saving into the
+    same directory (a job started twice, a scheduler's retry while the first still ran) wrote
+    the same *.tmp files: one run failed with a traceback, and their files could mix. Raises
+    PipeplanError naming the holder; None where locks are not available (not POSIX)."""
+    import os
+
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise PipeplanError(
+            f"--save {d}: another run (pid {holder or '?'}) is saving its checkpoints there; "
+            "wait for it to end, or --save to another directory") from None
+    except OSError:  # a file system without locks (some network mounts): as before
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
 
 
 def resume_data_note(mf: ModelFile, start_step: int) -> str | None:

@@ -402,13 +402,16 @@ def _launcher_main(args: argparse.Namespace, argv: list[str]) -> int:
 
     info_dir = tempfile.TemporaryDirectory(prefix="pipeplan-trace-")
     info = os.path.join(info_dir.name, "trace.json")
+    locks: list[int] = []  # the --save directory's lock (`lock_directory`), held to the end
     try:
-        return _checked_launch(args, argv, info)
+        return _checked_launch(args, argv, info, locks)
     finally:
         info_dir.cleanup()
+        for fd in locks:
+            os.close(fd)
 
 
-def _checked_launch(args: argparse.Namespace, argv: list[str], info: str) -> int:
+def _checked_launch(args: argparse.Namespace, argv: list[str], info: str, locks: list[int]) -> int:
     from runtime.deadline import DeadlinePassed, alarm
 
     try:
@@ -424,6 +427,11 @@ def _checked_launch(args: argparse.Namespace, argv: list[str], info: str) -> int
 
     try:
         check_room(plan.world_size, f"the plan ({args.plan})")
+        if opts.save:  # one run at a time saves there (let go by `_launcher_main`)
+            from runtime.checkpoint import lock_directory
+
+            if (fd := lock_directory(opts.save)) is not None:
+                locks.append(fd)
     except PipeplanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -73,3 +73,39 @@ def test_training_is_the_same_whether_old_timings_are_dropped_or_not(run, tmp_pa
     a = torch.load(tmp_path / "ck2" / "model.pt")
     b = torch.load(tmp_path / "ck100000" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_second_run_saving_into_the_same_directory_is_refused_while_the_first_runs(run, tmp_path):
+    """Two jobs with one --save directory (a job started twice, a scheduler's retry while the
+    first still ran) wrote the same *.tmp files: with --save-every 1 one of them failed with a
+    traceback (FileNotFoundError renaming model.pt.tmp, the other had renamed it) and their
+    files could mix. The second is refused now, naming the first's pid; once the first ends the
+    directory is free again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    ck = tmp_path / "ck"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    first = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                              "--steps", "1000000", "--threads", "1", "--save", str(ck),
+                              "--save-every", "1000"], cwd=root, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not subprocess.run(
+                ["pgrep", "-P", str(first.pid)], capture_output=True).stdout:
+            time.sleep(0.3)
+        rc, out, err, _ = run(plan, "--model", model, "--steps", 2, "--save", ck)
+        assert rc == 2 and f"another run (pid {first.pid}) is saving its checkpoints there" in err, err
+        assert "Traceback" not in err and "step 1" not in out
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--save", ck)
+    assert rc == 0, err
+    assert (ck / "model.pt").is_file()
