@@ -221,9 +221,23 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
     None: the cores / the ranks); the failures, most telling first (empty when every rank
     succeeded). `peer_wait_s`: how long the others may take to report where every failure so
     far is a peer's (module doc)."""
+    import socket
+
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # the store listens on 127.0.0.1 only: given a host alone, TCPStore's server listens on every
+    # interface (*:PORT), so any machine on the network could read and set the keys of a local
+    # run (unauthenticated); a socket bound here and handed over cannot be taken by another
+    # process between choosing the port and using it either
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    try:
+        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except (TypeError, RuntimeError, ValueError):  # a torch without master_listen_fd: as before
+        listener.close()
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:

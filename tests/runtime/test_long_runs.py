@@ -109,3 +109,38 @@ def test_a_second_run_saving_into_the_same_directory_is_refused_while_the_first_
     rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--save", ck)
     assert rc == 0, err
     assert (ck / "model.pt").is_file()
+
+
+def test_the_launchers_store_listens_on_this_machine_only(run):
+    """The launcher's rendezvous store (TCPStore, unauthenticated: the ranks' addresses and the
+    run's own keys) listened on every interface (*:PORT), reachable from the whole network for a
+    run that never leaves this machine; now on 127.0.0.1 only."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not shutil.which("ss"):
+        import pytest
+
+        pytest.skip("needs ss (iproute2)")
+    import os
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launcher = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                                 "--steps", "1000000", "--threads", "1"], cwd=root,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, mine = time.time() + 60, []
+        while time.time() < deadline and not mine:
+            time.sleep(0.5)
+            lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+            mine = [line.split()[3] for line in lines if f"pid={launcher.pid}," in line]
+        assert mine, "the launcher's store did not listen"
+        assert all(addr.startswith("127.0.0.1:") for addr in mine), mine
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=60)
