@@ -413,12 +413,15 @@ def test_calibrated_nodes_in_another_order_are_warned_about(run):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_ranks_end_when_their_launcher_is_killed(run, tmp_path):
+def test_ranks_end_when_their_launcher_is_killed(run, tmp_path, monkeypatch):
     """A launcher killed outright (SIGKILL: no chance to stop its ranks) takes its ranks with
-    it; they trained on for nobody before (their connections to each other outlive it)."""
+    it; they trained on for nobody before (their connections to each other outlive it). (Its
+    temporary folders, which nothing can remove after a SIGKILL, go with tmp_path: they were
+    left in /tmp, a pipeplan-run-* and a pipeplan-trace-* per run of the suite.)"""
     import signal
     import time
 
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     launcher, ranks = _endless_run(run, subprocess.DEVNULL)
     try:
         time.sleep(3)  # training
