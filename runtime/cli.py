@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import get_args
@@ -385,8 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         die_with_launcher()
         return _rank_main(args, os.environ.get(ERROR_FILE_ENV))
+    from runtime.launch import Terminated, stop_on_signals
+
+    # SIGTERM / SIGHUP in the check before the ranks start: a message, its temporary folder gone
+    previous = stop_on_signals()
     try:
         return _launcher_main(args, argv)
+    except Terminated as exc:  # before the ranks start
+        print(f"terminated ({exc.name})", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt as exc:  # before the ranks start: the plan's check, build_model
         from planner.cli import _user_frame
 
@@ -394,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted" + (f" while running {where} (your code: is it waiting or looping "
                                "there?)" if where else ""), file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 def _launcher_main(args: argparse.Namespace, argv: list[str]) -> int:

@@ -99,6 +99,23 @@ class Terminated(KeyboardInterrupt):
         return signal.Signals(self.signum).name
 
 
+def _on_term(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def stop_on_signals() -> dict[int, object]:
+    """In the main thread: SIGTERM and SIGHUP raise `Terminated` from now on; the handlers they
+    had (to put back), {} elsewhere. SIGHUP too (a closed terminal or ssh session): its default
+    action ended the launcher at once, the ranks then by their parent-death signal, but what
+    they started (a data loader's workers, a subprocess of the model file) lived on and the
+    launcher's temporary folders stayed in /tmp. A SIGHUP ignored (nohup) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    watched = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") and
+                                  signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else [])
+    return {sig: signal.signal(sig, _on_term) for sig in watched}
+
+
 def die_with_launcher() -> None:
     """In a rank this launcher started: ask Linux to end it (SIGTERM) when the launcher dies,
     and end now if it already has. The ranks' connections to each other outlive the
@@ -259,17 +276,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
             procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env,
                                           start_new_session=os.name == "posix"))
 
-        def on_term(signum: int, frame: object) -> None:
-            raise Terminated(signum)  # stop the ranks too when the launcher is told to stop
-
-        main_thread = threading.current_thread() is threading.main_thread()
-        # SIGHUP too (a closed terminal or ssh session): its default action ended the launcher
-        # at once, the ranks then by their parent-death signal, but what they started (a data
-        # loader's workers, a subprocess of the model file) lived on and the launcher's
-        # temporary folders stayed in /tmp. A SIGHUP ignored (nohup) stays ignored.
-        watched = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") and
-                                      signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else [])
-        previous = {sig: signal.signal(sig, on_term) for sig in watched} if main_thread else {}
+        previous = stop_on_signals()  # stop the ranks too when the launcher is told to stop
         try:
             failed_at = None
             told = False

@@ -640,3 +640,37 @@ def test_a_hung_up_launcher_stops_its_ranks_what_they_started_and_its_files(run,
                 os.kill(pid, 9)
             except OSError:
                 pass
+
+
+def test_a_launcher_terminated_in_its_check_before_the_ranks_leaves_no_files(run, fault, tmp_path,
+                                                                            monkeypatch):
+    """SIGTERM (a scheduler cancelling the job) while the launcher checks the model, before any
+    rank starts: the default action ended it without a word and left its pipeplan-trace-*
+    folder in /tmp. Now one line, exit 143, nothing left."""
+    import signal
+    import time
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, 2)
+    fault("trace-hang", "any")
+    mark = tmp_path / "hanging"
+    monkeypatch.setenv("PIPEPLAN_TEST_HANG_MARK", str(mark))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launcher = subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                                 "--steps", "2"], cwd=root, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not mark.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert mark.exists(), "the check did not start"
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 143 and "terminated (SIGTERM)" in err, (launcher.returncode, err)
+        assert "Traceback" not in err
+        assert not [p.name for p in tmp.iterdir() if p.name.startswith("pipeplan-")]
+    finally:
+        launcher.kill()
