@@ -39,8 +39,8 @@ def test_the_timings_a_rank_keeps_stay_bounded_over_many_steps():
 
 def test_a_report_after_trimming_takes_the_medians_of_the_steps_kept(run, tmp_path):
     """Medians over the kept steps, the first step's microbatches not skipped twice."""
-    from planner.io import load_model
     from planner.formats import Plan
+    from planner.io import load_model
 
     plan = load_model(run.plan(MODELS / "seq_mlp.py", 2), Plan, "plan")
     rec = RankRecord(rank=0, stage=0, replica=0, step_ms=[9.0] * 10, fwd_ms=[1.0, 3.0, 1.0, 3.0],
