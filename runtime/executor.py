@@ -172,6 +172,11 @@ class StageExecutor:
         # would part the copies
         self.watched: list[tuple[nn.Parameter, str, str]] = []
 
+    def forget_backwards(self, n: int) -> None:
+        """The first `n` entries of `stats.bwd_ms` were let go (`runtime.report.trim_timings`, at
+        the end of a step): the W's to come add to entries `n` places earlier."""
+        self._w_done = max(self._w_done - n, 0)
+
     def _sync(self) -> None:
         """On CUDA, wait for the kernels so compute times are measured, not just launched."""
         if self.device.type == "cuda":

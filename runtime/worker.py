@@ -465,7 +465,6 @@ class Worker:
             self.executor.events = []
             c0 = self.p2p.comm_ms
             f0, b0 = len(self.executor.stats.fwd_ms), len(self.executor.stats.bwd_ms)
-            w0 = self.executor._w_done
             if self.rank == 0 and not self.p2p.batched:  # the loss arrives during the last backwards
                 for r in self.last_stage_ranks:
                     if r != 0:
@@ -515,7 +514,7 @@ class Worker:
             if (gone := trim_timings((comm_ms, idle_ms, opt_ms),
                                      ((stats.fwd_ms, nf), (stats.bwd_ms, nb)), window)):
                 dropped += gone
-                self.executor._w_done -= gone * (self.executor._w_done - w0)  # (their W's are done)
+                self.executor.forget_backwards(gone * nb)
             last_events = self.executor.events + ar + [
                 TimedEvent(f"optimizer {self.stage}", "optimizer", self.stage, -1, o0, o1)]
             if self.rank == 0:
