@@ -10,8 +10,15 @@ step's time and loss (the report's `step_ms` and `losses`) 8 bytes each."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
+import pytest
 import torch
 from runtime_paths import MODELS
 
@@ -81,12 +88,6 @@ def test_a_second_run_saving_into_the_same_directory_is_refused_while_the_first_
     traceback (FileNotFoundError renaming model.pt.tmp, the other had renamed it) and their
     files could mix. The second is refused now, naming the first's pid; once the first ends the
     directory is free again."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, 2)
     ck = tmp_path / "ck"
@@ -115,18 +116,8 @@ def test_the_launchers_store_listens_on_this_machine_only(run):
     """The launcher's rendezvous store (TCPStore, unauthenticated: the ranks' addresses and the
     run's own keys) listened on every interface (*:PORT), reachable from the whole network for a
     run that never leaves this machine; now on 127.0.0.1 only."""
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import time
-
     if not shutil.which("ss"):
-        import pytest
-
         pytest.skip("needs ss (iproute2)")
-    import os
-
     model = MODELS / "seq_mlp.py"
     plan = run.plan(model, 2)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
