@@ -74,8 +74,14 @@ def lock_directory(directory: str | Path) -> int | None:
     except ImportError:
         return None
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's lock file in a shared directory: a read-only
+            fd = os.open(d / LOCK_FILE, os.O_RDONLY)  # descriptor takes a flock as well
+    except OSError:  # no lock file can be had there: as before, unlocked (`save` says why it fails)
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -87,8 +93,11 @@ def lock_directory(directory: str | Path) -> int | None:
     except OSError:  # a file system without locks (some network mounts): as before
         os.close(fd)
         return None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
+    try:  # (the pid only informs a second run's message: a read-only descriptor or a full disk
+        os.ftruncate(fd, 0)  # leaves it out)
+        os.write(fd, str(os.getpid()).encode())
+    except OSError:
+        pass
     return fd
 
 
