@@ -17,6 +17,7 @@ nor reported an error by then is reported first, as the rank that hangs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -232,29 +233,43 @@ def check_room(world_size: int, what: str) -> None:
             f"enough for about {most}: start it on its machines with torchrun, or use fewer ranks")
 
 
+def local_store() -> object:
+    """The launcher's rendezvous store, listening on 127.0.0.1 only: given a host alone,
+    TCPStore's server listens on every interface (*:PORT), so any machine on the network could
+    read and set the keys of a local run (unauthenticated); a socket bound here and handed over
+    (`master_listen_fd`) cannot be taken by another process between choosing the port and using
+    it either. The store gets a duplicate of the socket, which it owns and closes; ours closes
+    here. TCPStore's libuv server (the default from torch 2.4) takes a listening socket only
+    from pytorch/pytorch#150215 on: before, it refused one (NotImplementedError, after an error
+    line in the log), and the store fell back to every interface; the legacy server takes one
+    in every version."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from torch.torch_version import TorchVersion
+
+    legacy = {} if TorchVersion(torch.__version__) >= (2, 8) else {"use_libuv": False}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        fd = os.dup(listener.fileno())
+        try:
+            return dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True,
+                                 wait_for_workers=False, master_listen_fd=fd, **legacy)
+        except (TypeError, RuntimeError, ValueError):  # a torch without master_listen_fd: as before
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def launch(argv: list[str], world_size: int, threads: int | None = None,
            peer_wait_s: float = 0.0) -> list[Failure]:
     """Run `python -m runtime *argv` on `world_size` local ranks (`threads` torch threads each;
     None: the cores / the ranks); the failures, most telling first (empty when every rank
     succeeded). `peer_wait_s`: how long the others may take to report where every failure so
     far is a peer's (module doc)."""
-    import socket
-
-    import torch.distributed as dist
-
-    # the store listens on 127.0.0.1 only: given a host alone, TCPStore's server listens on every
-    # interface (*:PORT), so any machine on the network could read and set the keys of a local
-    # run (unauthenticated); a socket bound here and handed over cannot be taken by another
-    # process between choosing the port and using it either
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    try:
-        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True,
-                              wait_for_workers=False, master_listen_fd=listener.fileno())
-    except (TypeError, RuntimeError, ValueError):  # a torch without master_listen_fd: as before
-        listener.close()
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = local_store()
     port = store.port
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
