@@ -96,7 +96,8 @@ def _device(env: DistEnv) -> tuple[torch.device, str]:
     if count == 1 and not shared:
         torch.cuda.set_device(0)
         return torch.device("cuda", 0), "nccl"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ and env.world_size > env.local_world_size:
+        # (on one node every rank takes gloo alike: trains on the CPU, as before, with the warning)
         raise PipeplanError(
             f"{env.local_world_size} ranks on this node but {count} GPU(s) visible: start torchrun "
             f"with --nproc-per-node {count} (one rank per GPU; the plan's devices per node must "

@@ -67,3 +67,14 @@ def test_no_gpu_is_the_cpu(gpus, monkeypatch) -> None:
     gpus(0)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert _device(env(0, 8)) == (torch.device("cpu"), "gloo")
+
+
+def test_torchrun_on_one_node_with_fewer_gpus_than_ranks_runs_on_the_cpu(gpus, monkeypatch, capsys) -> None:
+    """One node: every rank chooses gloo alike, the group forms (torchrun --nnodes 1
+    --nproc-per-node 2 on a one-GPU machine trained on the CPU before; the suite's own torchrun
+    tests do this)."""
+    gpus(1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    one_node = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    assert _device(one_node) == (torch.device("cpu"), "gloo")
+    assert gpus.chosen == []
