@@ -81,11 +81,12 @@ class DistEnv:
 
 def _device(env: DistEnv) -> tuple[torch.device, str]:
     """The rank's device and backend: GPU `LOCAL_RANK` with NCCL where the node shows a GPU per
-    local rank; GPU 0 where each process is shown only its own (a launcher of the user's that
-    sets CUDA_VISIBLE_DEVICES per process, as SLURM's --gpus-per-task=1 does: one device visible,
-    several local ranks, neither our launcher nor torchrun, whose ranks all see the same ones);
-    else the CPU with gloo. Under torchrun a node with GPUs but fewer than its ranks is an error:
-    its ranks would choose gloo while other nodes choose NCCL, and the group would never form."""
+    local rank; GPU 0 where each process is known to be shown only its own (SLURM's
+    --gpus-per-task=1, SLURM_GPUS_PER_TASK=1: one device visible to each of several local ranks;
+    a GPU shared by every rank would stop NCCL at its start, "Duplicate GPU detected"); else the
+    CPU with gloo. Under torchrun across nodes, a node with GPUs but fewer than its ranks is an
+    error: its ranks would choose gloo while other nodes choose NCCL, and the group would never
+    form."""
     if not torch.cuda.is_available():
         return torch.device("cpu"), "gloo"
     count = torch.cuda.device_count()
@@ -93,7 +94,7 @@ def _device(env: DistEnv) -> tuple[torch.device, str]:
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank), "nccl"
     shared = LAUNCHER_PID_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
-    if count == 1 and not shared:
+    if count == 1 and not shared and os.environ.get("SLURM_GPUS_PER_TASK") == "1":
         torch.cuda.set_device(0)
         return torch.device("cuda", 0), "nccl"
     if "TORCHELASTIC_RUN_ID" in os.environ and env.world_size > env.local_world_size:

@@ -38,12 +38,22 @@ def test_a_gpu_per_local_rank_is_that_rank_s(gpus, monkeypatch, launcher) -> Non
     assert gpus.chosen == [3]
 
 
-def test_one_gpu_shown_to_each_process_is_its_own(gpus) -> None:
-    """srun --gpus-per-task=1 (or a wrapper setting CUDA_VISIBLE_DEVICES=$LOCAL_RANK): each of
-    the node's 8 processes sees one device, its own; they trained on the CPU before."""
+def test_one_gpu_shown_to_each_process_is_its_own(gpus, monkeypatch) -> None:
+    """srun --gpus-per-task=1: each of the node's 8 processes sees one device, its own; they
+    trained on the CPU before."""
     gpus(1)
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
     assert _device(env(5, 8)) == (torch.device("cuda", 0), "nccl")
     assert gpus.chosen == [0]
+
+
+def test_one_gpu_seen_by_ranks_started_by_hand_is_not_taken_by_all(gpus, monkeypatch, capsys) -> None:
+    """Ranks a user's own launcher starts (RANK, WORLD_SIZE set by hand) on a one-GPU machine all
+    see the same GPU: NCCL would stop at its start ("Duplicate GPU detected"); the CPU, warned."""
+    gpus(1)
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
+    assert _device(env(0, 4)) == (torch.device("cpu"), "gloo")
+    assert "every rank runs on the CPU" in capsys.readouterr().err
 
 
 def test_our_launcher_on_fewer_gpus_than_ranks_runs_on_the_cpu(gpus, monkeypatch, capsys) -> None:
