@@ -38,6 +38,7 @@ figures beside the nominal ones (`--nominal cluster.json`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -524,7 +525,8 @@ def main(argv: list[str]) -> int:
         from runtime.launch import Terminated
 
         if isinstance(exc, Terminated):
-            print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
+            with contextlib.suppress(OSError):  # (a hung-up terminal: EIO)
+                print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
             return 128 + exc.signum
         print("interrupted", file=sys.stderr)
         return 130

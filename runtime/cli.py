@@ -8,6 +8,7 @@ torchrun (RANK, WORLD_SIZE, ... set) it is one rank: it checks the world size an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -393,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _launcher_main(args, argv)
     except Terminated as exc:  # before the ranks start
-        print(f"terminated ({exc.name})", file=sys.stderr)
+        with contextlib.suppress(OSError):  # (a hung-up terminal: EIO)
+            print(f"terminated ({exc.name})", file=sys.stderr)
         return 128 + exc.signum
     except KeyboardInterrupt as exc:  # before the ranks start: the plan's check, build_model
         from planner.cli import _user_frame
@@ -478,7 +480,8 @@ def _checked_launch(args: argparse.Namespace, argv: list[str], info: str, locks:
         from runtime.launch import Terminated
 
         if isinstance(exc, Terminated):
-            print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
+            with contextlib.suppress(OSError):  # (a hung-up terminal: EIO)
+                print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
             return 128 + exc.signum  # as a shell reports it
         print("interrupted", file=sys.stderr)
         return 130

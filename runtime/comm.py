@@ -477,12 +477,13 @@ def new_group(ranks: list[int], device: torch.device, waited_by_torch: bool = Fa
 
 
 def host_group(backend: str, world_size: int) -> object | None:
-    """The group for the host objects rank 0 gathers (every rank's measurements, the
-    checkpoint's parts): None (the default group) on gloo; on NCCL a gloo group of every rank,
-    made by every rank at the same point. Over NCCL `gather_object` pickles each part into a
-    tensor on the GPU and rank 0 receives the largest part times the world size there: a
-    checkpoint of 8 stages of 10 GB of weights and optimizer state asked rank 0's GPU for about
-    80 GB more while the model was still on it."""
+    """The group over which rank 0 gathers the checkpoint's parts (--save): None (the default
+    group) on gloo; on NCCL a gloo group of every rank, made by every rank at the same point.
+    Over NCCL `gather_object` pickles each part into a tensor on the GPU and rank 0 receives the
+    largest part times the world size there: a checkpoint of 8 stages of 10 GB of weights and
+    optimizer state asked rank 0's GPU for about 80 GB more while the model was still on it.
+    Gloo finds its interface by the host name (GLOO_SOCKET_IFNAME to choose it, as
+    NCCL_SOCKET_IFNAME for NCCL)."""
     if backend == "gloo":
         return None
     return new_group(list(range(world_size)), torch.device("cpu"), backend="gloo")

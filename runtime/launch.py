@@ -109,12 +109,18 @@ def stop_on_signals() -> dict[int, object]:
     had (to put back), {} elsewhere. SIGHUP too (a closed terminal or ssh session): its default
     action ended the launcher at once, the ranks then by their parent-death signal, but what
     they started (a data loader's workers, a subprocess of the model file) lived on and the
-    launcher's temporary folders stayed in /tmp. A SIGHUP ignored (nohup) stays ignored."""
+    launcher's temporary folders stayed in /tmp. A SIGHUP ignored (nohup) stays ignored, and a
+    signal whose handler was set outside Python (`getsignal` None: it could not be put back) is
+    left to it."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    watched = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") and
-                                  signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else [])
-    return {sig: signal.signal(sig, _on_term) for sig in watched}
+    taken = {}
+    for sig in [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []):
+        now = signal.getsignal(sig)
+        if now is None or (sig != signal.SIGTERM and now is signal.SIG_IGN):
+            continue
+        taken[sig] = signal.signal(sig, _on_term)
+    return taken
 
 
 def die_with_launcher() -> None:
@@ -274,25 +280,24 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         error_files = [Path(tmp) / f"rank{rank}.json" for rank in range(world_size)]
-        procs = []
-        for rank in range(world_size):
-            env = dict(os.environ)
-            env.update({
-                "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "OMP_NUM_THREADS": str(threads),
-                ERROR_FILE_ENV: str(error_files[rank]),
-                LAUNCHER_PID_ENV: str(os.getpid()),
-            })
-            # each rank leads a process group of its own, which `_stop` ends whole (Ctrl-C
-            # reaches the launcher, which stops them, as SIGTERM does)
-            procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env,
-                                          start_new_session=os.name == "posix"))
-
+        procs: list[subprocess.Popen] = []
         previous = stop_on_signals()  # stop the ranks too when the launcher is told to stop
         try:
+            for rank in range(world_size):  # (a signal while starting them stops those started)
+                env = dict(os.environ)
+                env.update({
+                    "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "OMP_NUM_THREADS": str(threads),
+                    ERROR_FILE_ENV: str(error_files[rank]),
+                    LAUNCHER_PID_ENV: str(os.getpid()),
+                })
+                # each rank leads a process group of its own, which `_stop` ends whole (Ctrl-C
+                # reaches the launcher, which stops them, as SIGTERM does)
+                procs.append(subprocess.Popen([sys.executable, "-m", "runtime", *argv], env=env,
+                                              start_new_session=os.name == "posix"))
             failed_at = None
             told = False
             seen: dict[int, Failure] = {}  # each exited rank's error, read once

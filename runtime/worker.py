@@ -278,7 +278,8 @@ class Worker:
                     f"stage {self.stage} has tensor-parallel degree {self.tp} but the model's TP "
                     "plan names none of its modules (define tp_plan(model) in the model file)")
         self.tie_groups = []
-        self.host_group = comm.host_group(self.backend, self.env.world_size)
+        # (the checkpoint's parts only: every rank's measurements are small)
+        self.host_group = comm.host_group(self.backend, self.env.world_size) if self.opts.save else None
         for tie_names, holders in self.ties:
             ranks = sorted(d for s in holders for d in plan.stages[s].devices)
             g = comm.new_group(ranks, self.device)
@@ -576,7 +577,7 @@ class Worker:
         opts = self.opts
         records: list[RankRecord | None] = [None] * self.env.world_size
         with comm.collective("collecting every rank's measurements on rank 0", opts.timeout):
-            dist.gather_object(record, records if self.rank == 0 else None, dst=0, group=self.host_group)
+            dist.gather_object(record, records if self.rank == 0 else None, dst=0)
         if opts.save:
             self.save_checkpoint(self.start_step + opts.steps)
         if self.rank == 0:
