@@ -131,6 +131,13 @@ def die_with_launcher() -> None:
     nothing changes. (Linux signals when the *thread* that started the rank ends: `launch`
     waits for its ranks in that thread, so that is when the launcher is done with them.)"""
     pid = os.environ.get(LAUNCHER_PID_ENV)
+    if not pid and "TORCHELASTIC_RUN_ID" in os.environ:
+        # under torchrun the agent is the rank's parent: a node's agent killed outright left its
+        # ranks training on for the other nodes to the end (an outside review: SIGKILL to one
+        # node's agent, and its orphaned rank finished 4000 steps with the other node's)
+        pid = str(os.getppid())
+        if pid == "1":
+            pid = "0"  # reparented already: the agent is gone (the check below stops the rank)
     if not pid or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -141,7 +148,8 @@ def die_with_launcher() -> None:
     except (OSError, AttributeError):
         return
     if os.getppid() != int(pid):  # the launcher died before the request took effect
-        print(f"error: rank {os.environ.get('RANK', '?')}: its launcher (pid {pid}) has exited; "
+        print(f"error: rank {os.environ.get('RANK', '?')}: its launcher (pid {pid}, torchrun's agent "
+              "where torchrun started it) has exited; "
               "stopping", file=sys.stderr, flush=True)
         os._exit(1)
 

@@ -674,3 +674,45 @@ def test_a_launcher_terminated_in_its_check_before_the_ranks_leaves_no_files(run
         assert not [p.name for p in tmp.iterdir() if p.name.startswith("pipeplan-")]
     finally:
         launcher.kill()
+
+
+def test_a_torchrun_agent_killed_outright_takes_its_ranks_with_it(run):
+    """`kill -9` to a node's torchrun agent: its ranks, reparented, trained on with the other
+    nodes to the end of the run (an outside review: 4000 steps finished after the agent of
+    rank 0's node was gone). They end with their agent now, as with pipeplan's launcher."""
+    import signal
+    import time
+
+    from runtime.launch import free_port
+
+    model = MODELS / "seq_mlp.py"
+    path = run.plan(model, 2, global_batch=8, microbatch_size=2)
+    env = dict(os.environ, PYTHONPATH=str(MODELS.parents[2]))
+    env.pop("PIPEPLAN_ERROR_FILE", None)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "runtime",
+         str(path), "--model", str(model), "--steps", "100000", "--threads", "1", "--timeout", "60"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert agent.stdout is not None
+        for line in agent.stdout:  # training has started
+            if line.startswith("step 2:"):
+                break
+        ranks = [int(p) for p in open(f"/proc/{agent.pid}/task/{agent.pid}/children").read().split()]
+        assert len(ranks) == 2
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline and any(os.path.exists(f"/proc/{r}") and
+                                             open(f"/proc/{r}/stat").read().split()[2] != "Z"
+                                             for r in ranks):
+            time.sleep(0.2)
+        alive = [r for r in ranks if os.path.exists(f"/proc/{r}")
+                 and open(f"/proc/{r}/stat").read().split()[2] != "Z"]
+        for r in alive:
+            os.kill(r, signal.SIGKILL)
+        assert not alive, "ranks outlived their torchrun agent"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
