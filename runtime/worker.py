@@ -280,6 +280,12 @@ class Worker:
         self.tie_groups = []
         # (the checkpoint's parts only: every rank's measurements are small)
         self.host_group = comm.host_group(self.backend, self.env.world_size) if self.opts.save else None
+        self.save_keys = ""  # this attempt's prefix of the save's progress keys in the store
+        if self.opts.save:  # rank 0's, so every rank waits on the keys rank 0 writes
+            box = [os.urandom(8).hex() if self.rank == 0 else None]
+            with comm.collective("agreeing on the checkpoint's keys (--save)", self.opts.timeout):
+                dist.broadcast_object_list(box, src=0, group=self.host_group)
+            self.save_keys = str(box[0])
         for tie_names, holders in self.ties:
             ranks = sorted(d for s in holders for d in plan.stages[s].devices)
             g = comm.new_group(ranks, self.device)
@@ -602,9 +608,12 @@ class Worker:
             dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.host_group)
         self._saves += 1
         store = comm.default_store()
-        # (a key of this launch's attempt: torchrun restarts keep the agent's store)
-        key = (f"pipeplan/save/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-               f"{self._saves}")
+        # a key of this attempt's (torchrun's restarts keep its store, whose keys of an earlier
+        # attempt would say "written"), the same on every rank: the agents' restart counts,
+        # which it held before, differ after one node's restart (an agent whose ranks were
+        # healthy restarts them without counting), and the others waited on keys rank 0 never
+        # wrote until --timeout failed the save
+        key = f"pipeplan/save/{self.save_keys}/{self._saves}"
         what = f"writing the checkpoint of step {step} to {opts.save} (--save)"
         if self.rank != 0:
             if store is None:

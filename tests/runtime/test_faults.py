@@ -352,6 +352,30 @@ def test_ranks_started_with_other_plans_or_options_are_named(run, differ):
         assert "Traceback" not in err
 
 
+def test_a_save_after_one_node_s_restart_is_waited_on_by_every_rank(run, tmp_path):
+    """After a torchrun restart the agents' TORCHELASTIC_RESTART_COUNT differ (the failed node's
+    agent counts the restart, a healthy one restarting its ranks for the new round does not);
+    the save's progress keys held that count, so the other ranks waited on keys rank 0 never
+    wrote and failed the save after --timeout (an outside review of torchrun restarts)."""
+    from runtime.launch import free_port
+
+    model = MODELS / "seq_mlp.py"
+    plan = run.plan(model, [3, 3])
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   TORCHELASTIC_RESTART_COUNT=str(1 - rank))
+        env.pop("PIPEPLAN_ERROR_FILE", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--model", str(model),
+                                       "--steps", "2", "--timeout", "10", "--save", str(tmp_path / "ck")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert (tmp_path / "ck" / "model.pt").is_file()
+
+
 def test_a_torchrun_layout_other_than_the_plans_cluster_is_warned_about(run):
     """A plan for 2 nodes of 1 device started by torchrun as 1 node of 2 ranks: it trains (the
     layout changes only which links are fast), with one warning that says how to start it."""
