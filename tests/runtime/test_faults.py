@@ -644,7 +644,12 @@ def test_a_hung_up_launcher_stops_its_ranks_what_they_started_and_its_files(run,
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
-    launcher, ranks = _endless_run(run, subprocess.PIPE)
+    # (a suite started under nohup hands its ignored SIGHUP down, which the launcher keeps)
+    kept = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        launcher, ranks = _endless_run(run, subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGHUP, kept)
     deadline = time.time() + 60
     while not pid_file.exists() and time.time() < deadline:
         time.sleep(0.2)
