@@ -38,7 +38,6 @@ figures beside the nominal ones (`--nominal cluster.json`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -522,12 +521,10 @@ def main(argv: list[str]) -> int:
     try:
         failures = launch(["calibrate", *argv], nproc)
     except KeyboardInterrupt as exc:
-        from runtime.launch import Terminated
+        from runtime.launch import Terminated, report_terminated
 
         if isinstance(exc, Terminated):
-            with contextlib.suppress(OSError):  # (a hung-up terminal: EIO)
-                print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
-            return 128 + exc.signum
+            return report_terminated(exc, ranks_stopped=True)
         print("interrupted", file=sys.stderr)
         return 130
     if failures:

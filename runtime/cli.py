@@ -8,12 +8,10 @@ torchrun (RANK, WORLD_SIZE, ... set) it is one rank: it checks the world size an
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import get_args
@@ -387,16 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         die_with_launcher()
         return _rank_main(args, os.environ.get(ERROR_FILE_ENV))
-    from runtime.launch import Terminated, stop_on_signals
+    from runtime.launch import Terminated, put_back, report_terminated, stop_on_signals
 
     # SIGTERM / SIGHUP in the check before the ranks start: a message, its temporary folder gone
     previous = stop_on_signals()
     try:
         return _launcher_main(args, argv)
     except Terminated as exc:  # before the ranks start
-        with contextlib.suppress(OSError):  # (a hung-up terminal: EIO)
-            print(f"terminated ({exc.name})", file=sys.stderr)
-        return 128 + exc.signum
+        return report_terminated(exc, ranks_stopped=False)
     except KeyboardInterrupt as exc:  # before the ranks start: the plan's check, build_model
         from planner.cli import _user_frame
 
@@ -405,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                                "there?)" if where else ""), file=sys.stderr)
         return 130
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        put_back(previous)
 
 
 def _launcher_main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -477,12 +472,10 @@ def _checked_launch(args: argparse.Namespace, argv: list[str], info: str, locks:
         failures = launch(argv + extra + ["--trace-info", info], plan.world_size, opts.threads,
                           peer_wait_s=opts.timeout + 5.0)
     except KeyboardInterrupt as exc:
-        from runtime.launch import Terminated
+        from runtime.launch import Terminated, report_terminated
 
         if isinstance(exc, Terminated):
-            with contextlib.suppress(OSError):  # (a hung-up terminal: EIO)
-                print(f"terminated ({exc.name}): the ranks were stopped", file=sys.stderr)
-            return 128 + exc.signum  # as a shell reports it
+            return report_terminated(exc, ranks_stopped=True)
         print("interrupted", file=sys.stderr)
         return 130
     if not failures:

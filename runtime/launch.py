@@ -123,6 +123,21 @@ def stop_on_signals() -> dict[int, object]:
     return taken
 
 
+def put_back(taken: dict[int, object]) -> None:
+    """The handlers `stop_on_signals` replaced, back in place."""
+    for sig, handler in taken.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def report_terminated(exc: Terminated, ranks_stopped: bool) -> int:
+    """One line for a launcher stopped by SIGTERM / SIGHUP (printing may fail on a hung-up
+    terminal: EIO), and its exit status, 128 + the signal as a shell reports it."""
+    with contextlib.suppress(OSError):
+        print(f"terminated ({exc.name})" + (": the ranks were stopped" if ranks_stopped else ""),
+              file=sys.stderr)
+    return 128 + exc.signum
+
+
 def die_with_launcher() -> None:
     """In a rank this launcher started: ask Linux to end it (SIGTERM) when the launcher dies,
     and end now if it already has. The ranks' connections to each other outlive the
@@ -338,8 +353,7 @@ def launch(argv: list[str], world_size: int, threads: int | None = None,
             _stop(procs)
             raise
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            put_back(previous)
         # a rank that exited 0 without finishing (no .done file) failed too
         own = {r: p.returncode for r, p in enumerate(procs) if p.returncode not in (0, None)
                or (p.returncode == 0 and not _done_file(error_files[r]).exists())}
