@@ -130,9 +130,9 @@ def split_batch(batch: object, microbatch_size: int, m: int
             [t.clone() for t in target.split(microbatch_size)])
 
 
-def _wait(work: object, timeout_s: float, what: str, device: torch.device | None = None) -> None:
+def _wait(work: object, timeout_s: float, what: str, device: torch.device) -> None:
     try:  # bounded by the process group's timeout; on CUDA polled finely (`comm.wait_work`)
-        comm.wait_work(work, device or torch.device("cpu"), timeout_s)
+        comm.wait_work(work, device, timeout_s)
     except Exception as exc:
         raise PeerError(-1, f"{what}: no result within {timeout_s:g} s or a peer failed "
                             f"({describe(exc, 200)})") from None
