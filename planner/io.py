@@ -71,10 +71,10 @@ def parse_model(data: object, cls: type[M], what: str, strict: bool = False) -> 
             return cls.model_validate_json(json.dumps(data), strict=True)
         return cls.model_validate(data)
     except ValidationError as exc:
-        raise PipeplanError(f"{what} is not a valid {cls.__name__}:{_lines(describe_validation_error(exc))}") from None
+        raise PipeplanError(f"{what} is not a valid {cls.__name__}:{one_or_more_lines(describe_validation_error(exc))}") from None
 
 
-def _lines(described: str) -> str:
+def one_or_more_lines(described: str) -> str:
     """A description after a colon: on the same line if it is one problem, else below it."""
     return " " + described.strip() if "\n" not in described else "\n" + described
 

@@ -91,15 +91,6 @@ def format_profile(profile: Any) -> str:
             out.append("note: the layer times do not add up to the whole model; on a busy CPU "
                        "profile with --threads 1 --clock thread (CPU time, unaffected by other "
                        "processes) and more --repeats")
-    wall = getattr(m, "wall_ms", None) if m is not None else None
-    cpu = (m.fwd_ms + m.bwd_ms + (m.loss_ms or 0.0)) if m is not None else 0.0
-    # four times: other processes on a busy machine (why --clock thread) stretch the wall clock
-    # too, but rarely to a quarter of a core
-    if wall is not None and wall > 4 * cpu + 1.0:
-        out.append(f"warning: a whole pass took {wall:.3g} ms on the wall clock but {cpu:.3g} ms of "
-                   "this thread's CPU time: the model waits (sleeps, I/O, a device) or works in "
-                   "other threads, which --clock thread leaves out of every figure; profile with "
-                   "--clock wall")
     if m is not None and m.peak_memory_bytes:
         out.append(f"whole-model peak memory: {_mb(m.peak_memory_bytes)} MB")
     steps = [getattr(x, "optimizer_ms", None) or {} for x in profile.layers]
@@ -109,6 +100,22 @@ def format_profile(profile: Any) -> str:
             f"{k} {sum(d.get(k, 0.0) for d in steps):.3f} ms" for k in names))
     out.extend(format_tp(profile))
     return "\n".join(out)
+
+
+def profile_warnings(profile: Any) -> list[str]:
+    """What the user must see even with -q (printed to stderr): a model that waits profiled
+    with --clock thread, whose figures then leave the waits out."""
+    m = profile.measured
+    wall = getattr(m, "wall_ms", None) if m is not None else None
+    cpu = (m.fwd_ms + m.bwd_ms + (m.loss_ms or 0.0)) if m is not None else 0.0
+    # four times: other processes on a busy machine (why --clock thread) stretch the wall clock
+    # too, but rarely to a quarter of a core
+    if wall is not None and wall > 4 * cpu + 1.0:
+        return [f"warning: a whole pass took {wall:.3g} ms on the wall clock but {cpu:.3g} ms of "
+                "this thread's CPU time: the model waits (sleeps, I/O, a device) or works in "
+                "other threads, which --clock thread leaves out of every figure; profile with "
+                "--clock wall"]
+    return []
 
 
 def format_tp(profile: Any) -> list[str]:
@@ -195,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         profile = add_tp_degrees(profile, args.model, degrees, args.batch_size, seed=args.seed,
                                  warmup=args.warmup, repeats=args.repeats, clock=args.clock)
     save_model(profile, args.output)
+    for line in profile_warnings(profile):  # (with -q too: it was part of the table)
+        print(line, file=sys.stderr)
     if not args.quiet:
         print(format_profile(profile))
         print(f"wrote {args.output}")

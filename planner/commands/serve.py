@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from api.protocol import protocol_class
     from api.settings import Settings
     from planner.errors import PipeplanError
-    from planner.io import describe_validation_error
+    from planner.io import describe_validation_error, one_or_more_lines
 
     given = {k: getattr(args, k) for k in ("host", "port", "db", "workers") if getattr(args, k) is not None}
     if getattr(args, "log_format", None) is not None:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**given)
     except ValidationError as exc:
-        raise PipeplanError(f"bad server settings:\n{describe_validation_error(exc)}") from None
+        raise PipeplanError(f"bad server settings:{one_or_more_lines(describe_validation_error(exc))}") from None
     _check_database(str(settings.db))
     _check_address(settings.host, settings.port)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.keyed:

@@ -364,6 +364,11 @@ def test_serve_refuses_an_address_it_cannot_listen_on(tmp_path: Path,
         assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert main(["serve", "--host", "999.1.1.1", "--db", str(tmp_path / "a.db")]) == 2
     assert "--host 999.1.1.1: not an address" in capsys.readouterr().err
+    # one problem, one line (it was "bad server settings:" and the problem below it)
+    for flag, value, field in (("--port", "99999", "port"), ("--workers", "0", "workers")):
+        assert main(["serve", flag, value, "--db", str(tmp_path / "a.db")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: bad server settings: {field}: ") and "\n" not in err, err
 
 
 def test_plan_refuses_more_layers_than_it_plans(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
