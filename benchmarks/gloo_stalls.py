@@ -13,7 +13,8 @@ its range, the bottleneck rank's idle time per step, and the ratio to the old se
 measured in the same rounds. The predicted iteration (on a fixed 2-device cluster) is printed
 beside it.
 
-    .venv/bin/python benchmarks/gloo_stalls.py [--rounds 3] [--steps 30]   # ~3 min on 2 cores
+    .venv/bin/python benchmarks/gloo_stalls.py [--rounds 3] [--steps 30] [-o PATH]
+    # ~3 min on 2 cores
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--splits", default="3,3;4,2")
+    ap.add_argument("-o", "--output", type=Path, default=RESULTS)
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as t:
@@ -78,10 +80,10 @@ def main() -> None:
         print(f"{r['split']:6s} {r['bind']:4d} {r['lookahead']:5d} {r['predicted_ms']:9.1f} "
               f"{r['median_ms']:9.1f} {min(r['iteration_ms']):6.1f}-{max(r['iteration_ms']):<6.1f} "
               f"{statistics.median(r['bottleneck_idle_ms']):8.1f} {r['ratio_to_old']:6.3f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"rounds": args.rounds, "steps": args.steps, "rows": rows,
-                                   "load": os.getloadavg()}, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"rounds": args.rounds, "steps": args.steps, "rows": rows,
+                                       "load": os.getloadavg()}, indent=2) + "\n")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ a fresh temporary directory per round): the plan's prediction with the optimizer
 (as `plan` writes it now) and the same plan simulated without it, against the one measured
 iteration.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/optimizer_step.py [--rounds 4] [--steps 10]
+    PYTHONPATH=. .venv/bin/python benchmarks/optimizer_step.py [--rounds 4] [--steps 10] [-o PATH]
 
-Prints both tables; writes benchmarks/results/optimizer_step.json.
+Prints both tables; writes benchmarks/results/optimizer_step.json (or -o PATH).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skip-steps", action="store_true", help="only part 2")
+    ap.add_argument("-o", "--output", type=Path, default=RESULTS)
     args = ap.parse_args()
     out: dict = {"steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,8 +131,9 @@ def main() -> None:
         med = statistics.median(abs(x["error_pct"]) for x in out["readme"])
         med0 = statistics.median(abs(x["error_without_step_pct"]) for x in out["readme"])
         print(f"median |error| over {len(out['readme'])} rounds: {med:.1f} % with the step, {med0:.1f} % without")
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ A synthetic chain (cpsat_targets.py's generator, 1000 layers, activations scaled
 that 4 devices can hold it), global batch 512 in microbatches of 4, on 4 to 1024 devices
 (nodes of 8; 4 devices = one node of 4), 16 GB per device. Every method's plan
 is simulated by the core; cpsat runs with its default 10 s time limit. Writes
-benchmarks/results/scaling.json and benchmarks/results/scaling.png.
+benchmarks/results/scaling.json and benchmarks/results/scaling.png (with -o PATH: PATH and the
+.png of the same stem beside it).
 
-    .venv/bin/python benchmarks/scaling.py [--devices 4,8,...] [--time-limit 10]
+    .venv/bin/python benchmarks/scaling.py [--devices 4,8,...] [--time-limit 10] [-o PATH]
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main() -> None:
     parser.add_argument("--devices", default="4,8,16,32,64,128,256,512,1024")
     parser.add_argument("--layers", type=int, default=1000)
     parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("-o", "--output", type=Path,
+                        default=ROOT / "benchmarks/results/scaling.json",
+                        help="the JSON; the plot goes beside it, same stem, .png")
     args = parser.parse_args()
     profile = chain_profile(args.layers)
     profile = profile.model_copy(update={"layers": [
@@ -84,9 +88,9 @@ def main() -> None:
         gap = row.get("cpsat_gap")
         print(f"{n:7d} {cells} {gap * 100 if gap is not None else float('nan'):8.2f}% "
               f"{row.get('cpsat_bound_ms') or float('nan'):9.2f}", flush=True)
-    out = ROOT / "benchmarks/results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.json").write_text(json.dumps(rows, indent=1))
+    out: Path = args.output
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in METHOD_NAMES:
         pts = [(r["devices"], r[method]) for r in rows if r.get(method)]
@@ -103,7 +107,7 @@ def main() -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=120)
+    fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ fit" and TP plans must fit.
     .venv/bin/python benchmarks/tensor_parallel.py [--widths 64,256,512] [--repeats 3]
         [--profiles benchmarks/results/tp_profiles]  # reuse (or write) gpt_w<width>.json there
 
-Prints a table and writes benchmarks/results/tensor_parallel.json.
+Prints a table and writes benchmarks/results/tensor_parallel.json (or -o PATH).
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--memory", default="80GB,small", help="80GB and/or small (see clusters_for)")
     ap.add_argument("--profiles", help="directory of gpt_w<width>.json: read if there, else written")
+    ap.add_argument("-o", "--output", type=Path,
+                    default=ROOT / "benchmarks" / "results" / "tensor_parallel.json")
     args = ap.parse_args()
     from planner.cost import layer_table
     from planner.formats import Cluster, PlanOptions, Profile
@@ -160,7 +162,8 @@ def main() -> None:
             print(f"{width:>5} {name:>11} {pp[0] if pp else float('nan'):14.2f} "
                   f"{tp[0] if tp else float('nan'):14.2f} " + " ".join(cell(x) for x in solved)
                   + (f"  {100 * last['gap']:5.1f}%  {last['stages']}" if "ms" in last else ""), flush=True)
-    out = ROOT / "benchmarks" / "results" / "tensor_parallel.json"
+    out: Path = args.output
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
