@@ -61,6 +61,17 @@ def chain_profile(num_layers: int = 1000, seed: int = 0) -> Profile:
                    device={"type": "gpu", "name": "synthetic"}, batch_size=4, layers=layers)
 
 
+def pipedream_profile(name: str, batch: int) -> Profile:
+    """The imported PipeDream profile `name`; a missing file ends the run with one line (exit 2)."""
+    path = PROFILES / f"{name}.txt"
+    if not path.is_file():
+        print(f"cpsat_targets: no PipeDream profile {path}: profiles are looked for in {PROFILES} "
+              "(set PIPEPLAN_PIPEDREAM_PROFILES to the folder of resnet50.txt, gnmt_large.txt)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return import_pipedream_file(path, batch)
+
+
 def instances(args: argparse.Namespace
               ) -> list[tuple[str, Profile, Cluster, PlanOptions, str, float]]:
     tl = args.time_limit
@@ -72,13 +83,13 @@ def instances(args: argparse.Namespace
                     PlanOptions(global_batch=64, microbatch_size=8, time_limit_s=tl),
                     "proven optimal < 2 s", 0.0))
     if "resnet50" in args.only:
-        out.append(("resnet50", import_pipedream_file(PROFILES / "resnet50.txt", 128),
+        out.append(("resnet50", pipedream_profile("resnet50", 128),
                     Cluster(nodes=4, devices_per_node=4, device_memory_gb=16,
                             intra_node_gb_per_s=100, inter_node_gb_per_s=10, latency_us=5),
                     PlanOptions(global_batch=1024, microbatch_size=64, time_limit_s=tl),
                     "gap <= 1% < 5 s", 0.01))
     if "gnmt_large" in args.only:
-        out.append(("gnmt_large", import_pipedream_file(PROFILES / "gnmt_large.txt", 64),
+        out.append(("gnmt_large", pipedream_profile("gnmt_large", 64),
                     Cluster(nodes=16, devices_per_node=1, device_memory_gb=16,
                             intra_node_gb_per_s=100, inter_node_gb_per_s=10, latency_us=5),
                     PlanOptions(global_batch=512, microbatch_size=64, time_limit_s=tl),
