@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -32,6 +33,25 @@ def sh(*args: str, env: dict[str, str] | None = None) -> None:
     r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{args} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+
+
+def fail(message: str) -> NoReturn:
+    print(f"gpu_memory: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def probe_workspace_bytes() -> int:
+    """PROBE in a process of its own; no CUDA GPU, or a failed probe: one line, exit 2."""
+    import torch
+
+    if not torch.cuda.is_available():
+        fail("needs a CUDA GPU: torch.cuda.is_available() is False here")
+    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        fail(f"the cuBLAS workspace probe failed: {last}")
+    return int(probe.stdout.split()[-1])
 
 
 def row(name: str, sizes: dict[str, str], recompute: str, tmp: Path) -> dict:
@@ -64,9 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "gpu_memory.json"))
     args = ap.parse_args()
-    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True,
-                           check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    kept_ws = int(probe.stdout.split()[-1])
+    kept_ws = probe_workspace_bytes()
     print(f"cuBLAS workspaces (profiler.measure.library_workspace_bytes): {kept_ws} B")
     rows = []
     with tempfile.TemporaryDirectory() as t:
