@@ -119,4 +119,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from planner.errors import PipeplanError
+
+    try:
+        main()
+    except PipeplanError as exc:  # e.g. --device cuda without a GPU: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
