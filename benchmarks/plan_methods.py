@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from planner.importers.pipedream import import_pipedream_file  # noqa: E402
 from planner.io import load_model  # noqa: E402
 from planner.solve import METHODS, compare  # noqa: E402
 
-PIPEDREAM = ROOT.parent / "shared" / "data" / "pipedream-profiles"
+PIPEDREAM = Path(os.environ.get("PIPEPLAN_PIPEDREAM_PROFILES",
+                               ROOT.parent / "shared" / "data" / "pipedream-profiles"))
 RESULTS = ROOT / "benchmarks" / "results"
 PROFILE_CACHE = RESULTS / "planner_profiles"
 # PipeDream's files do not record their batch size; vgg16's input size says 128 for the image
@@ -75,14 +77,28 @@ def example_profile(name: str) -> Profile | None:
     return load_model(path, Profile)
 
 
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def profiles(only: set[str] | None) -> dict[str, Profile]:
+    """The requested profiles; a warning on stderr for each requested one skipped or unknown."""
+    known = [*EXAMPLES, *IMPORTED, "chain1000"]
+    for name in sorted((only or set()) - set(known)):
+        warn(f"unknown profile {name!r} skipped (known: {', '.join(known)})")
     out: dict[str, Profile] = {}
     for name in EXAMPLES:
         if (only is None or name in only) and (p := example_profile(name)) is not None:
             out[name] = p
     for name, batch in IMPORTED.items():
-        if (only is None or name in only) and (PIPEDREAM / f"{name}.txt").is_file():
-            out[name] = import_pipedream_file(PIPEDREAM / f"{name}.txt", batch)
+        if only is not None and name not in only:
+            continue
+        path = PIPEDREAM / f"{name}.txt"
+        if path.is_file():
+            out[name] = import_pipedream_file(path, batch)
+        else:
+            warn(f"skipping {name}: no PipeDream profile {path} "
+                 f"(looked for in {PIPEDREAM}; set PIPEPLAN_PIPEDREAM_PROFILES to another folder)")
     if only is None or "chain1000" in only:
         out["chain1000"] = synthetic_chain()
     return out
@@ -127,12 +143,16 @@ def main() -> int:
     if args.quick:
         clusters, args.time_limit = ["1x8", "4x8-tight"], 3.0
     methods = args.methods.split(",") if args.methods else [m for m in METHODS if m != "manual"]
+    todo = profiles(only)
+    if not todo:
+        print("error: no profile left to run", file=sys.stderr)
+        return 2
     rows = []
     header = (f"{'profile':<11} {'cluster':<10} {'method':<10} {'wall s':>7} {'iter ms':>10} "
               f"{'samples/s':>10} {'/ LB':>6} {'peak GB / limit':>16} {'stages':>6}  status")
     print(header)
     print("-" * len(header))
-    for pname, profile in profiles(only).items():
+    for pname, profile in todo.items():
         for cname in clusters:
             c = CLUSTERS[cname]
             gb = args.global_batch or 32 * c.num_devices  # default: 4 microbatches of 8 per device
