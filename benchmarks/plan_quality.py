@@ -32,6 +32,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 # keep benchmarks/ off sys.path so no script name here can shadow a package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -362,6 +363,14 @@ def run_instance(name: str, profile: Profile, cluster: Cluster, options: PlanOpt
     return row
 
 
+def no_instance(only: list[str]) -> NoReturn:
+    """Nothing to plan: say why on stderr and exit 2 (no results file is written)."""
+    print(f"plan_quality: no instance matched (--only {','.join(only) or '(all)'}; PipeDream "
+          f"profiles looked for in {PROFILES}, set PIPEPLAN_PIPEDREAM_PROFILES to move them)",
+          file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="")
@@ -396,13 +405,16 @@ def main() -> None:
     cached = len(cache)
     only = [x for x in args.only.split(",") if x]
     planned = {r["instance"]: r for r in json.loads(Path(args.planned).read_text())} if args.planned else {}
+    todo = profiles(only)
+    if not todo:
+        no_instance(only)
     rows = []
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     head = (f"{'instance':34} {'L':>5} {'D':>4} {'planner':>10} {'bound':>10} {'gap%':>6} "
             f"{'wall':>5} {'random':>10} {'best base':>10} {'vs best%':>8} same idle")
     print(head)
-    for pname, profile in profiles(only).items():
+    for pname, profile in todo.items():
         if args.optimizer_step_ms_per_gb > 0:
             profile = with_optimizer_steps(profile, args.optimizer_step_ms_per_gb)
         B0 = profile.batch_size
@@ -452,6 +464,8 @@ def main() -> None:
                           f"{f(100 * row['planner_vs_best_other'] if 'planner_vs_best_other' in row else None, '8.2f')} "
                           f"{str(row.get('same_plan_on_rerun', '-')):>4} {len(row.get('idle_stages', []))}",
                           flush=True)
+    if not rows:  # e.g. --planned naming none of these instances
+        no_instance(only)
     summarize(rows)
 
 
