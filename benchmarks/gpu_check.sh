@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks only a machine with a GPU (and 16 cores) can show, in one run (issues 13, 15):
-# the CUDA tests, the profiler with CUDA events, and the CPU pipeline benchmarks with a core per
-# rank. Writes its logs and JSON under $OUT (default benchmarks/results/gpu). Each step has a
-# time limit of its own so one slow step cannot eat the others' time.
+# the CUDA tests (tests/runtime/test_gpu.py), the NCCL tests (skipped with fewer than two GPUs),
+# a one-rank CUDA run's peak memory against the plan's (gpu_memory.py), and the CPU pipeline
+# benchmarks with a core per rank (schedules.py, prediction.py --only sleep). Writes its log and
+# JSON under $OUT (default benchmarks/results/gpu). Each step has a time limit of its own so one
+# slow step cannot eat the others' time.
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh
 # On the lent device machine (no pipeplan dependencies, no network) the dependencies travel as
 # wheels in .whl/ (see the device tool's README) and are installed first, into its python3:
