@@ -87,6 +87,7 @@ def main() -> None:
         print(f"{row:34s} {med['before']['wall_s']:9.1f} {med['after']['wall_s']:8.1f} "
               f"{rec['wall_ratio']:6.2f} {med['before']['cpu_s']:10.1f} {med['after']['cpu_s']:9.1f}  "
               f"{same} (every repeat: {stable})", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")
 
