@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,22 @@ RESULTS = ROOT / "benchmarks" / "results" / "gloo_stalls.json"
 SETTINGS = [(0, 1), (1, 1), (0, 2), (1, 2)]  # (bind, lookahead); the first is the old runtime
 CLUSTER = {"nodes": 1, "devices_per_node": 2, "device_memory_gb": 1.0, "intra_node_gb_per_s": 3.0,
            "inter_node_gb_per_s": 3.0, "latency_us": 150.0}
+
+
+def check_splits(splits: str, layers: int) -> list[str]:
+    """The ';'-separated splits (layers per stage); one that is not whole numbers adding up to
+    the model's `layers` is one line on stderr, exit 2 (before any run)."""
+    out = splits.split(";")
+    for split in out:
+        try:
+            covered = sum(int(x) for x in split.split(","))
+        except ValueError:
+            covered = None
+        if covered != layers:
+            print(f"gloo_stalls: --splits {split!r} must be layer counts per stage adding up to "
+                  f"examples/gpt.py's {layers} layers (e.g. 3,3;4,2)", file=sys.stderr)
+            raise SystemExit(2)
+    return out
 
 
 def main() -> None:
@@ -48,7 +65,8 @@ def main() -> None:
         (tmp / "cluster.json").write_text(json.dumps(CLUSTER))
         sh("-m", "planner", "profile", "examples/gpt.py", "--batch-size", 4, "--threads", 1, "-q",
            "-o", tmp / "profile.json")
-        for split in args.splits.split(";"):
+        layers = len(json.loads((tmp / "profile.json").read_text())["layers"])
+        for split in check_splits(args.splits, layers):
             plan = tmp / f"plan-{split.replace(',', '-')}.json"
             sh("-m", "planner", "plan", tmp / "profile.json", "--cluster", tmp / "cluster.json",
                "--global-batch", 32, "--microbatch-size", 4, "--method", "manual", "--split", split,
