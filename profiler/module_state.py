@@ -7,10 +7,14 @@ What is kept, per module:
 - every attribute by reference (a forward that rebinds one, `self.scale = self.scale * 1.1`,
   buffers included: a registered buffer rebound lives in `_buffers`), so putting back rebinds
   the object the forward found;
-- tensors (buffers and tensor attributes, not parameters) by copy where a forward changes them in
-  place: those of at most SMALL_TENSOR_BYTES (step counters, running statistics) at every
-  capture; a larger one at the captures after a forward was seen to change it, and at the
-  first capture that sees it (`BlockState.learn`);
+- tensors (buffers, tensor attributes and frozen parameters — `requires_grad=False`, such as
+  MoCo's momentum encoder, which a forward may update under no_grad —, not trained parameters)
+  by copy where a forward changes them in place: those of at most SMALL_TENSOR_BYTES (step
+  counters, running statistics) at every capture; a larger one at the captures after a forward
+  was seen to change it, and at the first capture that sees it (`BlockState.learn`). A change
+  through `.data` moves no version: the first forward's is found by comparing values, a later
+  one's (over the first WATCHED_CAPTURES) by a fingerprint, and from then on such a tensor is
+  copied at every capture and always put back;
 - numbers, strings and the like by value; lists, dicts, sets and deques of such values (and of
   tensors) by a deep copy, put back into the same container object (`self.hist.append(x)`);
   the tensors in them by reference (`_copy_contents`: a list of the module's own parameters must
@@ -38,6 +42,7 @@ _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.Tensor)
 _MODULE_KEYS = frozenset(vars(nn.Module()))  # nn.Module's own: parameters, hooks, `training`
 CONTAINER_ITEMS = 100_000  # a list, dict or set with more values is kept by reference only
 SMALL_TENSOR_BYTES = 1 << 16  # a tensor this small is copied at every capture
+WATCHED_CAPTURES = 64  # captures of a block whose larger tensors are fingerprinted (`fingerprint`)
 # a graph module's own bookkeeping (torch.fx's, and a stage's keys from `profiler.graph`), which
 # no forward changes: copied at every capture it was most of a recomputed block's overhead
 _GRAPH_KEYS = _MODULE_KEYS | frozenset(
@@ -124,6 +129,24 @@ def _set_generator_state(v: object, state: object) -> None:
         v.set_state(state)  # type: ignore[attr-defined]
 
 
+def fingerprint(t: torch.Tensor) -> tuple[float, ...]:
+    """Two numbers that move when a tensor's values do, without a copy of it: the sum and the
+    2-norm in float64 (integers and booleans: the sum). NaN compares equal to NaN (`same`)."""
+    x = t.detach()
+    if x.layout != torch.strided:
+        return ()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.is_floating_point():
+        return (float(torch.sum(x, dtype=torch.float64)),
+                float(torch.linalg.vector_norm(x, dtype=torch.float64)))
+    return (float(torch.sum(x, dtype=torch.int64)),)
+
+
+def same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return all(x == y or (x != x and y != y) for x, y in zip(a, b, strict=True))
+
+
 def _put_back(obj: Any, saved: Any) -> None:
     """The contents of container `obj` as `saved` (a deep copy taken from it)."""
     if isinstance(obj, (list, deque)):
@@ -145,6 +168,7 @@ class Snapshot:
         self.tensors: dict[int, torch.Tensor] = {}  # the tensors found, by id
         self.versions: dict[int, int] = {}
         self.copies: dict[int, torch.Tensor] = {}
+        self.prints: dict[int, tuple[float, ...]] = {}  # larger tensors not copied (`fingerprint`)
 
 
 class BlockState:
@@ -155,7 +179,7 @@ class BlockState:
 
     def __init__(self, block: nn.Module) -> None:
         self.modules = list(block.modules())
-        self.params = {id(p) for p in block.parameters()}
+        self.params = {id(p) for p in block.parameters() if p.requires_grad}  # (frozen: state)
         self.names: dict[int, str] = {}  # for the error of `restore`
         self.changed: set[int] | None = None  # ids of tensors a forward changed; None: none ran yet
         self.seen: set[int] = set()  # ids of tensors some capture copied or a forward was watched on
@@ -163,6 +187,13 @@ class BlockState:
         # ids of tensors found in containers: copied at every capture (as the container's deep
         # copy did) and put back where their version moved, as a large buffer is
         self.contained: set[int] = set()
+        # ids of tensors a forward changed without moving their version (through `.data`):
+        # copied at every capture and always put back, as small ones
+        self.unversioned: set[int] = set()
+        self.captures = 0
+        # ids of frozen parameters: copied by a capture of everything (`every`) only where a
+        # forward was seen to change them (a frozen backbone, LoRA's, is most of the model)
+        self.frozen: set[int] = set()
 
     def _tensors(self, plain: list[list[tuple[str, list[torch.Tensor]]]]) -> dict[int, torch.Tensor]:
         """Buffers, tensor attributes and the tensors in plain containers (`plain`: per module,
@@ -172,6 +203,9 @@ class BlockState:
         found: dict[int, torch.Tensor] = {}
         for m, containers in zip(self.modules, plain, strict=True):
             named: list[tuple[str, object, bool]] = [(k, t, False) for k, t in m._buffers.items()]
+            frozen = [(k, p) for k, p in m._parameters.items() if p is not None and not p.requires_grad]
+            named.extend((k, p, False) for k, p in frozen)
+            self.frozen.update(id(p) for _, p in frozen)
             own = _own_keys(m)
             for name, v in vars(m).items():
                 if name not in own and isinstance(v, torch.Tensor):
@@ -219,29 +253,41 @@ class BlockState:
         snap.tensors = self._tensors(plain)
         snap.versions = {k: t._version for k, t in snap.tensors.items()}
         snap.copies = {k: t.detach().clone() for k, t in snap.tensors.items()
-                       if every or self.changed is None or k not in self.seen
+                       if (every and k not in self.frozen) or self.changed is None or k not in self.seen
                        or k in self.changed or k in self.small or k in self.contained}
         self.seen |= snap.copies.keys()
+        self.captures += 1
+        if self.captures <= WATCHED_CAPTURES and not every:
+            snap.prints = {k: fingerprint(t) for k, t in snap.tensors.items() if k not in snap.copies}
         return snap
 
     def learn(self, snap: Snapshot) -> None:
         """After the forward `snap` was taken for: note the tensors it changed, and drop the
         copies nothing will need."""
         moved = {k for k, t in snap.tensors.items() if t._version != snap.versions[k]}
+        # changed through `.data`: the first forward's seen against its copies, a later one's
+        # by the fingerprints (its own snapshot, and older ones, lack a copy: `restore` refuses)
+        hidden = {k for k, t in snap.tensors.items() if k not in moved and k not in self.small and (
+            (k in snap.copies and self.changed is None and not torch.equal(t, snap.copies[k]))
+            or (k in snap.prints and not same(fingerprint(t), snap.prints[k])))}
+        self.unversioned |= hidden
+        moved |= hidden
         self.changed = moved | (self.changed or set()) | self.small  # small ones: always copied
-        keep = self.changed | self.contained
+        keep = self.changed | self.contained | self.unversioned
         self.seen |= snap.tensors.keys()
         for key in [k for k in snap.copies if k not in keep]:
             del snap.copies[key]
 
     def restore(self, snap: Snapshot) -> None:
-        lost = [t for k, t in snap.tensors.items() if k not in snap.copies and t._version != snap.versions[k]]
+        lost = [t for k, t in snap.tensors.items() if k not in snap.copies
+                and (t._version != snap.versions[k] or k in self.unversioned)]
         if lost:
             t = lost[0]
             raise PipeplanError(
-                f"recomputation: the forward of a later microbatch changed "
+                f"recomputation: a forward (this microbatch's or a later one's) changed "
                 f"{self.names.get(id(t), 'a tensor')} ({t.numel() * t.element_size()} "
-                "bytes) in place for the first time, after this microbatch's forward had read it; "
+                "bytes) in place for the first time (under no_grad or through .data), after this "
+                "microbatch's forward had read it; "
                 "its recomputation cannot run on the state that forward found. Plan this stage "
                 "without recomputation (--no-recompute, or --recompute with 0 for it)")
         for m, refs, bufs, contents, gens in zip(self.modules, snap.refs, snap.buffers, snap.contents,
@@ -258,5 +304,6 @@ class BlockState:
                 # a large one only where its version moved (a copy back moves it too, and the
                 # snapshots before would take that for a change); a small one always (a change
                 # through `.data` moves no version), unless a container's (`_tensors`)
-                if (k in self.small and k not in self.contained) or t._version != snap.versions[k]:
+                if ((k in self.small or k in self.unversioned) and k not in self.contained) \
+                        or t._version != snap.versions[k]:
                     t.copy_(c)

@@ -33,8 +33,13 @@ from torch import nn
 from planner.actions import Action
 from planner.errors import PipeplanError, first_line
 from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes, loss_workspace_bytes
+from profiler.module_state import fingerprint, same
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
+
+# steps whose first forward compares the values of the parameters other ranks keep copies of
+# (`Executor.watched`): a change through `.data` moves no version
+VALUE_CHECK_STEPS = 3
 
 
 # gloo: receives are posted this many actions ahead. One ahead, posting a receive whose message
@@ -171,6 +176,11 @@ class StageExecutor:
         # changes one in place (nn.Embedding(max_norm=...) renormalises the rows it reads)
         # would part the copies
         self.watched: list[tuple[nn.Parameter, str, str]] = []
+        # a change through `.data` moves no version (Glow's ActNorm sets its weights from the
+        # first batch that way): the first forward of each of the first VALUE_CHECK_STEPS steps
+        # also compares the watched parameters' values (`profiler.module_state.fingerprint`)
+        self.value_check_steps = VALUE_CHECK_STEPS
+        self._check_values = False
 
     def forget_backwards(self, n: int) -> None:
         """The first `n` entries of `stats.bwd_ms` were let go (`runtime.report.trim_timings`, at
@@ -223,6 +233,8 @@ class StageExecutor:
         """Execute `actions`; `inputs[j]`, `targets[j]` are microbatch j's. Returns the sum of
         this rank's scaled microbatch losses (0 on other stages than the last)."""
         self.split_backward = any(a.kind == "W" for a in actions)
+        self._check_values = self.value_check_steps > 0 and bool(self.watched)
+        self.value_check_steps -= 1
 
         def act(a: Action) -> float:
             if a.kind == "F":
@@ -258,6 +270,7 @@ class StageExecutor:
         # saved activations, each storage once, parameters and buffers not (as the profiler counts)
         counting = count_saved_bytes(self._state) if self.count_memory else nullcontext({})
         versions = [p._version for p, _, _ in self.watched]
+        prints = [fingerprint(p) for p, _, _ in self.watched] if self._check_values else None
         with counting as seen:
             try:
                 out = self.forward_fn(feed)
@@ -269,11 +282,13 @@ class StageExecutor:
                     "in place, e.g. nn.ReLU(inplace=True) or x.add_(...) at the start of its first "
                     "layer: autograd forbids that on a received tensor. Cut the model elsewhere "
                     "(plan --method manual --split ...) or make that operation out of place") from None
-            for (p, name, why), version in zip(self.watched, versions, strict=True):
-                if p._version != version:
+            for k, ((p, name, why), version) in enumerate(zip(self.watched, versions, strict=True)):
+                if p._version != version or (prints is not None and not same(fingerprint(p), prints[k])):
                     raise PipeplanError(
                         f"stage {self.stage}'s forward changes parameter {name!r} in place (as "
-                        f"nn.Embedding(max_norm=...) renormalises the rows it reads), and {why}")
+                        "nn.Embedding(max_norm=...) renormalises the rows it reads, or a "
+                        f"data-dependent initialisation through .data), and {why}")
+            self._check_values = False
             if self.count_memory:  # recomputed blocks' inputs
                 for ptr, nbytes in getattr(self.forward_fn, "kept", {}).items():
                     seen.setdefault(ptr, nbytes)

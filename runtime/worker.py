@@ -338,7 +338,7 @@ class Worker:
         if replicas > 1:  # each replica would change its copy by its own microbatches' rows
             seen = {id(p) for p, _, _ in self.executor.watched}
             for name, p in self.params.items():
-                if id(p) not in seen and p.requires_grad:
+                if id(p) not in seen:  # frozen too (MoCo's key encoder, moved by each forward)
                     seen.add(id(p))
                     self.executor.watched.append((p, name, (
                         f"the stage has {replicas} replicas: each changes its own copy by its own "

@@ -83,3 +83,50 @@ def test_a_view_of_a_large_buffer_in_a_dict_does_not_move_the_buffer() -> None:
         m(x)
         state.restore(now)
     assert m.table._version == version
+
+
+def test_a_frozen_parameter_first_changed_through_data_later_is_refused_not_kept_wrong() -> None:
+    """MoCo initialises its key encoder as a copy of the query encoder, so the first forwards
+    leave it as it is; once the query moves, each forward moves the key through `.data` (no
+    version moves). A snapshot taken before that was seen has no copy of the larger key: putting
+    it back stops with the recomputation's error (the key's fingerprint moved), never leaves the
+    recomputation on the moved key; the snapshots after it keep a copy and put it back."""
+    import pytest
+
+    from planner.errors import PipeplanError
+
+    n = SMALL_TENSOR_BYTES // 4 + 16  # float32 elements: a larger tensor
+
+    class Momentum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.randn(n))
+            self.k = nn.Parameter(self.q.detach().clone(), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.k.data.mul_(0.5).add_(self.q.data, alpha=0.5)
+            return x * self.q[:4] + self.k[:4]
+
+    m, x = Momentum(), torch.randn(3, 4)
+    state = BlockState(m)
+    for _ in range(2):  # the key equals the query: unchanged
+        snap = state.capture()
+        m(x)
+        state.learn(snap)
+    with torch.no_grad():
+        m.q.add_(1.0)  # an optimizer step
+    before = m.k.detach().clone()
+    first = state.capture()
+    m(x)  # moves the key for the first time
+    state.learn(first)
+    second = state.capture()
+    m(x)
+    state.learn(second)
+    with pytest.raises(PipeplanError, match="changed Momentum.k .* for the first time"):
+        state.restore(first)
+    after_first = before * 0.5 + m.q.detach() * 0.5
+    now = m.k.detach().clone()
+    state.restore(second)
+    assert torch.equal(m.k, after_first)  # the key as the second forward found it
+    with torch.no_grad():
+        m.k.copy_(now)

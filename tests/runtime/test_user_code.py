@@ -324,3 +324,42 @@ def test_a_tied_weight_the_forward_changes_in_place_is_refused_across_stages(run
     rc, _, err, _ = run(run.plan(model, 1, [2], name="replicas.json"), "--model", model, "--steps", 3,
                         "--timeout", 60)
     assert rc == 2 and "changes parameter 'emb.weight' in place" in err and "has 2 replicas" in err, err
+
+
+def test_a_momentum_encoder_trains_as_one_process_recomputed(run, tmp_path, monkeypatch):
+    """Frozen parameters a block's forward moves under no_grad (MoCo's key encoder): a
+    recomputed stage ran that update twice per microbatch (the recomputation found the encoder
+    as the later forwards had left it and moved it once more), 1.5e-4 off one process after 3
+    steps, silently (an outside review). Through `.data` (no version moves) and in place under
+    no_grad, small tensors and larger ones; 1f1b and zb-h1."""
+    model = MODELS / "momentum_encoder.py"
+    cases = [("data", "16", "1f1b"), ("data", "160", "zb-h1"), ("version", "160", "1f1b")]
+    for inplace, dim, schedule in cases:
+        monkeypatch.setenv("PIPEPLAN_MOMENTUM_INPLACE", inplace)
+        monkeypatch.setenv("PIPEPLAN_MOMENTUM_DIM", dim)
+        case = tmp_path / f"{inplace}-{dim}-{schedule}"
+        case.mkdir()
+        plan = run.plan(model, [3, 3], recompute=[True, True], schedule=schedule, name=f"{case.name}.json")
+        got = _train(run, case, plan, model)
+        ref = reference_train(str(model), 3)
+        assert _diff(got, ref, ref) < TOL, (inplace, dim, schedule)
+
+
+def test_parameters_a_forward_sets_through_data_are_refused_on_replicas(run, tmp_path, monkeypatch):
+    """Glow's ActNorm sets its parameters from the first batch through `.data` (no version
+    moves): on one replica per stage it trains as one process (recomputed too); on two, each
+    replica set them from its own microbatch, 1.0 off one process's first loss and the copies
+    apart for good, silently (an outside review). Refused at the first forward now; so is a
+    momentum encoder (frozen parameters each forward moves: each replica moved its copy by its
+    own microbatches' forwards only)."""
+    model = MODELS / "actnorm.py"
+    got = _train(run, tmp_path, run.plan(model, [3, 3], recompute=[True, False]), model)
+    assert _diff(got, ref := reference_train(str(model), 3), ref) < TOL
+    rc, _, err, _ = run(run.plan(model, [3, 3], [2, 1], name="replicas.json"), "--model", model,
+                        "--steps", 3, "--timeout", 60)
+    assert rc == 2 and "changes parameter 'blocks.0.an.loc' in place" in err and "has 2 replicas" in err, err
+    assert "Traceback" not in err
+    model = MODELS / "momentum_encoder.py"
+    rc, _, err, _ = run(run.plan(model, [3, 3], [1, 2], name="momentum.json"), "--model", model,
+                        "--steps", 3, "--timeout", 60)
+    assert rc == 2 and "changes parameter 'blocks.2.k.weight' in place" in err and "has 2 replicas" in err, err
