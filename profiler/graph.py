@@ -57,7 +57,13 @@ import torch.utils._pytree as pytree
 from planner.errors import PipeplanError
 from planner.formats import INPUT_NODE, Edge
 from profiler import segment as seg
-from profiler.tracing import Traced, TracingWarning, capture
+from profiler.tracing import (
+    Traced,
+    TracingWarning,
+    capture,
+    global_rng_states,
+    set_global_rng_states,
+)
 
 OUTPUT_KEY = "<output>"
 OUT_SPEC_ATTR = "_pipeplan_out_spec"
@@ -300,11 +306,12 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
     from profiler.module_state import BlockState
 
     state = BlockState(model)
-    saved = state.capture(every=True)
+    saved, rng = state.capture(every=True), global_rng_states()  # (Python's and numpy's too)
     try:
         return _trace(model, tuple(example_inputs), granularity, tensor_kinds, mutations, method)
     finally:
         state.restore(saved)
+        set_global_rng_states(rng)
 
 
 def _child_index(spec: pytree.TreeSpec, key: object) -> int | None:

@@ -27,6 +27,7 @@ import contextlib
 import inspect
 import io
 import logging
+import random
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -121,6 +122,114 @@ def _functions_are_opaque() -> Any:
         torch._C._set_grad_enabled = set_grad  # type: ignore[assignment]
         torch.amp.autocast_mode.autocast.__enter__ = autocast_enter  # type: ignore[method-assign]
         torch.autograd.grad_mode.inference_mode.__enter__ = inference_enter  # type: ignore[method-assign]
+
+
+_PY_RNG, _NP_RNG = "Python's random", "numpy's global random generator"
+_TORCH_RNG, _CUDA_RNG = "torch's default generator", "torch's default CUDA generators"
+
+
+def _python_rng_states() -> dict[str, Any]:
+    """Python's `random` and, where numpy imports, numpy's global generator: plain Python
+    values, safe to read while torch.export traces (torch's state would be traced)."""
+    states: dict[str, Any] = {_PY_RNG: random.getstate()}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch here
+        return states
+    states[_NP_RNG] = np.random.get_state()
+    return states
+
+
+def global_rng_states() -> dict[str, Any]:
+    """`_python_rng_states` and torch's default generators (CPU; CUDA where started)."""
+    states = _python_rng_states()
+    states[_TORCH_RNG] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states[_CUDA_RNG] = tuple(torch.cuda.get_rng_state_all())
+    return states
+
+
+def set_global_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states[_PY_RNG])
+    torch.set_rng_state(states[_TORCH_RNG])
+    if _CUDA_RNG in states:
+        torch.cuda.set_rng_state_all(list(states[_CUDA_RNG]))
+    if _NP_RNG in states:
+        import numpy as np
+
+        np.random.set_state(states[_NP_RNG])
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    if hasattr(a, "shape") and hasattr(b, "shape"):  # numpy's key array
+        return a.shape == b.shape and bool((a == b).all())
+    return bool(a == b)
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    return [k for k, v in after.items() if k in before and not _same_state(v, before[k])]
+
+
+@contextlib.contextmanager
+def _glue_draws(leaves: list[torch.nn.Module]) -> Any:
+    """While tracing: the global generators the traced code drew from outside `leaves` (the
+    modules a trace calls as written: torch.export runs them, fx does not). Yields a list
+    filled on exit; every generator is put back as it was, either way. (torch's: a draw that
+    fx ran instead of recording, `torch.rand(())`; torch.export records torch's draws.)"""
+    start = global_rng_states()
+    ids = {id(m) for m in leaves}
+    drew: list[str] = []
+    mark = [_python_rng_states()]  # Python's and numpy's when the glue last had control
+    depth = [0]
+
+    def note(names: list[str]) -> None:
+        drew.extend(k for k in names if k not in drew)
+
+    def pre(m: torch.nn.Module, args: Any) -> None:
+        if id(m) in ids:
+            if depth[0] == 0:
+                note(_changed(mark[0], _python_rng_states()))
+            depth[0] += 1
+
+    def post(m: torch.nn.Module, args: Any, out: Any) -> None:
+        if id(m) in ids:
+            depth[0] -= 1
+            if depth[0] == 0:
+                mark[0] = _python_rng_states()  # a leaf's own draws run as written
+
+    hooks = []
+    if ids:
+        hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+                 torch.nn.modules.module.register_module_forward_hook(post)]
+    try:
+        yield drew
+        end = global_rng_states()
+        note(_changed(mark[0], end) + _changed({k: v for k, v in start.items() if k not in mark[0]}, end))
+    finally:
+        for h in hooks:
+            h.remove()
+        set_global_rng_states(start)
+
+
+def _refuse_glue_draws(model: torch.nn.Module, drew: list[str], where: str = "outside its blocks") -> None:
+    """A draw from a global generator in the traced forward ran once, while tracing: the
+    graph holds its outcome as a constant, so every step would take the same branch."""
+    if not drew:
+        return
+    raise PipeplanError(
+        f"{type(model).__name__}.forward draws from {' and '.join(drew)} {where} "
+        "(e.g. LayerDrop: `if self.training and np.random.random() < p: continue`). Tracing "
+        "runs that code once, so the draw would become a constant of the graph and pipeline "
+        "training would take the same branch on every step. Draw inside a module the forward "
+        "calls (a block, or a small nn.Module of its own, which runs as written on every "
+        "step), or draw with torch in an operation on a traced tensor, which the trace keeps "
+        "as an op (e.g. `h = torch.where(torch.rand((), device=h.device) < p, h, layer(h))`; "
+        "a `torch.rand(())` given no traced tensor runs once, like a Python draw, and a "
+        "Python `if` on a tensor cannot be traced), then profile again")
 
 
 def _innermost(node: fx.Node) -> str:
@@ -258,7 +367,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
         tracer = _Tracer(leaves)
         before = _state(model)
         try:
-            with _functions_are_opaque():
+            with _functions_are_opaque(), _glue_draws([]) as drew:
                 graph = tracer.trace(model, concrete_args=_concrete_args(model, n_inputs))
         except PipeplanError:
             raise
@@ -286,6 +395,7 @@ def _try_fx(model: torch.nn.Module, n_inputs: int, given: set[str]
                       if isinstance(exc, _Opaque) else f"torch.fx cannot trace its code ({last_error})")
             _warn_leaf(model, failing[-1], reason)
             continue
+        _refuse_glue_draws(model, drew)
         _inline_concrete_args(graph, n_inputs)
         _check_untraced_changes(model, before, original)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -300,8 +410,10 @@ def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.ERROR)
+    kept = [model.get_submodule(k) for k in keep or ()]
     try:
-        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        with (contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings(),
+              _glue_draws(kept) as drew):
             warnings.simplefilter("ignore")  # export's own notes on get_attr nodes and specs
             ep = torch.export.export(model, tuple(inputs), strict=False,
                                      preserve_module_call_signature=tuple(keep or ()))
@@ -316,6 +428,8 @@ def _try_export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     finally:
         for lg, level in zip(quiet, levels, strict=True):
             lg.setLevel(level)
+    _refuse_glue_draws(model, drew, "outside its blocks" if keep else
+                       "(torch.export could not keep its blocks as calls, so their code is traced too)")
     return gm, ""
 
 
