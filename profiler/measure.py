@@ -114,15 +114,21 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 @contextmanager
-def count_saved_bytes(exclude: list[torch.Tensor] | None = None) -> Iterator[dict[int, int]]:
+def count_saved_bytes(exclude: list[torch.Tensor] | None = None,
+                      excluded_saved: set[int] | None = None) -> Iterator[dict[int, int]]:
     """Inside the block, record every tensor autograd saves for backward: storage -> bytes.
-    Storages of `exclude` (parameters, buffers) are not counted."""
+    Storages of `exclude` (parameters, buffers) are not counted; those saved are added to
+    `excluded_saved` where given. (Under these hooks autograd does not check a saved tensor's
+    version: one changed in place before its backward goes unnoticed.)"""
     skip = {_storage_key(t)[0] for t in exclude or []}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr, nbytes = _storage_key(t)
-        if ptr not in skip and ptr not in seen:
+        if ptr in skip:
+            if excluded_saved is not None:
+                excluded_saved.add(ptr)
+        elif ptr not in seen:
             seen[ptr] = nbytes
         return t
 

@@ -34,6 +34,7 @@ from planner.actions import Action
 from planner.errors import PipeplanError, first_line
 from profiler.measure import INPLACE_ON_LEAF, _storage_key, count_saved_bytes, loss_workspace_bytes
 from profiler.module_state import fingerprint, same
+from runtime import later_forward
 from runtime.comm import P2P
 from runtime.stages import INPUT_PREFIX, OUTPUT_KEY, Routing
 
@@ -122,6 +123,11 @@ class _InFlight:
     saved_bytes: int
     saved_ptrs: set[int] = field(default_factory=set)  # the storages counted in saved_bytes
     pending: object = None  # split_backward.PendingWeights between B and W
+    # the stage's state's version counters after this forward (`later_forward.state_versions`),
+    # and how many forwards this rank ran before it
+    versions: list[int] = field(default_factory=list)
+    forward_no: int = 0
+    saved_state: set[int] = field(default_factory=set)  # storages of the state autograd saved
 
 
 class StageExecutor:
@@ -166,6 +172,9 @@ class StageExecutor:
         self.forward_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = module
         self._weights = [p for p in module.parameters() if p.requires_grad]
         self._state_ptrs = {_storage_key(t)[0] for t in self._state}
+        self._named_state = later_forward.named_state(module)
+        self._named_ptrs = later_forward.storage_ptrs(self._named_state)
+        self._forwards = 0  # forwards run, to tell whether a later one ran before a backward
         self._current: _InFlight | None = None  # the microbatch whose backward runs now
         # tensor parallelism: stage s's replica k is ranks stage_devices[s][k*t:(k+1)*t]
         # (t = stage_tp[s]); this rank is rank `tp_rank` of its replica's TP group
@@ -268,7 +277,8 @@ class StageExecutor:
             feed[key] = t
         t0 = time.time()
         # saved activations, each storage once, parameters and buffers not (as the profiler counts)
-        counting = count_saved_bytes(self._state) if self.count_memory else nullcontext({})
+        saved_state: set[int] = set()
+        counting = count_saved_bytes(self._state, saved_state) if self.count_memory else nullcontext({})
         versions = [p._version for p, _, _ in self.watched]
         prints = [fingerprint(p) for p, _, _ in self.watched] if self._check_values else None
         with counting as seen:
@@ -316,7 +326,10 @@ class StageExecutor:
                                                              _state_copy(self.loss_fn), self.device)
         if self._drop_output:
             out = {k: v for k, v in out.items() if k != OUTPUT_KEY}
-        self._inflight[j] = _InFlight(received, out, loss, saved, set(seen))
+        self._inflight[j] = _InFlight(received, out, loss, saved, set(seen),
+                                      versions=later_forward.state_versions(self._named_state),
+                                      forward_no=self._forwards, saved_state=saved_state)
+        self._forwards += 1
         self._saved_now += saved
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
         self._peak(self._saved_now)
@@ -382,6 +395,25 @@ class StageExecutor:
                     "again, or plan --schedule 1f1b") from None
             raise
 
+    @contextmanager
+    def _changed_by_later_forward(self, j: int, st: _InFlight) -> Iterator[None]:
+        """Microbatch j's backward, where it fails on a tensor that a later microbatch's
+        forward changed in place (`runtime.later_forward`): say so in one line, with the fix.
+        Where autograd would not see it (the first step's saved-tensor hooks), before it runs."""
+        if names := later_forward.changed_since_saved(self._named_state, self._named_ptrs,
+                                                      st.versions, st.saved_state):
+            raise PipeplanError(later_forward.message(self.stage, j, names, None))
+        try:
+            yield
+        except RuntimeError as exc:
+            names = later_forward.changed_by_later_forward(exc, self._named_state, st.versions)
+            later = self._forwards - 1 - st.forward_no
+            unnamed = (not self.split_backward and later > 0
+                       and later_forward.INPLACE_MODIFIED in str(exc))  # (split: `_split_refused`)
+            if names or unnamed:
+                raise PipeplanError(later_forward.message(self.stage, j, names, exc)) from None
+            raise
+
     def backward(self, j: int) -> None:
         """B: the full backward, or (split) the inputs' gradients only."""
         st = self._inflight[j] if self.split_backward else self._inflight.pop(j)
@@ -417,14 +449,15 @@ class StageExecutor:
             # a scalar's (the loss's) gradient stays implicit: W would keep it until it runs
             full = [g if g is not None or t.dim() == 0 else torch.ones_like(t)
                     for t, g in zip(tensors, grads, strict=True)]
-            with self._with_recompute_count(st), self._split_refused():
+            with self._with_recompute_count(st), self._split_refused(), \
+                    self._changed_by_later_forward(j, st):
                 got, st.pending = backward_input(tensors, full, [st.received[k] for k in keys],
                                                  self._weights, direct=self.recompute)
             input_grads = dict(zip(keys, got, strict=True))
             if self.count_memory:
                 self._hold_for_weights(st)
         elif tensors:
-            with self._with_recompute_count(st):
+            with self._with_recompute_count(st), self._changed_by_later_forward(j, st):
                 torch.autograd.backward(tensors, grads)
         self._sync()
         t1 = time.time()
@@ -450,7 +483,8 @@ class StageExecutor:
         if self.recompute:  # W differentiates from the loss again (`direct`)
             self._peak(self._saved_now + (self.loss_workspace_bytes or 0))
         t0 = time.time()
-        with self._with_recompute_count(st), self._split_refused():
+        with self._with_recompute_count(st), self._split_refused(), \
+                self._changed_by_later_forward(j, st):
             backward_weight(st.pending, self._weights)  # type: ignore[arg-type]
         self._sync()
         t1 = time.time()
