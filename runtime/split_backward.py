@@ -18,6 +18,14 @@ drops the second (an outside review: 0.0024 on such a weight after 3 steps, 1F1B
 recomputed (checkpointed) stage computes all its weights' gradients that way (`direct`), which
 runs the input-gradient part of the backward and the recomputation once more in W; so does a
 stage whose B ran a module's forward (the user's own checkpoint recomputing), found in B.
+
+GroupNorm on a channels_last input: torch's CPU kernel (2.13) segfaults in its backward when
+asked for the weight's and bias's gradients without the input's, which is what W asks of a
+GroupNorm on the input path (an outside review: `planner profile` exited 139 on a U-Net-like
+conv + GroupNorm model, a ZB-H1 rank died of signal 11). B finds such nodes
+(`_norm_input_edges`) and W asks for the gradient at each one's input edge too, which it
+discards: the kernel then computes the input's gradient again (the node's own part, nothing
+before it) and does not crash. A GroupNorm on a contiguous input is left as it was.
 """
 
 from __future__ import annotations
@@ -48,6 +56,13 @@ class PendingWeights:
     # inputs and that the group's weights reach (the module docstring)
     loose: list[list[int]] = field(default_factory=list)
     recomputes: bool = False  # B ran a module's forward: the stage recomputes (a user's checkpoint)
+    # per weight's node, the input edges of the channels_last GroupNorms it is an affine
+    # parameter of: W asks for their gradients too (the module docstring)
+    norm_edges: dict[Any, list[GradientEdge]] = field(default_factory=dict)
+
+
+# torch 2.13's CPU kernel segfaults on a channels_last input with output_mask (False, True, *)
+_NORM_NODES = frozenset({"NativeGroupNormBackward0"})
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -64,6 +79,70 @@ def _accumulate(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
     hooks = getattr(weight, "_post_accumulate_grad_hooks", None)
     for hook in tuple(hooks.values()) if hooks else ():
         hook(weight)
+
+
+def _layout_unsafe(node: Any) -> bool:
+    """Whether a GroupNorm node's saved input is channels_last (not contiguous), read without
+    unpacking it (a checkpointed one's would recompute); True where it cannot be read so."""
+    try:
+        packed = node._raw_saved_input.data
+    except (AttributeError, RuntimeError):
+        return True
+    return not isinstance(packed, torch.Tensor) or not packed.is_contiguous()
+
+
+def _weight_leaves(node: Any, limit: int = 16) -> list[Any]:
+    """The weights' nodes (AccumulateGrad) behind a GroupNorm node's weight and bias edges,
+    through a few ops (a cast) where the weight is not used as it is."""
+    todo = [n for n, _ in node.next_functions[1:] if n is not None]
+    seen: set[Any] = set()
+    leaves = []
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if type(n).__name__ == "AccumulateGrad":
+            leaves.append(n)
+        else:
+            todo.extend(m for m, _ in n.next_functions if m is not None)
+    return leaves
+
+
+def _graph_nodes(roots: Sequence[Any]) -> set[Any]:
+    """Every node reachable from `roots`."""
+    seen: set[Any] = set()
+    todo = [n for n in roots if n is not None]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(m for m, _ in n.next_functions if m is not None)
+    return seen
+
+
+def _norm_input_edges(nodes: Any) -> dict[Any, list[GradientEdge]]:
+    """Per weight's node, the input edges of the GroupNorm nodes among `nodes` that take it
+    as weight or bias and a channels_last input needing a gradient (the module docstring)."""
+    out: dict[Any, list[GradientEdge]] = {}
+    for node in nodes:
+        if type(node).__name__ not in _NORM_NODES:
+            continue
+        first, nr = node.next_functions[0]
+        if first is None or not _layout_unsafe(node):
+            continue
+        for leaf in _weight_leaves(node):
+            out.setdefault(leaf, []).append(GradientEdge(first, nr))
+    return out
+
+
+def _extra_edges(pending: PendingWeights, nodes: Sequence[Any]) -> list[GradientEdge]:
+    """The GroupNorm input edges W asks for beside the weights `nodes`, each once."""
+    edges: dict[tuple[int, int], GradientEdge] = {}
+    for n in nodes:
+        for e in pending.norm_edges.get(n, ()):
+            edges.setdefault((id(e.node), e.output_nr), e)
+    return list(edges.values())
 
 
 def param_groups(inputs: list[Any], params: list[Any], reverse: dict[Any, Any]
@@ -133,8 +212,9 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
         return [None] * len(inputs), pending
     if not grad_inputs or direct:
         pending.direct = list(weights)
-        if not grad_inputs:
+        if not grad_inputs:  # (W asks for every weight: GroupNorm's masks as in one backward)
             return [None] * len(inputs), pending
+        pending.norm_edges = _norm_input_edges(_graph_nodes([_get_grad_fn_or_grad_acc(o) for o in outs]))
         got = torch.autograd.grad(outs, grad_inputs, grads, retain_graph=True, allow_unused=True)
         by_id = {id(x): g for x, g in zip(grad_inputs, got, strict=True)}
         return [by_id.get(id(x)) for x in inputs], pending
@@ -142,6 +222,7 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
     weight_nodes = {w: _get_grad_fn_or_grad_acc(w) for w in weights}
     input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, grad_inputs) if n is not None]
     groups, closure = param_groups(input_nodes, [n for n in weight_nodes.values() if n is not None], reverse)
+    pending.norm_edges = _norm_input_edges({*reverse, *map(_get_grad_fn_or_grad_acc, outs)})
     grouped = {n for g in groups for n in g["params"]}
     # outputs that do not depend on the inputs, which a grouped weight may also reach
     # (per node, every output it makes: the outputs of one op, `g.chunk(2)`, share a node)
@@ -216,19 +297,22 @@ def backward_weight(pending: PendingWeights, weights: Sequence[torch.Tensor]) ->
         try:
             if edges:
                 params = list(group["params"])
-                dws = torch.autograd.grad(edges, tuple(GradientEdge(p, 0) for p in params),
-                                          grad_outputs=grads, retain_graph=True, allow_unused=True)
-                for p, dw in zip(params, dws, strict=True):
+                targets = [GradientEdge(p, 0) for p in params] + _extra_edges(pending, params)
+                dws = torch.autograd.grad(edges, targets, grad_outputs=grads, retain_graph=True,
+                                          allow_unused=True)
+                for p, dw in zip(params, dws[:len(params)], strict=True):  # (not the extra edges')
                     _accumulate(node_to_weight[p], dw)
         finally:
             for h in handles:
                 h.remove()
     if pending.direct and pending.outputs:
-        dws = torch.autograd.grad(pending.outputs, pending.direct, pending.output_grads,
+        extra = _extra_edges(pending, [_get_grad_fn_or_grad_acc(w) for w in pending.direct])
+        dws = torch.autograd.grad(pending.outputs, [*pending.direct, *extra], pending.output_grads,
                                   retain_graph=True, allow_unused=True)
-        for w, dw in zip(pending.direct, dws, strict=True):
+        for w, dw in zip(pending.direct, dws[:len(pending.direct)], strict=True):
             _accumulate(w, dw)
     pending.groups.clear()
+    pending.norm_edges.clear()
     pending.loose.clear()
     pending.outputs.clear()
     pending.output_grads.clear()

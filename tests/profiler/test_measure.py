@@ -378,3 +378,37 @@ def test_a_layer_the_user_checkpoints_is_measured_as_one_backward() -> None:
     split = measure_bw_split(lg, (x,), torch.device("cpu"), warmup=0, repeats=2)
     kinds = {name: split[name] if isinstance(split[name], str) else "split" for name in lg.layer_names()}
     assert sorted(kinds.values()) == ["recomputes"] * 3 + ["split"] * 2, kinds
+
+
+_CHANNELS_LAST_SPLIT = """
+import json, sys, torch
+from profiler.graph import trace
+from profiler.loader import load_model_file
+from profiler.measure import measure_bw_split
+mf = load_model_file(sys.argv[1])
+torch.manual_seed(0)
+model = mf.build_model()
+(x,), _ = mf.make_batch(2)
+lg = trace(model, (x,), granularity="blocks")
+print(json.dumps(measure_bw_split(lg, (x,), torch.device("cpu"), warmup=0, repeats=1)))
+"""
+
+
+def test_groupnorm_on_channels_last_inputs_is_measured_split() -> None:
+    """Conv + GroupNorm blocks in channels_last: timing W asked GroupNorm for its weight's
+    gradient alone, which segfaults in torch 2.13 (`planner profile` exited 139 with no
+    message). Measured in a subprocess (a crash would end pytest): each block gets a B and a W."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    model = root / "tests" / "runtime" / "models" / "channels_last_groupnorm.py"
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _CHANNELS_LAST_SPLIT, str(model)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    split = json.loads(proc.stdout.splitlines()[-1])
+    blocks = [name for name in split if name.startswith("blocks.")]
+    assert len(blocks) == 3 and all(isinstance(split[n], list) and split[n][1] > 0 for n in blocks), split

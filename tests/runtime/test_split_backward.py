@@ -89,3 +89,65 @@ def test_a_block_the_user_checkpoints_recomputes_once_in_w() -> None:
     sx, sw, n_split, pending = grads(True)
     assert torch.allclose(gx, sx) and all(torch.allclose(a, b) for a, b in zip(gw, sw, strict=True))
     assert pending.recomputes and n_whole == 2 and n_split == 3  # forward, B's and W's recomputation
+
+
+# B then W of conv + GroupNorm in a subprocess (torch 2.13 segfaults where W asks GroupNorm on a
+# channels_last input for its weight's gradient alone): prints the largest difference from one
+# backward and how many GroupNorm input edges W also asked for
+_GROUPNORM = """
+import sys, torch
+from runtime.split_backward import backward_input, backward_weight
+layout, direct, norm_first = sys.argv[1], sys.argv[2] == "direct", sys.argv[3] == "norm_first"
+fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+torch.manual_seed(0)
+conv, norm = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.GroupNorm(2, 8)
+layers = [norm, conv] if norm_first else [conv, norm]
+block = torch.nn.Sequential(*layers).to(memory_format=fmt)
+weights = list(block.parameters())
+x = torch.randn(2, 8, 6, 6).contiguous(memory_format=fmt).requires_grad_()
+g = torch.randn(2, 8, 6, 6)
+torch.autograd.backward([block(x)], [g])
+whole = [x.grad, *(w.grad.clone() for w in weights)]
+for w in weights:
+    w.grad = None
+(gx,), pending = backward_input([block(x)], [g], [x], weights, direct=direct)
+edges = len({(id(e.node), e.output_nr) for es in getattr(pending, "norm_edges", {}).values() for e in es})
+backward_weight(pending, weights)
+split = [gx, *(w.grad for w in weights)]
+print(max(float((a - b).abs().max()) for a, b in zip(whole, split, strict=True)), edges)
+"""
+
+
+def _groupnorm_split(*args: str) -> tuple[float, int]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _GROUPNORM, *args], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=root)
+    assert proc.returncode == 0, (args, proc.returncode, proc.stderr[-2000:])
+    diff, edges = proc.stdout.split()
+    return float(diff), int(edges)
+
+
+@pytest.mark.parametrize("direct", ["groups", "direct"])
+@pytest.mark.parametrize("order", ["conv_first", "norm_first"])
+def test_groupnorm_on_a_channels_last_input_splits_without_crashing(direct: str, order: str) -> None:
+    """W asked GroupNorm for its weight's and bias's gradients without its input's: torch 2.13
+    segfaults there on a channels_last input (the profiler exited 139, a ZB-H1 rank died of
+    signal 11). W now also asks for the gradient at the GroupNorm's input edge, which it drops:
+    the gradients are one backward's, by groups and from the outputs (a recomputed stage), with
+    the GroupNorm after a conv or on the stage's input itself."""
+    diff, edges = _groupnorm_split("channels_last", direct, order)
+    assert diff < 1e-5 and edges == 1
+
+
+@pytest.mark.parametrize("direct", ["groups", "direct"])
+def test_groupnorm_on_a_contiguous_input_asks_for_no_more(direct: str) -> None:
+    """A contiguous input is safe: W asks GroupNorm for its weights' gradients alone, as before
+    (no input gradient computed again)."""
+    diff, edges = _groupnorm_split("contiguous", direct, "conv_first")
+    assert diff < 1e-5 and edges == 0

@@ -63,6 +63,18 @@ def test_a_weight_reaching_an_output_by_a_branch_of_its_own_trains_exactly(run, 
     _check(run, model, plan, 3, tmp_path)
 
 
+def test_groupnorm_on_channels_last_inputs_trains_split_as_one_process(run, tmp_path):
+    """Conv + GroupNorm blocks in channels_last: W asked GroupNorm for its weight's gradient
+    alone, which segfaults in torch 2.13 ("rank 1 was killed by signal 11"; 1F1B fine). Stage 1
+    splits its backward by groups, stage 2 recomputes (W from the outputs, `direct`)."""
+    model = MODELS / "channels_last_groupnorm.py"
+    plan = run.plan(model, [1, 2, 2], schedule="zb-h1", recompute=[False, False, True],
+                    global_batch=8, microbatch_size=2)
+    stored = json.loads(plan.read_text())
+    assert all(any("W" in a for a in stored["rank_actions"][r]) for r in ("1", "2"))
+    _check(run, model, plan, 2, tmp_path)
+
+
 def test_reentrant_checkpoint_trains_fused_and_is_refused_split_in_one_line(run, tmp_path):
     """torch.utils.checkpoint(use_reentrant=True) refuses autograd.grad: a fused stage (one
     backward) trains; a split one stops with the fix, not a traceback."""
