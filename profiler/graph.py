@@ -305,7 +305,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...] | lis
     # state one call ahead trained differently from one process)
     from profiler.module_state import BlockState
 
-    state = BlockState(model)
+    state = BlockState(model, frozen=False)  # (a frozen backbone is not copied)
     saved, rng = state.capture(every=True), global_rng_states()  # (Python's and numpy's too)
     try:
         return _trace(model, tuple(example_inputs), granularity, tensor_kinds, mutations, method)

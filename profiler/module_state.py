@@ -177,9 +177,12 @@ class BlockState:
     change: putting one of those back stops with a clear error (`restore`) rather than leave
     the moved tensor."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, frozen: bool = True) -> None:
+        """`frozen`: frozen parameters are state (a recomputed block's); False for the whole
+        model around a trace (a first capture copies every tensor it keeps: a frozen backbone
+        would be copied whole, and a trace ran without putting them back before)."""
         self.modules = list(block.modules())
-        self.params = {id(p) for p in block.parameters() if p.requires_grad}  # (frozen: state)
+        self.params = {id(p) for p in block.parameters() if p.requires_grad or not frozen}
         self.names: dict[int, str] = {}  # for the error of `restore`
         self.changed: set[int] | None = None  # ids of tensors a forward changed; None: none ran yet
         self.seen: set[int] = set()  # ids of tensors some capture copied or a forward was watched on
@@ -252,7 +255,7 @@ class BlockState:
             snap.generators.append(gens)
         snap.tensors = self._tensors(plain)
         snap.versions = {k: t._version for k, t in snap.tensors.items()}
-        snap.copies = {k: t.detach().clone() for k, t in snap.tensors.items()
+        snap.copies = {k: self._copy(k, t) for k, t in snap.tensors.items()
                        if (every and k not in self.frozen) or self.changed is None or k not in self.seen
                        or k in self.changed or k in self.small or k in self.contained}
         self.seen |= snap.copies.keys()
@@ -261,6 +264,13 @@ class BlockState:
             snap.prints = {k: fingerprint(t) for k, t in snap.tensors.items() if k not in snap.copies}
         return snap
 
+    def _copy(self, k: int, t: torch.Tensor) -> torch.Tensor:
+        """A copy of `t`; of a larger frozen parameter not seen to change, in host memory (a
+        frozen backbone's block on a GPU: the first capture copies it, once)."""
+        if k in self.frozen and k not in self.small and k not in (self.changed or ()) and t.device.type != "cpu":
+            return t.detach().to("cpu", copy=True)
+        return t.detach().clone()
+
     def learn(self, snap: Snapshot) -> None:
         """After the forward `snap` was taken for: note the tensors it changed, and drop the
         copies nothing will need."""
@@ -268,7 +278,8 @@ class BlockState:
         # changed through `.data`: the first forward's seen against its copies, a later one's
         # by the fingerprints (its own snapshot, and older ones, lack a copy: `restore` refuses)
         hidden = {k for k, t in snap.tensors.items() if k not in moved and k not in self.small and (
-            (k in snap.copies and self.changed is None and not torch.equal(t, snap.copies[k]))
+            (k in snap.copies and self.changed is None
+             and not torch.equal(t.detach().to(snap.copies[k].device), snap.copies[k]))
             or (k in snap.prints and not same(fingerprint(t), snap.prints[k])))}
         self.unversioned |= hidden
         moved |= hidden
