@@ -129,18 +129,49 @@ def _set_generator_state(v: object, state: object) -> None:
         v.set_state(state)  # type: ignore[attr-defined]
 
 
-def fingerprint(t: torch.Tensor) -> tuple[float, ...]:
-    """Two numbers that move when a tensor's values do, without a copy of it: the sum and the
-    2-norm in float64 (integers and booleans: the sum). NaN compares equal to NaN (`same`)."""
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SAMPLED_ELEMENTS = 4096  # a sampled fingerprint reads about this many elements
+
+
+def fingerprint(t: torch.Tensor, sample: bool = False) -> tuple[float, ...]:
+    """Numbers that move when a tensor's values do, without a copy of it: the sum and the 2-norm
+    in float64 (integers and booleans: the sum; types torch cannot sum so, float8: the sum of
+    their bits). NaN compares equal to NaN (`same`). `sample`: of every n-th element only, about
+    SAMPLED_ELEMENTS of a contiguous tensor (an update that moves every element, a momentum
+    encoder's, a data-dependent initialisation, is seen at a fraction of the cost). () where
+    nothing can be read (sparse, meta, quantized)."""
     x = t.detach()
-    if x.layout != torch.strided:
+    if x.layout != torch.strided or x.is_meta or x.is_quantized:
         return ()
     if x.is_complex():
         x = torch.view_as_real(x)
-    if x.is_floating_point():
-        return (float(torch.sum(x, dtype=torch.float64)),
-                float(torch.linalg.vector_norm(x, dtype=torch.float64)))
-    return (float(torch.sum(x, dtype=torch.int64)),)
+    if sample and x.is_contiguous() and x.numel() > 2 * SAMPLED_ELEMENTS:
+        x = x.view(-1)[:: x.numel() // SAMPLED_ELEMENTS]
+    try:
+        if x.is_floating_point():
+            return (float(torch.sum(x, dtype=torch.float64)),
+                    float(torch.linalg.vector_norm(x, dtype=torch.float64)))
+        return (float(torch.sum(x, dtype=torch.int64)),)
+    except (RuntimeError, TypeError):  # float8 and the like: their bits
+        bits = _SAME_SIZE_INT.get(x.element_size())
+        if bits is None:
+            return ()
+        try:
+            return (float(torch.sum(x.view(bits), dtype=torch.int64)),)
+        except (RuntimeError, TypeError):
+            return ()
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a NaN in a buffer is not a change)."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or not (a.is_floating_point() or a.is_complex()):
+        return False
+    try:
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    except (RuntimeError, TypeError):  # (float8: no comparisons)
+        return False
 
 
 def same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
@@ -169,6 +200,7 @@ class Snapshot:
         self.versions: dict[int, int] = {}
         self.copies: dict[int, torch.Tensor] = {}
         self.prints: dict[int, tuple[float, ...]] = {}  # larger tensors not copied (`fingerprint`)
+        self.params: list[dict[str, object]] = []  # per module: its `_parameters`, by reference
 
 
 class BlockState:
@@ -197,6 +229,7 @@ class BlockState:
         # ids of frozen parameters: copied by a capture of everything (`every`) only where a
         # forward was seen to change them (a frozen backbone, LoRA's, is most of the model)
         self.frozen: set[int] = set()
+        self.owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a frozen parameter's holders
 
     def _tensors(self, plain: list[list[tuple[str, list[torch.Tensor]]]]) -> dict[int, torch.Tensor]:
         """Buffers, tensor attributes and the tensors in plain containers (`plain`: per module,
@@ -209,6 +242,9 @@ class BlockState:
             frozen = [(k, p) for k, p in m._parameters.items() if p is not None and not p.requires_grad]
             named.extend((k, p, False) for k, p in frozen)
             self.frozen.update(id(p) for _, p in frozen)
+            for k, p in frozen:
+                if (m, k) not in self.owners.setdefault(id(p), []):
+                    self.owners[id(p)].append((m, k))
             own = _own_keys(m)
             for name, v in vars(m).items():
                 if name not in own and isinstance(v, torch.Tensor):
@@ -251,6 +287,7 @@ class BlockState:
                         contents[k] = _copy_contents(v, tensors)
             snap.refs.append(refs)
             snap.buffers.append(dict(m._buffers))
+            snap.params.append(dict(m._parameters))
             snap.contents.append(contents)
             snap.generators.append(gens)
         snap.tensors = self._tensors(plain)
@@ -261,7 +298,7 @@ class BlockState:
         self.seen |= snap.copies.keys()
         self.captures += 1
         if self.captures <= WATCHED_CAPTURES and not every:
-            snap.prints = {k: fingerprint(t) for k, t in snap.tensors.items() if k not in snap.copies}
+            snap.prints = {k: fingerprint(t, sample=True) for k, t in snap.tensors.items() if k not in snap.copies}
         return snap
 
     def _copy(self, k: int, t: torch.Tensor) -> torch.Tensor:
@@ -279,8 +316,8 @@ class BlockState:
         # by the fingerprints (its own snapshot, and older ones, lack a copy: `restore` refuses)
         hidden = {k for k, t in snap.tensors.items() if k not in moved and k not in self.small and (
             (k in snap.copies and self.changed is None
-             and not torch.equal(t.detach().to(snap.copies[k].device), snap.copies[k]))
-            or (k in snap.prints and not same(fingerprint(t), snap.prints[k])))}
+             and not _equal(t.detach().to(snap.copies[k].device), snap.copies[k]))
+            or (k in snap.prints and not same(fingerprint(t, sample=True), snap.prints[k])))}
         self.unversioned |= hidden
         moved |= hidden
         self.changed = moved | (self.changed or set()) | self.small  # small ones: always copied
@@ -289,9 +326,16 @@ class BlockState:
         for key in [k for k in snap.copies if k not in keep]:
             del snap.copies[key]
 
-    def restore(self, snap: Snapshot) -> None:
+    def restore(self, snap: Snapshot, stand_in: bool = False) -> None:
+        """Put the block's state back as `snap` found it. `stand_in` (a recomputation's): a
+        frozen parameter is held, until the next restore, by a stand-in with the values `snap`
+        copied, not written back in place: the recomputed forward saves it for the backward
+        (an EMA teacher's Linear saves its weight), and the restore after the recomputation
+        puts the parameter itself back as it is now, which would have changed what was saved.
+        Without `stand_in` frozen parameters are put back as the objects `snap` found."""
         lost = [t for k, t in snap.tensors.items() if k not in snap.copies
-                and (t._version != snap.versions[k] or k in self.unversioned)]
+                and (t._version != snap.versions[k]
+                     or (k in self.unversioned and (stand_in or k not in self.frozen)))]
         if lost:
             t = lost[0]
             raise PipeplanError(
@@ -301,10 +345,11 @@ class BlockState:
                 "microbatch's forward had read it; "
                 "its recomputation cannot run on the state that forward found. Plan this stage "
                 "without recomputation (--no-recompute, or --recompute with 0 for it)")
-        for m, refs, bufs, contents, gens in zip(self.modules, snap.refs, snap.buffers, snap.contents,
-                                                 snap.generators, strict=True):
+        for m, refs, bufs, params, contents, gens in zip(self.modules, snap.refs, snap.buffers, snap.params,
+                                                         snap.contents, snap.generators, strict=True):
             m.__dict__.update(refs)
             m._buffers.update(bufs)  # type: ignore[arg-type]
+            m._parameters.update(params)  # type: ignore[arg-type]
             for k, saved in contents.items():
                 _put_back(refs[k], _copy_contents(saved, _contained_tensors(saved)))
             for k, state in gens.items():
@@ -312,6 +357,11 @@ class BlockState:
         with torch.no_grad():
             for k, c in snap.copies.items():
                 t = snap.tensors[k]
+                if stand_in and k in self.frozen:
+                    held = nn.Parameter(c.to(t.device, copy=True), requires_grad=False)
+                    for m, name in self.owners.get(k, ()):
+                        m._parameters[name] = held
+                    continue
                 # a large one only where its version moved (a copy back moves it too, and the
                 # snapshots before would take that for a change); a small one always (a change
                 # through `.data` moves no version), unless a container's (`_tensors`)

@@ -221,7 +221,7 @@ def _refuse_glue_draws(model: torch.nn.Module, drew: list[str], where: str = "ou
     if not drew:
         return
     raise PipeplanError(
-        f"{type(model).__name__}.forward draws from {' and '.join(drew)} {where} "
+        f"{type(model).__name__}.forward draws from (or seeds) {' and '.join(drew)} {where} "
         "(e.g. LayerDrop: `if self.training and np.random.random() < p: continue`). Tracing "
         "runs that code once, so the draw would become a constant of the graph and pipeline "
         "training would take the same branch on every step. Draw inside a module the forward "

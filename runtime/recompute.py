@@ -122,7 +122,7 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
         # back as it is now (its forward and the later microbatches' have moved it already);
         # so do Python's and numpy's global generators (checkpoint restores torch's only)
         now = state.capture(every=True)
-        state.restore(found)
+        state.restore(found, stand_in=True)  # (frozen parameters: stand-ins, `BlockState.restore`)
         drawn_now = _generators() if drawn is not None else None
         if drawn is not None:
             _set_generators(drawn)

@@ -123,10 +123,56 @@ def test_a_frozen_parameter_first_changed_through_data_later_is_refused_not_kept
     m(x)
     state.learn(second)
     with pytest.raises(PipeplanError, match="changed Momentum.k .* for the first time"):
-        state.restore(first)
+        state.restore(first, stand_in=True)
     after_first = before * 0.5 + m.q.detach() * 0.5
-    now = m.k.detach().clone()
-    state.restore(second)
-    assert torch.equal(m.k, after_first)  # the key as the second forward found it
-    with torch.no_grad():
-        m.k.copy_(now)
+    key, now_values = m.k, m.k.detach().clone()
+    now = state.capture(every=True)  # as `runtime.recompute` runs a recomputation
+    state.restore(second, stand_in=True)
+    assert m.k is not key and torch.equal(m.k, after_first)  # the key as the second forward found it
+    m(x)  # the recomputation moves the stand-in, not the key
+    state.restore(now)
+    assert m.k is key and torch.equal(m.k, now_values)
+
+
+def test_a_recomputation_saves_a_stand_in_of_a_frozen_parameter_not_the_parameter() -> None:
+    """An EMA teacher: a frozen Linear whose weight each forward moves in place, and the
+    gradient flows through its input, so the Linear saves its weight. A recomputation ran on
+    the weight written back in place, and the restore after it wrote the current weight into
+    that same tensor: the backward used the later weight (0.02 off one process; an outside
+    review). The recomputation now saves a stand-in holding the values its forward found."""
+    n = SMALL_TENSOR_BYTES // 4 + 16
+
+    class Teacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(n), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * self.w[:4]  # saves the weight (x needs a gradient)
+            with torch.no_grad():
+                self.w.mul_(0.5).add_(1.0)
+            return y
+
+    from torch.utils.checkpoint import checkpoint
+
+    m = Teacher()
+    state = BlockState(m)
+    x = torch.randn(3, 4, requires_grad=True)
+    w0 = m.w.detach()[:4].clone()
+
+    def run(found):  # (runtime.recompute's run_block, reduced)
+        if torch._C._current_graph_task_id() == -1:
+            out = m(x)
+            state.learn(found)
+            return out
+        now = state.capture(every=True)
+        state.restore(found, stand_in=True)
+        try:
+            return m(x)
+        finally:
+            state.restore(now)
+
+    y = checkpoint(run, state.capture(), use_reentrant=False)
+    m(x.detach())  # a later microbatch's forward moves the weight again
+    y.sum().backward()
+    assert torch.equal(x.grad, w0.expand(3, 4))  # the weight the forward read
