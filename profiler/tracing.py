@@ -576,8 +576,10 @@ _EXPORT_ADVICE = (
     "the model's top-level forward could not be traced by torch.fx, and torch.export records "
     "only the tensor operations of it, not what it does besides (a hook registered on a tensor "
     "with register_hook, a Python number or other non-tensor argument passed to a block, a "
-    "side effect). Make the top-level forward traceable by torch.fx (no data-dependent Python "
-    "control flow such as `if h.requires_grad:`), or move that code inside one of the blocks "
+    "side effect; or a block's tuple unpacked into the next block, `block(*out)`, whose parts "
+    "torch.export's kept calls pass in another order). Make the top-level forward traceable by "
+    "torch.fx (no data-dependent Python control flow such as `if h.requires_grad:`, no `*` on "
+    "a block's outputs: `block(out[0], out[1])`), or move that code inside one of the blocks "
     "(a submodule runs as written), then profile again.")
 
 
