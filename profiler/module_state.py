@@ -296,7 +296,8 @@ class BlockState:
                        if (every and k not in self.frozen) or self.changed is None or k not in self.seen
                        or k in self.changed or k in self.small or k in self.contained}
         self.seen |= snap.copies.keys()
-        self.captures += 1
+        if not every:  # (a recomputation's own captures do not count)
+            self.captures += 1
         if self.captures <= WATCHED_CAPTURES and not every:
             snap.prints = {k: fingerprint(t, sample=True) for k, t in snap.tensors.items() if k not in snap.copies}
         return snap

@@ -128,6 +128,7 @@ class _InFlight:
     versions: list[int] = field(default_factory=list)
     forward_no: int = 0
     saved_state: set[int] = field(default_factory=set)  # storages of the state autograd saved
+    saved_prints: dict[int, tuple[float, ...]] = field(default_factory=dict)  # (`later_forward`)
 
 
 class StageExecutor:
@@ -280,7 +281,7 @@ class StageExecutor:
         saved_state: set[int] = set()
         counting = count_saved_bytes(self._state, saved_state) if self.count_memory else nullcontext({})
         versions = [p._version for p, _, _ in self.watched]
-        prints = [fingerprint(p) for p, _, _ in self.watched] if self._check_values else None
+        prints = [fingerprint(p, sample=True) for p, _, _ in self.watched] if self._check_values else None
         with counting as seen:
             try:
                 out = self.forward_fn(feed)
@@ -293,7 +294,7 @@ class StageExecutor:
                     "layer: autograd forbids that on a received tensor. Cut the model elsewhere "
                     "(plan --method manual --split ...) or make that operation out of place") from None
             for k, ((p, name, why), version) in enumerate(zip(self.watched, versions, strict=True)):
-                if p._version != version or (prints is not None and not same(fingerprint(p), prints[k])):
+                if p._version != version or (prints is not None and not same(fingerprint(p, sample=True), prints[k])):
                     raise PipeplanError(
                         f"stage {self.stage}'s forward changes parameter {name!r} in place (as "
                         "nn.Embedding(max_norm=...) renormalises the rows it reads, or a "
@@ -328,7 +329,9 @@ class StageExecutor:
             out = {k: v for k, v in out.items() if k != OUTPUT_KEY}
         self._inflight[j] = _InFlight(received, out, loss, saved, set(seen),
                                       versions=later_forward.state_versions(self._named_state),
-                                      forward_no=self._forwards, saved_state=saved_state)
+                                      forward_no=self._forwards, saved_state=saved_state,
+                                      saved_prints=later_forward.saved_prints(
+                                          self._named_state, self._named_ptrs, saved_state))
         self._forwards += 1
         self._saved_now += saved
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
@@ -401,7 +404,7 @@ class StageExecutor:
         forward changed in place (`runtime.later_forward`): say so in one line, with the fix.
         Where autograd would not see it (the first step's saved-tensor hooks), before it runs."""
         if names := later_forward.changed_since_saved(self._named_state, self._named_ptrs,
-                                                      st.versions, st.saved_state):
+                                                      st.versions, st.saved_state, st.saved_prints):
             raise PipeplanError(later_forward.message(self.stage, j, names, None))
         try:
             yield

@@ -48,14 +48,29 @@ def storage_ptrs(named: Sequence[tuple[str, torch.Tensor]]) -> list[int]:
     return [_storage_key(t)[0] for _, t in named]
 
 
+def saved_prints(named: Sequence[tuple[str, torch.Tensor]], ptrs: Sequence[int],
+                 saved: set[int]) -> dict[int, tuple[float, ...]]:
+    """Per index into `named`, a sampled fingerprint of each tensor autograd saved (`saved`):
+    a change through `.data` moves no version (`changed_since_saved`)."""
+    from profiler.module_state import fingerprint
+
+    return {i: fingerprint(t, sample=True) for i, ((_, t), ptr) in enumerate(zip(named, ptrs, strict=True))
+            if ptr in saved}
+
+
 def changed_since_saved(named: Sequence[tuple[str, torch.Tensor]], ptrs: Sequence[int],
-                        then: Sequence[int], saved: set[int]) -> list[str]:
+                        then: Sequence[int], saved: set[int],
+                        prints: dict[int, tuple[float, ...]] | None = None) -> list[str]:
     """The names of the tensors a microbatch's forward had autograd save (`saved`: their storages,
     as `count_saved_bytes` records them) that changed in place since (`then`: their
-    `state_versions` after it). Under `count_saved_bytes`'s hooks (a run's first step) autograd
-    itself does not check: its backward would run on the changed tensors, unlike one process."""
-    return [name for (name, t), ptr, v in zip(named, ptrs, then, strict=True)
-            if ptr in saved and t._version != v]
+    `state_versions` after it; `prints`: their `saved_prints`, for changes through `.data`).
+    Under `count_saved_bytes`'s hooks (a run's first step) autograd itself does not check: its
+    backward would run on the changed tensors, unlike one process."""
+    from profiler.module_state import fingerprint, same
+
+    prints = prints or {}
+    return [name for i, ((name, t), ptr, v) in enumerate(zip(named, ptrs, then, strict=True))
+            if ptr in saved and (t._version != v or (i in prints and not same(fingerprint(t, sample=True), prints[i])))]
 
 
 def _versions(exc: BaseException) -> tuple[int, int] | None:

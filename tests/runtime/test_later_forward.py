@@ -50,8 +50,28 @@ def test_the_first_steps_saved_tensor_hooks_see_it_too() -> None:
     assert later_forward.changed_since_saved(named, ptrs, then, saved) == ["weight"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_pipelined_ema_teacher_fails_in_one_line_with_the_fix(run, schedule: str) -> None:
+def test_the_first_steps_check_sees_a_change_through_data() -> None:
+    """`.data` writes move no version: a teacher moved that way (or a frozen weight two blocks
+    share, one moving it) trained 8.9e-5 off one process without recomputation, silently (an
+    outside review); the fingerprints of what autograd saved tell it."""
+    from profiler.measure import count_saved_bytes
+
+    teacher = nn.Linear(4, 4).requires_grad_(False)
+    named = later_forward.named_state(teacher)
+    ptrs = later_forward.storage_ptrs(named)
+    saved: set[int] = set()
+    with count_saved_bytes(list(teacher.parameters()), saved):
+        teacher(torch.randn(2, 4, requires_grad=True)).sum()
+    then, prints = later_forward.state_versions(named), later_forward.saved_prints(named, ptrs, saved)
+    teacher.weight.data.mul_(0.9).add_(1.0, alpha=0.1)  # the next microbatch's forward
+    assert later_forward.changed_since_saved(named, ptrs, then, saved) == []  # (versions alone)
+    assert later_forward.changed_since_saved(named, ptrs, then, saved, prints) == ["weight"]
+
+
+@pytest.mark.parametrize(("schedule", "through_data"), [("1f1b", False), ("gpipe", False), ("1f1b", True)])
+def test_a_pipelined_ema_teacher_fails_in_one_line_with_the_fix(run, schedule: str, through_data: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPEPLAN_EMA_THROUGH_DATA", "1" if through_data else "0")
     model = MODELS / "ema_teacher.py"
     plan = run.plan(model, [2, 2], schedule=schedule, global_batch=8, microbatch_size=2)
     rc, _, err, _ = run(plan, "--model", model, "--steps", 2, "--timeout", 60)

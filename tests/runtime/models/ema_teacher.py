@@ -1,9 +1,13 @@
 """An EMA (momentum) teacher updated in place inside a block's forward, under no_grad: a frozen
 nn.Linear whose weight the gradient's path through its input makes autograd save. One process
 trains it; a pipeline runs later microbatches' forwards before this one's backward. From an
-outside review."""
+outside review. PIPEPLAN_EMA_THROUGH_DATA=1 moves the teacher through `.data`."""
+import os
+
 import torch
 from torch import nn
+
+THROUGH_DATA = os.environ.get("PIPEPLAN_EMA_THROUGH_DATA") == "1"
 
 
 class Block(nn.Module):
@@ -17,7 +21,10 @@ class Block(nn.Module):
     def forward(self, x):
         with torch.no_grad():
             for pt, ps in zip(self.teacher.parameters(), self.student.parameters(), strict=True):
-                pt.mul_(0.9).add_(ps, alpha=0.1)
+                if THROUGH_DATA:  # (moves no version: runtime.later_forward's fingerprints)
+                    pt.data.mul_(0.9).add_(ps.data, alpha=0.1)
+                else:
+                    pt.mul_(0.9).add_(ps, alpha=0.1)
         return x + torch.tanh(self.student(x)) * torch.sigmoid(self.teacher(x))
 
 
