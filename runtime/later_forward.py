@@ -50,12 +50,14 @@ def storage_ptrs(named: Sequence[tuple[str, torch.Tensor]]) -> list[int]:
 
 def saved_prints(named: Sequence[tuple[str, torch.Tensor]], ptrs: Sequence[int],
                  saved: set[int]) -> dict[int, tuple[float, ...]]:
-    """Per index into `named`, a sampled fingerprint of each tensor autograd saved (`saved`):
-    a change through `.data` moves no version (`changed_since_saved`)."""
+    """Per index into `named`, a sampled fingerprint of each parameter autograd saved (`saved`):
+    a change through `.data` moves no version (`changed_since_saved`). Parameters only: a
+    BatchNorm saves its running statistics, which its backward does not read, and every forward
+    moves them (without moving their version on CPU)."""
     from profiler.module_state import fingerprint
 
     return {i: fingerprint(t, sample=True) for i, ((_, t), ptr) in enumerate(zip(named, ptrs, strict=True))
-            if ptr in saved}
+            if ptr in saved and isinstance(t, nn.Parameter)}
 
 
 def changed_since_saved(named: Sequence[tuple[str, torch.Tensor]], ptrs: Sequence[int],
