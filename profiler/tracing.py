@@ -128,7 +128,7 @@ _PY_RNG, _NP_RNG = "Python's random", "numpy's global random generator"
 _TORCH_RNG, _CUDA_RNG = "torch's default generator", "torch's default CUDA generators"
 
 
-def _python_rng_states() -> dict[str, Any]:
+def python_rng_states() -> dict[str, Any]:
     """Python's `random` and, where numpy imports, numpy's global generator: plain Python
     values, safe to read while torch.export traces (torch's state would be traced)."""
     states: dict[str, Any] = {_PY_RNG: random.getstate()}
@@ -141,23 +141,28 @@ def _python_rng_states() -> dict[str, Any]:
 
 
 def global_rng_states() -> dict[str, Any]:
-    """`_python_rng_states` and torch's default generators (CPU; CUDA where started)."""
-    states = _python_rng_states()
+    """`python_rng_states` and torch's default generators (CPU; CUDA where started)."""
+    states = python_rng_states()
     states[_TORCH_RNG] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states[_CUDA_RNG] = tuple(torch.cuda.get_rng_state_all())
     return states
 
 
-def set_global_rng_states(states: dict[str, Any]) -> None:
+def set_python_rng_states(states: dict[str, Any]) -> None:
+    """Python's and numpy's global generators as `python_rng_states` found them."""
     random.setstate(states[_PY_RNG])
-    torch.set_rng_state(states[_TORCH_RNG])
-    if _CUDA_RNG in states:
-        torch.cuda.set_rng_state_all(list(states[_CUDA_RNG]))
     if _NP_RNG in states:
         import numpy as np
 
         np.random.set_state(states[_NP_RNG])
+
+
+def set_global_rng_states(states: dict[str, Any]) -> None:
+    set_python_rng_states(states)
+    torch.set_rng_state(states[_TORCH_RNG])
+    if _CUDA_RNG in states:
+        torch.cuda.set_rng_state_all(list(states[_CUDA_RNG]))
 
 
 def _same_state(a: Any, b: Any) -> bool:
@@ -183,7 +188,7 @@ def _glue_draws(leaves: list[torch.nn.Module]) -> Any:
     start = global_rng_states()
     ids = {id(m) for m in leaves}
     drew: list[str] = []
-    mark = [_python_rng_states()]  # Python's and numpy's when the glue last had control
+    mark = [python_rng_states()]  # Python's and numpy's when the glue last had control
     depth = [0]
 
     def note(names: list[str]) -> None:
@@ -192,14 +197,14 @@ def _glue_draws(leaves: list[torch.nn.Module]) -> Any:
     def pre(m: torch.nn.Module, args: Any) -> None:
         if id(m) in ids:
             if depth[0] == 0:
-                note(_changed(mark[0], _python_rng_states()))
+                note(_changed(mark[0], python_rng_states()))
             depth[0] += 1
 
     def post(m: torch.nn.Module, args: Any, out: Any) -> None:
         if id(m) in ids:
             depth[0] -= 1
             if depth[0] == 0:
-                mark[0] = _python_rng_states()  # a leaf's own draws run as written
+                mark[0] = python_rng_states()  # a leaf's own draws run as written
 
     hooks = []
     if ids:

@@ -331,7 +331,7 @@ class StageExecutor:
                                       versions=later_forward.state_versions(self._named_state),
                                       forward_no=self._forwards, saved_state=saved_state,
                                       saved_prints=later_forward.saved_prints(
-                                          self._named_state, self._named_ptrs, saved_state))
+                                          self._named_state, self._named_ptrs, saved_state) if saved_state else {})
         self._forwards += 1
         self._saved_now += saved
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
@@ -403,8 +403,8 @@ class StageExecutor:
         """Microbatch j's backward, where it fails on a tensor that a later microbatch's
         forward changed in place (`runtime.later_forward`): say so in one line, with the fix.
         Where autograd would not see it (the first step's saved-tensor hooks), before it runs."""
-        if names := later_forward.changed_since_saved(self._named_state, self._named_ptrs,
-                                                      st.versions, st.saved_state, st.saved_prints):
+        if st.saved_state and (names := later_forward.changed_since_saved(  # (the first step's)
+                self._named_state, self._named_ptrs, st.versions, st.saved_state, st.saved_prints)):
             raise PipeplanError(later_forward.message(self.stage, j, names, None))
         try:
             yield

@@ -32,27 +32,9 @@ from torch.utils.checkpoint import checkpoint
 from planner.errors import PipeplanError
 from profiler.measure import _storage_key
 from profiler.module_state import BlockState, Snapshot
+from profiler.tracing import python_rng_states, set_python_rng_states
 
 Values = dict[str, torch.Tensor]
-
-
-def _generators() -> tuple[object, object]:
-    """The states of Python's and numpy's global generators (a forward drawing from them:
-    a random scale, stochastic depth)."""
-    import random
-
-    import numpy as np
-
-    return random.getstate(), np.random.get_state()
-
-
-def _set_generators(states: tuple[object, object]) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(states[0])  # type: ignore[arg-type]
-    np.random.set_state(states[1])  # type: ignore[arg-type]
 
 
 def block_modules(graph: object, layers: list[str]) -> list[nn.Module]:
@@ -123,9 +105,9 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
         # so do Python's and numpy's global generators (checkpoint restores torch's only)
         now = state.capture(every=True)
         state.restore(found, stand_in=True)  # (frozen parameters: stand-ins, `BlockState.restore`)
-        drawn_now = _generators() if drawn is not None else None
+        drawn_now = python_rng_states() if drawn is not None else None
         if drawn is not None:
-            _set_generators(drawn)
+            set_python_rng_states(drawn)
         try:
             report = forward.on_recompute  # type: ignore[attr-defined]
             if report is None:
@@ -143,7 +125,7 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
         finally:
             state.restore(now)
             if drawn_now is not None:
-                _set_generators(drawn_now)
+                set_python_rng_states(drawn_now)
 
     def forward(feed: Values) -> Values:
         env = dict(feed)
@@ -151,7 +133,7 @@ def recomputed_forward(stage: nn.Module, blocks: list[nn.Module]) -> Callable[[V
         for block in blocks:
             args = {k: env[k] for k in block.input_keys}  # type: ignore[attr-defined]
             found = states[id(block)].capture() if torch.is_grad_enabled() else None
-            drawn = _generators() if found is not None else None
+            drawn = python_rng_states() if found is not None else None
             # an input the block changes in place (a model that normalises its input with
             # `x.sub_(...)`) is changed by the time the backward recomputes the block: the
             # recomputation runs on a copy made before (a clone, so its gradient path is the
